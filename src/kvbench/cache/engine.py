@@ -1,0 +1,202 @@
+"""The one place where kvbench touches transformers: a ``Cache`` subclass and an attention function.
+
+transformers calls ``cache.update(k, v, layer_idx)`` with rotated keys, then the registered
+attention function. ``update`` stores the new tokens in kvbench's own per-layer storage and
+marks the cache active; the attention function (``attn_implementation="kvbench"``) reads the
+whole stored cache (dequantizing as needed), builds the mask from original positions (every
+stored past token visible, causal over new tokens, sliding window honoured, per KV head),
+applies the router's read selection, feeds attention scores to the techniques that need them,
+and optionally probes KV hit against a shadow of exact keys.
+
+``get_seq_length`` returns the true number of tokens seen, never the stored length, so eviction
+never shifts rotary positions.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvbench.cache import attention as att
+from kvbench.cache.store import LayerStore
+
+ATTN_NAME = "kvbench"
+_ACTIVE: contextvars.ContextVar[KVCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
+
+
+@dataclass
+class HitProbe:
+    """Accumulates KV hit over sampled query positions (shadow keys kept out of byte counts)."""
+
+    queries_per_chunk: int = 4
+    sums: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    counts: list[int] = field(default_factory=lambda: [0, 0])
+
+    def add(self, hit: torch.Tensor, hit_excl: torch.Tensor) -> None:
+        self.sums[0] += float(hit.sum())
+        self.counts[0] += hit.numel()
+        finite = hit_excl[torch.isfinite(hit_excl)]
+        self.sums[1] += float(finite.sum())
+        self.counts[1] += finite.numel()
+
+    def result(self) -> tuple[float | None, float | None]:
+        return tuple(s / c if c else None for s, c in zip(self.sums, self.counts))  # type: ignore[return-value]
+
+
+class _Layer(CacheLayerMixin):
+    """transformers-facing shim over a :class:`LayerStore`."""
+
+    def __init__(self, store: LayerStore):
+        super().__init__()
+        self.store = store
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):  # pragma: no cover - KVCache.update is used
+        raise RuntimeError("kvbench: layers are updated through KVCache.update")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.stored_tokens() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.store.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class KVCache(Cache):
+    """A transformers cache whose storage, masks and accounting are kvbench's.
+
+    Args:
+        stack: the :class:`kvbench.stack.Stack` applied to this cache.
+        num_layers, kv_heads, head_dim: model geometry.
+        batch: sequences in the batch.
+        dtype, device: of the stored full-precision tensors (per layer device for ``device_map``).
+        shadow: keep exact keys of every token, for the KV-hit probe.
+    """
+
+    def __init__(self, stack, num_layers: int, kv_heads: int, head_dim: int, batch: int,
+                 dtype: torch.dtype, devices: list[torch.device], shadow: bool = False):
+        self.stores = [LayerStore(batch, kv_heads, head_dim, dtype, devices[i]) for i in range(num_layers)]
+        super().__init__(layers=[_Layer(s) for s in self.stores])
+        self.stack = stack
+        self.shadow: list[list[torch.Tensor]] | None = [[] for _ in range(num_layers)] if shadow else None
+        self.probe: HitProbe | None = None
+        self.routed = False  # routers act for queries after the first compression point
+
+    # --- transformers interface -------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.stores[layer_idx].append(key_states, value_states)
+        if self.shadow is not None:
+            self.shadow[layer_idx].append(key_states)
+        _ACTIVE.set(self)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.stores[layer_idx].seen
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("kvbench: crop is refused on a compressed cache (evicted tokens cannot return)")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("kvbench: beam search / reorder_cache is refused on a compressed cache")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("kvbench: batch expansion is refused on a compressed cache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("kvbench: batch selection is refused on a compressed cache")
+
+    # --- kvbench ------------------------------------------------------------------------------
+    def after_forward(self) -> None:
+        """Apply the stack after a forward chunk: compressor, then scheduler, then router writes."""
+        for i, store in enumerate(self.stores):
+            self.stack.apply(i, store)
+        self.routed = True
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.stores)
+
+    def per_layer_bytes(self) -> list[int]:
+        return [s.nbytes() for s in self.stores]
+
+    def reference_bytes(self) -> int:
+        """The same tokens as 16-bit K and V: the denominator-free reference of compression."""
+        s = self.stores[0]
+        return len(self.stores) * s.batch * s.kv_heads * s.head_dim * s.seen * 2 * 2
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+        store = self.stores[layer]
+        q_len = query.shape[2]
+        qpos = torch.arange(store.seen - q_len, store.seen, device=query.device)
+        view = store.view()
+        stack = self.stack
+        simple = view.k.shape[2] == q_len and sliding_window is None and bool(view.valid.all())
+        mask = None if simple else att.read_mask(view.pos, view.valid, qpos, sliding_window)
+        if stack.router is not None and self.routed:
+            if mask is None:
+                mask = att.read_mask(view.pos, view.valid, qpos, sliding_window)
+            mask = mask & stack.router.read_mask(layer, store, query, qpos)
+        out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling)
+        if stack.observers or self.probe is not None:
+            full_mask = mask if mask is not None else att.read_mask(view.pos, view.valid, qpos, sliding_window)
+            self._scores(layer, store, query, qpos, full_mask, scaling, sliding_window)
+        return out
+
+    def _scores(self, layer, store, query, qpos, mask, scaling, sliding_window) -> None:
+        view = store.view()
+        if self.stack.observers:
+            for start, probs in att.probs_blocks(query, view.k, mask, scaling):
+                summed = probs.sum(2)
+                blk = qpos[start : start + summed.shape[2]]
+                for tech in self.stack.observers:
+                    tech.observe(layer, store, summed, blk)
+        if self.probe is not None and self.shadow is not None:
+            self._probe_hit(layer, store, query, qpos, mask, scaling, sliding_window)
+
+    def _probe_hit(self, layer, store, query, qpos, mask, scaling, sliding_window) -> None:
+        n = min(self.probe.queries_per_chunk, query.shape[2])
+        pick = torch.linspace(0, query.shape[2] - 1, n, device=query.device).round().long()
+        q, qp = query[:, :, pick], qpos[pick]
+        view = store.view()
+        p_stack = next(att.probs_blocks(q, view.k, mask[:, :, pick], scaling))[1]
+        shadow = torch.cat(self.shadow[layer], dim=2) if len(self.shadow[layer]) > 1 else self.shadow[layer][0]
+        self.shadow[layer] = [shadow]
+        s = shadow.shape[2]
+        spos = torch.arange(s, device=query.device).expand(*shadow.shape[:2], s)
+        full_mask = att.read_mask(spos, torch.ones_like(spos, dtype=torch.bool), qp, sliding_window)
+        p_full = next(att.probs_blocks(q, shadow, full_mask, scaling))[1]
+        budget = self.stack.budget
+        exclude = budget.protected(torch.arange(s, device=query.device), int(qpos[0]))
+        hit, hit_excl = att.kv_hit(p_stack, view.pos, p_full, exclude)
+        self.probe.add(hit, hit_excl)
+
+
+def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                      sliding_window=None, **kwargs):
+    """Attention function registered as ``attn_implementation="kvbench"``.
+
+    Reads the active :class:`KVCache`; ``key``/``value`` are only the new tokens (already stored).
+    Returns ``(B, q, Hq, D)`` and no weights.
+    """
+    cache = _ACTIVE.get()
+    if cache is None:
+        raise RuntimeError("kvbench attention needs a kvbench KVCache as past_key_values")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = cache.attend(module.layer_idx, query, scaling, sliding_window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register kvbench's attention function with transformers (idempotent)."""
+    AttentionInterface.register(ATTN_NAME, kvbench_attention)

@@ -1,0 +1,60 @@
+"""Ragged per-head token storage.
+
+Every KV head of every sequence keeps its own tokens, so heads can keep different numbers of
+tokens and an evicted token is really freed. A ragged tensor is stored flat, head-major:
+``flat`` has shape ``(N, *rest)`` where ``N = lens.sum()`` and the first ``lens[0]`` rows belong
+to head-row 0 (batch 0, KV head 0), the next ``lens[1]`` to head-row 1, and so on. Attention
+needs rectangles, so reads go through :func:`to_padded`, a transient copy (or a free view when
+every head holds the same number of tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def valid_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
+    """Boolean ``(BH, width)`` mask, True for the first ``lens[i]`` slots of row ``i``."""
+    return torch.arange(width, device=lens.device)[None, :] < lens[:, None]
+
+
+def to_padded(flat: torch.Tensor, lens: torch.Tensor, fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lay a flat head-major tensor out as a rectangle.
+
+    Args:
+        flat: ``(N, *rest)`` rows, head-major.
+        lens: ``(BH,)`` int64 row counts per head-row, summing to N.
+        fill: value of the padding slots.
+
+    Returns:
+        ``padded`` of shape ``(BH, T, *rest)`` with ``T = lens.max()``, and ``valid`` ``(BH, T)``.
+    """
+    bh = lens.numel()
+    width = int(lens.max()) if bh else 0
+    if bh and bool((lens == width).all()):
+        return flat.view(bh, width, *flat.shape[1:]), torch.ones(bh, width, dtype=torch.bool, device=flat.device)
+    valid = valid_mask(lens, width)
+    padded = flat.new_full((bh, width, *flat.shape[1:]), fill)
+    padded[valid] = flat
+    return padded, valid
+
+
+def from_padded(padded: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_padded`: keep the valid slots, head-major. ``(BH, T, *rest) -> (N, *rest)``."""
+    if bool(valid.all()):
+        return padded.reshape(-1, *padded.shape[2:])
+    return padded[valid]
+
+
+def concat(a: torch.Tensor, a_lens: torch.Tensor, b: torch.Tensor, b_lens: torch.Tensor) -> torch.Tensor:
+    """Append ragged ``b`` after ragged ``a`` within each head-row; returns the flat result."""
+    if a.shape[0] == 0:
+        return b
+    pa, va = to_padded(a, a_lens)
+    pb, vb = to_padded(b, b_lens)
+    return from_padded(torch.cat([pa, pb], dim=1), torch.cat([va, vb], dim=1))
+
+
+def segment_ids(lens: torch.Tensor) -> torch.Tensor:
+    """Head-row index of every flat row: ``(N,)``."""
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)

@@ -1,0 +1,1 @@
+"""Compressors: how retained tokens are stored, or which are kept once."""

@@ -1,0 +1,455 @@
+"""Corpora for the perplexity task: one string of real English text per dataset config.
+
+The config's ``source`` key picks where the text comes from:
+
+- ``pydoc``: the topic help pages that ship with Python (``pydoc_data.topics``); always available.
+- ``text_file``: a local ``.txt`` file, or a ``.jsonl``/``.json`` file holding one JSON object per line.
+- ``hub``: anything ``datasets.load_dataset`` opens: a hub id (needs network or a copy in the HF cache),
+  a local directory of data files, or a builder such as ``json`` with ``data_files``.
+
+There is no fallback: every failure raises :class:`~kvbench.errors.DatasetLoadError`, whose message starts
+with ``dataset '<name>': `` and says how to fix it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import platform
+from collections.abc import Iterable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from kvbench.errors import ConfigError, DatasetLoadError
+
+SOURCES = ("pydoc", "text_file", "hub")
+TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
+PYDOC_JOINER = "\n\n"
+DEFAULT_JOINER = "\n\n"
+DEFAULT_FIELD = "text"
+_MISSING = "???"  # Hydra's mandatory-value marker
+_SUMMARY_CHARS = 200
+
+
+def load_text(cfg: Mapping[str, Any]) -> str:
+    """Load the full corpus a dataset config names, as one string.
+
+    Args:
+        cfg: The dataset config (an omegaconf ``DictConfig`` or a plain dict) with ``name``, ``source``
+            and the keys that source reads (see the module docstring and ``conf/dataset/*.yaml``).
+
+    Returns:
+        The corpus text: never empty.
+
+    Raises:
+        DatasetLoadError: The source is unknown, or its text could not be loaded or is empty.
+    """
+    name = _name(cfg)
+    source = _get(cfg, "source")
+    if source == "pydoc":
+        text = _load_pydoc(name)
+    elif source == "text_file":
+        text = _load_text_file(cfg, name)
+    elif source == "hub":
+        text = _load_hub(cfg, name)
+    else:
+        raise DatasetLoadError(
+            f"dataset '{name}': unknown source {source!r}; set dataset.source to one of {', '.join(SOURCES)}"
+        )
+    if not text.strip():
+        raise DatasetLoadError(
+            f"dataset '{name}': source '{source}' gave no text; point it at a non-empty corpus"
+        )
+    return text
+
+
+def describe_source(cfg: Mapping[str, Any], text: str) -> dict[str, Any]:
+    """Describe where a corpus came from, for the result record.
+
+    Args:
+        cfg: The dataset config the text was loaded from.
+        text: The text ``load_text(cfg)`` returned.
+
+    Returns:
+        ``{"name", "source", "hf_path", "hf_name", "split", "revision", "path", "n_chars", "sha256"}``;
+        keys that do not apply to the source are None. ``sha256`` is the hex digest of the UTF-8 text. For
+        ``pydoc`` the revision is the Python version, since the help pages change with it.
+    """
+    source = _get(cfg, "source")
+    hub = source == "hub"
+    path = _get(cfg, "path") if source == "text_file" else None
+    revision = _get(cfg, "revision") if hub else None
+    if source == "pydoc":
+        revision = f"python-{platform.python_version()}"
+    return {
+        "name": _get(cfg, "name"),
+        "source": source,
+        "hf_path": _get(cfg, "hf_path") if hub else None,
+        "hf_name": _get(cfg, "hf_name") if hub else None,
+        "split": _get(cfg, "split") if hub else None,
+        "revision": revision,
+        "path": str(Path(str(path)).expanduser().resolve()) if path else None,
+        "n_chars": len(text),
+        "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest(),
+    }
+
+
+def validate(cfg: Mapping[str, Any]) -> None:
+    """Check a dataset config cheaply, before any model loads. Reads no data and downloads nothing.
+
+    Args:
+        cfg: The dataset config.
+
+    Raises:
+        ConfigError: One line naming the key, its value and what is allowed.
+    """
+    name = _get(cfg, "name")
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(
+            f"dataset.name={name!r}: must be a non-empty string (the option's name, e.g. pydoc)"
+        )
+    source = _get(cfg, "source")
+    if source not in SOURCES:
+        hint = difflib.get_close_matches(str(source), SOURCES, n=1)
+        did_you_mean = f" (did you mean '{hint[0]}'?)" if hint else ""
+        raise ConfigError(
+            f"dataset.source={source!r}: unknown source; allowed: {', '.join(SOURCES)}{did_you_mean}"
+        )
+    max_documents = _get(cfg, "max_documents")
+    if max_documents is not None and (
+        isinstance(max_documents, bool) or not isinstance(max_documents, int) or max_documents < 1
+    ):
+        raise ConfigError(f"dataset.max_documents={max_documents!r}: must be null or an integer >= 1")
+    joiner = _get(cfg, "joiner", DEFAULT_JOINER)
+    if not isinstance(joiner, str):
+        raise ConfigError(f"dataset.joiner={joiner!r}: must be a string, e.g. '\\n\\n'")
+    if source == "pydoc":
+        return
+    field = _get(cfg, "field", DEFAULT_FIELD)
+    if not isinstance(field, str) or not field.strip():
+        raise ConfigError(f"dataset.field={field!r}: must be a non-empty column name, e.g. 'text'")
+    if source == "text_file":
+        _validate_path(_get(cfg, "path"))
+    else:
+        _validate_hub(cfg)
+
+
+def _validate_path(raw: Any) -> None:
+    """Check ``dataset.path`` names a readable ``.txt``/``.jsonl``/``.json`` file.
+
+    Args:
+        raw: The configured path (None when unset or Hydra's ``???``).
+
+    Raises:
+        ConfigError: The path is unset, missing, not a readable file, or has another suffix.
+    """
+    if raw is None or not str(raw).strip():
+        raise ConfigError(
+            f"dataset.path={raw!r}: required for source 'text_file'; pass dataset.path=/my/file.txt"
+        )
+    path = Path(str(raw)).expanduser()
+    if not path.exists():
+        raise ConfigError(f"dataset.path='{raw}': file not found")
+    if not path.is_file():
+        raise ConfigError(f"dataset.path='{raw}': not a regular file")
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"dataset.path='{raw}': file is not readable (check its permissions)")
+    if path.suffix.lower() not in TEXT_SUFFIXES:
+        raise ConfigError(
+            f"dataset.path='{raw}': suffix '{path.suffix}' not allowed; use {', '.join(TEXT_SUFFIXES)}"
+        )
+
+
+def _validate_hub(cfg: Mapping[str, Any]) -> None:
+    """Check the keys ``source: hub`` reads, without touching the network.
+
+    Args:
+        cfg: The dataset config.
+
+    Raises:
+        ConfigError: A hub key has the wrong type or is empty.
+    """
+    for key in ("hf_path", "split"):
+        value = _get(cfg, key)
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"dataset.{key}={value!r}: must be a non-empty string for source 'hub'")
+    for key in ("hf_name", "revision"):
+        value = _get(cfg, key)
+        if value is not None and not isinstance(value, str):
+            raise ConfigError(f"dataset.{key}={value!r}: must be null or a string")
+    streaming = _get(cfg, "streaming", False)
+    if not isinstance(streaming, bool):
+        raise ConfigError(f"dataset.streaming={streaming!r}: must be true or false")
+    data_files = _get(cfg, "data_files")
+    if data_files is not None and not isinstance(data_files, str | list | dict):
+        raise ConfigError(
+            f"dataset.data_files={data_files!r}: must be null, a path, a list or a split->files map"
+        )
+
+
+def _load_pydoc(name: str) -> str:
+    """Join Python's pydoc topic pages, in sorted key order, with a blank line between pages."""
+    try:
+        from pydoc_data.topics import topics
+    except ImportError as exc:
+        raise DatasetLoadError(
+            f"dataset '{name}': pydoc_data is missing from this Python ({_summary(exc)}); "
+            "use a Python build that ships its full standard library"
+        ) from exc
+    return PYDOC_JOINER.join(topics[key] for key in sorted(topics))
+
+
+def _load_text_file(cfg: Mapping[str, Any], name: str) -> str:
+    """Read a local ``.txt`` file whole, or join one field of a ``.jsonl``/``.json`` file's objects.
+
+    Args:
+        cfg: The dataset config: ``path``, ``field``, ``joiner``, ``max_documents``.
+        name: The dataset name, for errors.
+
+    Returns:
+        The text.
+    """
+    raw = _get(cfg, "path")
+    if raw is None or not str(raw).strip():
+        raise DatasetLoadError(f"dataset '{name}': no file given; pass dataset.path=/my/file.txt")
+    path = Path(str(raw)).expanduser()
+    context = f"dataset '{name}': '{path}'"
+    if not path.is_file():
+        raise DatasetLoadError(
+            f"{context}: file not found; pass dataset.path=<an existing .txt or .jsonl file>"
+        )
+    suffix = path.suffix.lower()
+    if suffix not in TEXT_SUFFIXES:
+        raise DatasetLoadError(
+            f"{context}: suffix '{path.suffix}' not supported; use {', '.join(TEXT_SUFFIXES)}"
+        )
+    try:
+        content = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetLoadError(
+            f"{context}: could not read it as UTF-8 text ({_summary(exc)}); "
+            "check its permissions and encoding"
+        ) from exc
+    if suffix == ".txt":
+        text = content
+    else:
+        field = _get(cfg, "field", DEFAULT_FIELD)
+        documents = _take_documents(_json_rows(content, context), field, _get(cfg, "max_documents"), context)
+        text = _joiner(cfg, name).join(documents)
+    if not text.strip():
+        raise DatasetLoadError(f"{context}: holds no text; point dataset.path at a non-empty file")
+    return text
+
+
+def _json_rows(content: str, context: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Parse JSON Lines, skipping blank lines.
+
+    Args:
+        content: The file's text.
+        context: The ``dataset '<name>': '<path>'`` prefix for errors.
+
+    Yields:
+        ``("line <n>", object)`` for each non-blank line (1-based line numbers).
+    """
+    # Split on "\n" only: str.splitlines would also break on U+2028, which JSON allows inside strings.
+    for number, line in enumerate(content.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetLoadError(
+                f"{context}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}); "
+                "write one JSON object per line"
+            ) from exc
+        if not isinstance(row, dict):
+            raise DatasetLoadError(
+                f"{context}: line {number} is a JSON {type(row).__name__}, not an object; "
+                "write one JSON object per line"
+            )
+        yield f"line {number}", row
+
+
+def _take_documents(
+    rows: Iterable[tuple[str, Mapping[str, Any]]], field: str, max_documents: int | None, context: str
+) -> list[str]:
+    """Collect the non-empty ``field`` values of ``rows``, stopping after ``max_documents``.
+
+    Args:
+        rows: ``(where, row)`` pairs; ``where`` (e.g. ``"line 3"``) locates the row in errors.
+        field: The key holding each document's text.
+        max_documents: How many non-empty documents to keep; None keeps all.
+        context: The ``dataset '<name>': <source>`` prefix for errors.
+
+    Returns:
+        The documents, in order. Missing values (None) and whitespace-only strings are skipped.
+    """
+    documents: list[str] = []
+    for where, row in rows:
+        if field not in row:
+            fields = ", ".join(map(str, row)) or "none"
+            raise DatasetLoadError(
+                f"{context}: {where} has no field '{field}' (fields: {fields}); "
+                "set dataset.field to one of them"
+            )
+        value = row[field]
+        if value is not None and not isinstance(value, str):
+            raise DatasetLoadError(
+                f"{context}: {where} field '{field}' is a {type(value).__name__}, not text; "
+                "set dataset.field to a text field"
+            )
+        if value and value.strip():
+            documents.append(value)
+            if max_documents is not None and len(documents) >= max_documents:
+                break
+    return documents
+
+
+def _load_hub(cfg: Mapping[str, Any], name: str) -> str:
+    """Load one column of a ``datasets`` split (map-style or streamed) and join its documents.
+
+    Args:
+        cfg: The dataset config: ``hf_path``, ``hf_name``, ``split``, ``revision``, ``data_files``,
+            ``streaming``, ``field``, ``joiner``, ``max_documents``.
+        name: The dataset name, for errors.
+
+    Returns:
+        The text.
+    """
+    hf_path, hf_name, split = _get(cfg, "hf_path"), _get(cfg, "hf_name"), _get(cfg, "split")
+    if not hf_path:
+        raise DatasetLoadError(
+            f"dataset '{name}': dataset.hf_path is not set; name a hub id or a local directory"
+        )
+    config = f", config '{hf_name}'" if hf_name else ""
+    context = f"dataset '{name}': hub dataset '{hf_path}'{config}, split '{split}'"
+    field = _get(cfg, "field", DEFAULT_FIELD)
+    split_data = _open_hub_split(cfg, context)
+    try:
+        documents = _take_documents(
+            _hub_rows(split_data, field, context), field, _get(cfg, "max_documents"), context
+        )
+    except DatasetLoadError:
+        raise
+    except Exception as exc:  # a streamed split reads lazily: network and parse errors surface here
+        raise _hub_error(context, exc) from exc
+    text = _joiner(cfg, name).join(documents)
+    if not text.strip():
+        raise DatasetLoadError(
+            f"{context}: column '{field}' holds no text; check dataset.split and dataset.field"
+        )
+    return text
+
+
+def _open_hub_split(cfg: Mapping[str, Any], context: str) -> Any:
+    """Call ``datasets.load_dataset`` for the configured split.
+
+    Args:
+        cfg: The dataset config.
+        context: The error prefix naming the dataset.
+
+    Returns:
+        A ``datasets.Dataset``, or a ``datasets.IterableDataset`` when ``streaming`` is true.
+    """
+    kwargs: dict[str, Any] = {"split": _get(cfg, "split"), "revision": _get(cfg, "revision")}
+    if _get(cfg, "data_files") is not None:
+        kwargs["data_files"] = _get(cfg, "data_files")
+    if _get(cfg, "streaming", False):
+        kwargs["streaming"] = True
+    try:
+        import datasets
+
+        split_data = datasets.load_dataset(_get(cfg, "hf_path"), _get(cfg, "hf_name"), **kwargs)
+    except Exception as exc:
+        raise _hub_error(context, exc) from exc
+    if not isinstance(split_data, datasets.Dataset | datasets.IterableDataset):
+        raise DatasetLoadError(
+            f"{context}: load_dataset returned a {type(split_data).__name__}, not one split; "
+            "set dataset.split"
+        )
+    return split_data
+
+
+def _hub_rows(split_data: Any, field: str, context: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """Iterate a split's rows, reading only ``field`` when the columns are known up front.
+
+    Args:
+        split_data: A ``datasets.Dataset`` or ``datasets.IterableDataset``.
+        field: The text column.
+        context: The error prefix naming the dataset.
+
+    Yields:
+        ``("row <i>", row)`` pairs, 0-based.
+    """
+    columns = split_data.column_names
+    if columns is not None:
+        if field not in columns:
+            raise DatasetLoadError(
+                f"{context}: no column '{field}' (columns: {', '.join(columns)}); "
+                "set dataset.field to one of them"
+            )
+        split_data = split_data.select_columns([field])
+    for index, row in enumerate(split_data):
+        yield f"row {index}", row
+
+
+def _hub_error(context: str, exc: BaseException) -> DatasetLoadError:
+    """Wrap an exception from ``datasets`` in a one-line, actionable error, to raise ``from exc``."""
+    return DatasetLoadError(
+        f"{context}: could not be loaded ({_summary(exc)}); it needs network access to the Hugging Face hub "
+        "or a local copy in the HF cache (HF_HOME / HF_DATASETS_CACHE), or set dataset.hf_path to a local "
+        "directory of data files"
+    )
+
+
+def _summary(exc: BaseException) -> str:
+    """Summarize an exception as ``"<Type>: <first non-empty line>"``, cut to a couple hundred characters."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    first = lines[0] if lines else "no message"
+    if len(first) > _SUMMARY_CHARS:
+        first = first[: _SUMMARY_CHARS - 3] + "..."
+    return f"{type(exc).__name__}: {first}"
+
+
+def _joiner(cfg: Mapping[str, Any], name: str) -> str:
+    """The string placed between documents: ``cfg["joiner"]``, a blank line when absent."""
+    joiner = _get(cfg, "joiner", DEFAULT_JOINER)
+    if not isinstance(joiner, str):
+        raise DatasetLoadError(
+            f"dataset '{name}': dataset.joiner={joiner!r} is not a string; set it to e.g. '\\n\\n'"
+        )
+    return joiner
+
+
+def _name(cfg: Mapping[str, Any]) -> str:
+    """The dataset's name for error messages: ``cfg["name"]``, or ``"<unnamed>"`` when unset."""
+    name = _get(cfg, "name")
+    return str(name) if name else "<unnamed>"
+
+
+def _get(cfg: Mapping[str, Any], key: str, default: Any = None) -> Any:
+    """Read one key from a DictConfig or a dict, as plain Python values.
+
+    Args:
+        cfg: The dataset config.
+        key: The key to read.
+        default: Returned when the key is absent.
+
+    Returns:
+        The value; None for Hydra's mandatory ``???``; nested omegaconf containers become lists/dicts.
+    """
+    if isinstance(cfg, DictConfig):
+        if key not in cfg:
+            return default
+        if OmegaConf.is_missing(cfg, key):
+            return None
+        value = cfg[key]
+        if isinstance(value, DictConfig | ListConfig):
+            return OmegaConf.to_container(value, resolve=True)
+        return value
+    value = cfg.get(key, default)
+    return None if value == _MISSING else value

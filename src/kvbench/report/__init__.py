@@ -1,0 +1,5 @@
+"""Reports rendered from result records only: markdown tables of the experiment matrix."""
+
+from kvbench.report.tables import DASH, format_row, render_report, render_table
+
+__all__ = ["DASH", "format_row", "render_report", "render_table"]

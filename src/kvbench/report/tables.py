@@ -1,0 +1,294 @@
+"""Markdown tables of result records, in the shape of the PiKV experiment matrix.
+
+Everything here is a pure function of the records (the schema written by
+``kvbench.results``): no model, no config files. A value that was not measured (null)
+renders as an em dash, never as 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+DASH = "—"
+ROLES = ("router", "compressor", "scheduler")
+SECTION_TITLES = {0: "Baseline", 1: "Single technique", 2: "Double", 3: "Triple"}
+PERCENT_SCORES = frozenset({"needle_accuracy"})
+# Column alignment: l(eft) for names, r(ight) for numbers.
+_ALIGN = "lllrrrrrrrrl"
+
+
+def _get(record: Any, *keys: str) -> Any:
+    """Returns ``record[k0][k1]...``, or None where a level is missing or not a dict."""
+    for key in keys:
+        if not isinstance(record, dict):
+            return None
+        record = record.get(key)
+    return record
+
+
+def _first(records: Sequence[dict], *keys: str) -> Any:
+    """Returns the first non-null value at ``keys`` among ``records``, or None."""
+    return next((v for r in records if (v := _get(r, *keys)) is not None), None)
+
+
+def _distinct(records: Sequence[dict], *keys: str, width: int | None = None) -> str:
+    """Joins the distinct non-null values at ``keys`` with ``/`` (a mix stays visible)."""
+    values = sorted({str(v)[:width] for r in records if (v := _get(r, *keys)) is not None})
+    return "/".join(values) if values else DASH
+
+
+def _fixed(value: float | None, decimals: int, *, scale: float = 1.0, suffix: str = "") -> str:
+    """Formats with a fixed number of decimals; None renders as the dash."""
+    return DASH if value is None else f"{value * scale:.{decimals}f}{suffix}"
+
+
+def format_significant(value: float, digits: int = 4) -> str:
+    """Formats ``value`` with ``digits`` significant digits, never in exponent notation.
+
+    Integer digits beyond ``digits`` are kept: 12.3456 → ``12.35``, 49152.3 → ``49152``.
+
+    Args:
+        value: A finite number.
+        digits: Significant digits to show.
+
+    Returns:
+        The formatted number.
+    """
+    if value == 0:
+        return f"{0:.{digits - 1}f}"
+    rounded = float(f"{value:.{digits}g}")  # so 9.99996 counts as 10.00, not 9.9999
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(rounded))))
+    return f"{value:.{decimals}f}"
+
+
+def format_score(score: dict | None) -> str:
+    """Formats the task score: percent with 1 decimal for accuracies, else 4 significant digits.
+
+    Args:
+        score: ``metrics.score`` of a record: ``{"name", "value", "higher_is_better"}``.
+
+    Returns:
+        The formatted score, or the dash when unmeasured.
+    """
+    value = _get(score, "value")
+    if value is None:
+        return DASH
+    if _get(score, "name") in PERCENT_SCORES:
+        return f"{value * 100:.1f}%"
+    return format_significant(value)
+
+
+def format_drop(drop: dict | None) -> str:
+    """Formats an accuracy drop as ``+3.10 [2.00, 4.20]``: value (signed) and its interval.
+
+    Args:
+        drop: ``metrics.accuracy_drop`` of a record: ``{"name", "value", "ci_low", "ci_high"}``.
+
+    Returns:
+        The formatted drop (without the interval if either bound is null), or the dash.
+    """
+    value = _get(drop, "value")
+    if value is None:
+        return DASH
+    low, high = _get(drop, "ci_low"), _get(drop, "ci_high")
+    interval = "" if low is None or high is None else f" [{low:.2f}, {high:.2f}]"
+    return f"{value:+.2f}{interval}"
+
+
+def _role(record: dict, role: str) -> str:
+    name = _get(record, "stack", role)
+    return DASH if name in (None, "none") else str(name)
+
+
+def format_row(record: dict) -> list[str]:
+    """Formats one done record as the cells of a matrix row (see :func:`table_header`).
+
+    Args:
+        record: A result record.
+
+    Returns:
+        Twelve strings: roles, score, drop, compression, TTFT, TPOT, KV memory, KV hit, n, device.
+    """
+    metrics = record.get("metrics") or {}
+    compression = metrics.get("compression_mean")
+    if compression is None:
+        compression = metrics.get("compression_prefill")
+    n_examples = metrics.get("n_examples")
+    return [
+        *(_role(record, role) for role in ROLES),
+        format_score(metrics.get("score")),
+        format_drop(metrics.get("accuracy_drop")),
+        _fixed(compression, 2, suffix="×"),
+        _fixed(metrics.get("ttft_s"), 3),
+        _fixed(metrics.get("tpot_s"), 1, scale=1000.0),
+        _fixed(metrics.get("kv_mem_mb_peak"), 2),
+        _fixed(metrics.get("kv_hit"), 3),
+        DASH if n_examples is None else str(n_examples),
+        str(_get(record, "device", "type") or DASH),
+    ]
+
+
+def table_header(score_name: str | None, drop_name: str | None) -> list[str]:
+    """Returns the matrix header, naming the score and the accuracy-drop metric.
+
+    Args:
+        score_name: e.g. ``perplexity``; None shows ``Score``.
+        drop_name: e.g. ``delta_ppl_pct``; None leaves the name out.
+    """
+    drop = f"Accuracy-Drop ({drop_name})" if drop_name else "Accuracy-Drop"
+    score = score_name or "Score"
+    names = ["Router", "Compressor", "Scheduler", score, drop, "Compression ×", "TTFT (s)", "TPOT (ms)"]
+    return names + ["KV Mem (MB)", "KV Hit", "n", "device"]
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> str:
+    """Renders a padded markdown table.
+
+    Args:
+        header: Column titles.
+        rows: Cells, one list per row, as long as ``header``.
+        align: One ``l`` or ``r`` per column.
+
+    Returns:
+        The table, without a trailing newline.
+    """
+    cells = [[c.replace("|", "\\|") for c in row] for row in (header, *rows)]
+    widths = [max(3, *(len(row[i]) for row in cells)) for i in range(len(header))]
+
+    def line(row: Sequence[str]) -> str:
+        padded = (c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(row, widths, align))
+        return "| " + " | ".join(padded) + " |"
+
+    rule = (":" + "-" * (w + 1) if a == "l" else "-" * (w + 1) + ":" for w, a in zip(widths, align))
+    return "\n".join([line(cells[0]), "|" + "|".join(rule) + "|", *(line(row) for row in cells[1:])])
+
+
+def _stack_key(record: dict) -> tuple[str, ...]:
+    return (*(str(_get(record, "stack", role)) for role in ROLES), str(record.get("cell_id")))
+
+
+def render_table(
+    records: Sequence[dict], *, score_name: str | None = None, drop_name: str | None = None
+) -> str:
+    """Renders done records as one matrix table, rows sorted by (router, compressor, scheduler).
+
+    Args:
+        records: Done records of one model and dataset.
+        score_name: The score column's title; by default the first score name in ``records``.
+        drop_name: The drop metric's name; by default the first one in ``records``.
+
+    Returns:
+        The markdown table, without a trailing newline.
+    """
+    score_name = score_name or _first(records, "metrics", "score", "name")
+    drop_name = drop_name or _first(records, "metrics", "accuracy_drop", "name")
+    rows = [format_row(r) for r in sorted(records, key=_stack_key)]
+    return markdown_table(table_header(score_name, drop_name), rows, _ALIGN)
+
+
+def stack_order(record: dict) -> int:
+    """Returns the number of non-none roles: ``stack.order``, else counted from the roles."""
+    order = _get(record, "stack", "order")
+    if isinstance(order, int):
+        return order
+    return sum(_get(record, "stack", role) not in (None, "none") for role in ROLES)
+
+
+def qualified_stack(record: dict) -> str:
+    """Names a stack with its roles, e.g. ``compressor/quantized + scheduler/h2o``.
+
+    Roles set to none are left out; the full-cache stack is ``full cache (all roles none)``.
+    """
+    names = [f"{role}/{_get(record, 'stack', role)}" for role in ROLES if _role(record, role) != DASH]
+    return " + ".join(names) or "full cache (all roles none)"
+
+
+def render_footer(records: Sequence[dict]) -> str:
+    """Renders the provenance line of one model and dataset: model, dtype, data, versions, cells.
+
+    Where records disagree (two dtypes, two protocol versions) every value is shown, joined by ``/``.
+    """
+    model = _distinct(records, "model", "name")
+    description = _distinct(records, "model", "description")
+    if description != DASH:
+        model = f"{model} ({description})"
+    cells = ", ".join(sorted(str(r.get("cell_id")) for r in records))
+    return (
+        f"Model: {model} · dtype {_distinct(records, 'model', 'dtype')}"
+        f" · dataset sha256 {_distinct(records, 'dataset', 'sha256', width=12)}"
+        f" · kvbench {_distinct(records, 'kvbench_version')}"
+        f" protocol {_distinct(records, 'protocol_version')} · cells: {cells}"
+    )
+
+
+def render_group(records: Sequence[dict]) -> str:
+    """Renders one model and dataset: heading, a table per stack order, and the footer.
+
+    Args:
+        records: Done records sharing a model name and a dataset name.
+
+    Returns:
+        The markdown section, without a trailing newline.
+    """
+    model, dataset = _distinct(records, "model", "name"), _distinct(records, "dataset", "name")
+    parts = [f"## {model} · {dataset} ({_distinct(records, 'dataset', 'task')})"]
+    score_name = _first(records, "metrics", "score", "name")
+    drop_name = _first(records, "metrics", "accuracy_drop", "name")
+    by_order: dict[int, list[dict]] = defaultdict(list)
+    for record in records:
+        by_order[stack_order(record)].append(record)
+    for order in sorted(by_order):
+        parts.append(f"### {SECTION_TITLES.get(order, f'Order {order}')}")
+        parts.append(render_table(by_order[order], score_name=score_name, drop_name=drop_name))
+    parts.append(render_footer(records))
+    return "\n\n".join(parts)
+
+
+def _failure_line(record: dict) -> str:
+    status = record.get("status")
+    reason = " ".join(str(record.get("error") or "").split())  # one line
+    if not reason:
+        reason = "no reason recorded" if status == "failed" else f"status {status!r}"
+    where = f"{_get(record, 'model', 'name') or DASH} · {_get(record, 'dataset', 'name') or DASH}"
+    return f"- {qualified_stack(record)} ({where}, cell `{record.get('cell_id')}`): {reason}"
+
+
+def render_failed(records: Sequence[dict]) -> str:
+    """Renders the ``Failed cells`` section: one line per record that is not done.
+
+    Args:
+        records: Records whose status is not ``done``.
+
+    Returns:
+        The markdown section, without a trailing newline.
+    """
+    key = lambda r: (str(_get(r, "model", "name")), str(_get(r, "dataset", "name")), *_stack_key(r))
+    return "\n".join(["## Failed cells", "", *(_failure_line(r) for r in sorted(records, key=key))])
+
+
+def render_report(records: Sequence[dict], title: str) -> str:
+    """Renders the whole report: a section per (model, dataset), then the failed cells.
+
+    Args:
+        records: Records as returned by :func:`kvbench.results.load_records`.
+        title: Shown as ``# kvbench report: <title>``, usually the results folder's name.
+
+    Returns:
+        The markdown document, ending with one newline.
+    """
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for record in records:
+        if record.get("status") == "done":
+            key = (str(_get(record, "model", "name") or DASH), str(_get(record, "dataset", "name") or DASH))
+            groups[key].append(record)
+    parts = [f"# kvbench report: {title}"]
+    parts += [render_group(groups[key]) for key in sorted(groups)]
+    failed = [r for r in records if r.get("status") != "done"]
+    if not groups:
+        parts.append("No completed cells.")
+    if failed:
+        parts.append(render_failed(failed))
+    return "\n\n".join(parts) + "\n"

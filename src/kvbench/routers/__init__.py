@@ -1,0 +1,1 @@
+"""Routers: which shard of the stored cache each query reads."""

@@ -1,0 +1,1 @@
+"""Schedulers: which tokens stay in the cache as the sequence grows."""

@@ -1,0 +1,41 @@
+"""StreamingLLM: attention sinks plus the most recent tokens (arXiv:2309.17453)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.cache.store import LayerStore
+from kvbench.errors import ConfigError
+from kvbench.roles import Flags, Scheduler, keep_top
+
+
+@dataclass
+class StreamingLLMScheduler(Scheduler):
+    """Keeps ``sinks`` first tokens and the most recent ``capacity - sinks`` tokens.
+
+    Args:
+        position_mode: ``original`` keeps each token's original rotary position (kvbench's
+            default); the paper's ``cache`` mode re-assigns positions inside the cache and is not
+            implemented yet, so it is refused.
+    """
+
+    name: str = "streaming_llm"
+    position_mode: str = "original"
+    flags = Flags(evicts_tokens=True)
+
+    def __post_init__(self) -> None:
+        if self.position_mode != "original":
+            raise ConfigError(
+                f"scheduler.position_mode={self.position_mode!r}: only 'original' is implemented"
+            )
+
+    def evict(self, layer: int, store: LayerStore) -> None:
+        view, budget = store.view(), self.budget_cfg
+        cap = budget.capacity(store.seen)
+        if int(view.valid.sum(-1).max()) <= cap:
+            return
+        sticky = view.pos < budget.sinks
+        if store.protect_from is not None:
+            sticky = sticky | (view.pos >= store.protect_from)
+        score = view.pos.float().masked_fill(sticky, float("inf"))
+        store.keep(keep_top(score, view.valid, cap))

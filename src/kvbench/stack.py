@@ -1,0 +1,100 @@
+"""A stack: one router, one compressor and one scheduler (any may be absent), and its legality."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.cache.store import LayerStore
+from kvbench.errors import ConfigError
+from kvbench.roles import Budget, Compressor, Router, Scheduler, Technique
+
+ROLES = ("router", "compressor", "scheduler")
+
+
+@dataclass
+class Stack:
+    """The techniques applied to one cache, in METHODS.md's order within a step."""
+
+    router: Router | None = None
+    compressor: Compressor | None = None
+    scheduler: Scheduler | None = None
+    budget: Budget = field(default_factory=Budget)
+
+    def __post_init__(self) -> None:
+        check_legal(self.techniques)
+
+    @property
+    def techniques(self) -> list[Technique]:
+        return [t for t in (self.router, self.compressor, self.scheduler) if t is not None]
+
+    @property
+    def observers(self) -> list[Technique]:
+        return [t for t in self.techniques if t.flags.needs_attention_scores]
+
+    @property
+    def order(self) -> int:
+        return len(self.techniques)
+
+    def bind(self, num_layers: int) -> None:
+        for tech in self.techniques:
+            tech.bind(self.budget, num_layers)
+
+    def apply(self, layer: int, store: LayerStore) -> None:
+        """After a forward chunk: the compressor, then the scheduler's eviction, then router writes."""
+        if self.compressor is not None:
+            self.compressor.compress(layer, store)
+        if self.scheduler is not None:
+            self.scheduler.evict(layer, store)
+        if self.router is not None:
+            self.router.write(layer, store)
+
+    def names(self) -> dict[str, str]:
+        return {role: (getattr(self, role).name if getattr(self, role) else "none") for role in ROLES}
+
+    def metrics(self) -> dict[str, Any]:
+        return {f"{t.role}/{t.name}": t.metrics() for t in self.techniques if t.metrics()}
+
+
+def check_legal(techniques: list[Technique]) -> None:
+    """Refuse combinations the capability flags make meaningless, with the reason."""
+    readers = [f"{t.role}/{t.name}" for t in techniques if t.flags.selects_reads]
+    if len(readers) > 1:
+        raise ConfigError(f"stack {' + '.join(readers)}: both select reads; a stack may hold one read selector")
+
+
+def build_technique(node: DictConfig | None, role: str) -> Technique | None:
+    """Instantiate one technique from its YAML node; a node without ``_target_`` is ``none``."""
+    if node is None or node.get("_target_") is None:
+        return None
+    try:
+        tech = instantiate(node)
+    except Exception as err:  # hydra wraps the technique's own ConfigError
+        cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
+        raise ConfigError(f"{role}: {cause}") from err
+    if tech.role != role:
+        raise ConfigError(f"{role}={node.get('name')}: is a {tech.role}, not a {role}")
+    return tech
+
+
+def build_stack(cfg: DictConfig) -> Stack:
+    """Build and validate the stack of a resolved config (no model needed)."""
+    budget = Budget(
+        budget=float(cfg.budget), budget_tokens=cfg.budget_tokens, sinks=int(cfg.sinks), window=int(cfg.window)
+    )
+    parts = {role: build_technique(cfg.get(role), role) for role in ROLES}
+    return Stack(**parts, budget=budget)  # type: ignore[arg-type]
+
+
+def stack_identity(cfg: DictConfig, stack: Stack) -> dict[str, Any]:
+    """What of the stack can change a number: each technique's resolved knobs, and the budget if used."""
+    ident: dict[str, Any] = {}
+    for role in ROLES:
+        node = cfg.get(role)
+        ident[role] = OmegaConf.to_container(node, resolve=True) if node is not None else None
+    if stack.order:
+        ident["budget"] = {k: cfg[k] for k in ("budget", "budget_tokens", "sinks", "window")}
+    return ident
