@@ -63,15 +63,19 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
     return torch.einsum("bhgqd,bhtd->bhgqt", grouped, key.float()) * scaling
 
 
-def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor, scaling: float):
-    """Yield ``(start, probs)`` for query blocks; ``probs`` ``(B, H, g, q_blk, T)`` fp32."""
+def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float):
+    """Yield ``(start, probs)`` for query blocks; ``probs`` ``(B, H, g, q_blk, T)`` fp32.
+
+    ``mask_fn(start, stop)`` returns the ``(B, H, stop - start, T)`` read mask of that block, so a
+    long prefill never materializes a full ``q x T`` mask.
+    """
     b, hq, q, _ = query.shape
     t = key.shape[2]
     block = max(1, _BLOCK_ELEMS // max(1, b * hq * t))
     for start in range(0, q, block):
         stop = min(q, start + block)
         logits = _logits(query[:, :, start:stop], key, scaling)
-        logits = logits.masked_fill(~mask[:, :, None, start:stop], float("-inf"))
+        logits = logits.masked_fill(~mask_fn(start, stop)[:, :, None], float("-inf"))
         yield start, torch.softmax(logits, dim=-1)
 
 

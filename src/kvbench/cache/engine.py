@@ -139,44 +139,45 @@ class KVCache(Cache):
         q_len = query.shape[2]
         qpos = torch.arange(store.seen - q_len, store.seen, device=query.device)
         view = store.view()
-        stack = self.stack
-        simple = view.k.shape[2] == q_len and sliding_window is None and bool(view.valid.all())
-        mask = None if simple else att.read_mask(view.pos, view.valid, qpos, sliding_window)
-        if stack.router is not None and self.routed:
-            if mask is None:
-                mask = att.read_mask(view.pos, view.valid, qpos, sliding_window)
-            mask = mask & stack.router.read_mask(layer, store, query, qpos)
+        router = self.stack.router if self.routed else None
+        no_past = view.k.shape[2] == q_len and sliding_window is None and bool(view.valid.all())
+
+        def mask_fn(start: int, stop: int) -> torch.Tensor:
+            mask = att.read_mask(view.pos, view.valid, qpos[start:stop], sliding_window)
+            if router is not None:
+                mask = mask & router.read_mask(layer, store, query[:, :, start:stop], qpos[start:stop])
+            return mask
+
+        mask = None if no_past and router is None else mask_fn(0, q_len)
         out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling)
-        if stack.observers or self.probe is not None:
-            full_mask = mask if mask is not None else att.read_mask(view.pos, view.valid, qpos, sliding_window)
-            self._scores(layer, store, query, qpos, full_mask, scaling, sliding_window)
+        if self.stack.observers:
+            blocks = att.probs_blocks(query, view.k, (lambda a, b: mask[:, :, a:b]) if mask is not None else mask_fn,
+                                      scaling)
+            for start, probs in blocks:
+                summed = probs.sum(2)
+                for tech in self.stack.observers:
+                    tech.observe(layer, store, summed, qpos[start : start + summed.shape[2]])
+        if self.probe is not None and self.shadow is not None:
+            self._probe_hit(layer, store, query, qpos, mask_fn, scaling, sliding_window)
         return out
 
-    def _scores(self, layer, store, query, qpos, mask, scaling, sliding_window) -> None:
-        view = store.view()
-        if self.stack.observers:
-            for start, probs in att.probs_blocks(query, view.k, mask, scaling):
-                summed = probs.sum(2)
-                blk = qpos[start : start + summed.shape[2]]
-                for tech in self.stack.observers:
-                    tech.observe(layer, store, summed, blk)
-        if self.probe is not None and self.shadow is not None:
-            self._probe_hit(layer, store, query, qpos, mask, scaling, sliding_window)
-
-    def _probe_hit(self, layer, store, query, qpos, mask, scaling, sliding_window) -> None:
+    def _probe_hit(self, layer, store, query, qpos, mask_fn, scaling, sliding_window) -> None:
+        """KV hit at a few evenly spaced queries of the chunk, against every exact key seen."""
         n = min(self.probe.queries_per_chunk, query.shape[2])
         pick = torch.linspace(0, query.shape[2] - 1, n, device=query.device).round().long()
         q, qp = query[:, :, pick], qpos[pick]
         view = store.view()
-        p_stack = next(att.probs_blocks(q, view.k, mask[:, :, pick], scaling))[1]
+        mask = mask_fn(0, query.shape[2])[:, :, pick]
+        p_stack = next(att.probs_blocks(q, view.k, lambda a, b: mask[:, :, a:b], scaling))[1]
         shadow = torch.cat(self.shadow[layer], dim=2) if len(self.shadow[layer]) > 1 else self.shadow[layer][0]
         self.shadow[layer] = [shadow]
         s = shadow.shape[2]
         spos = torch.arange(s, device=query.device).expand(*shadow.shape[:2], s)
-        full_mask = att.read_mask(spos, torch.ones_like(spos, dtype=torch.bool), qp, sliding_window)
-        p_full = next(att.probs_blocks(q, shadow, full_mask, scaling))[1]
-        budget = self.stack.budget
-        exclude = budget.protected(torch.arange(s, device=query.device), int(qpos[0]))
+        ones = torch.ones_like(spos, dtype=torch.bool)
+        p_full = next(att.probs_blocks(q, shadow, lambda a, b: att.read_mask(spos, ones, qp[a:b], sliding_window),
+                                       scaling))[1]
+        exclude = self.stack.budget.protected(torch.arange(s, device=query.device), int(qpos[0]))
+        exclude |= torch.arange(s, device=query.device) >= int(qpos[0])
         hit, hit_excl = att.kv_hit(p_stack, view.pos, p_full, exclude)
         self.probe.add(hit, hit_excl)
 

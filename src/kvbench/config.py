@@ -1,0 +1,71 @@
+"""Structured schema for the top-level scalars, and validation of a whole cell before any model loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig
+
+from kvbench import models
+from kvbench.data import corpus
+from kvbench.errors import ConfigError
+from kvbench.eval import needle
+from kvbench.stack import Stack, build_stack
+
+TASKS = ("perplexity", "needle")
+
+
+@dataclass
+class Schema:
+    """Typed top-level keys: ``seed=abc`` or a misspelled key fails at composition."""
+
+    model: Any = MISSING
+    dataset: Any = MISSING
+    router: Any = None
+    compressor: Any = None
+    scheduler: Any = None
+    logger: Any = None
+    name: str = "default"
+    results_dir: str = "results"
+    force: bool = False
+    device: str = "auto"
+    seed: int = 0
+    threads: int | None = None
+    budget: float = 0.5
+    budget_tokens: int | None = None
+    sinks: int = 4
+    window: int = 32
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="schema", node=Schema)
+
+
+def validate_protocol(ds: DictConfig) -> None:
+    if ds.task not in TASKS:
+        raise ConfigError(f"dataset.task={ds.task!r}: allowed {', '.join(TASKS)}")
+    if ds.task == "needle":
+        needle.validate(ds)
+        return
+    for key in ("prefill", "chunk", "chunks_per_window", "windows"):
+        if int(ds[key]) < 1:
+            raise ConfigError(f"dataset.{key}={ds[key]}: must be >= 1")
+    if ds.decode_steps < 0:
+        raise ConfigError(f"dataset.decode_steps={ds.decode_steps}: must be >= 0")
+
+
+def validate(cfg: DictConfig) -> Stack:
+    """Every check that needs no model: the stack, the protocol, the data source, the model source."""
+    if cfg.name.strip() == "" or "/" in cfg.name:
+        raise ConfigError(f"name={cfg.name!r}: must be a non-empty name without '/'")
+    stack = build_stack(cfg)
+    validate_protocol(cfg.dataset)
+    if cfg.dataset.task == "perplexity" and cfg.dataset.chunk > cfg.window and stack.order:
+        raise ConfigError(f"dataset.chunk={cfg.dataset.chunk}: must be <= window ({cfg.window}) (METHODS.md: C <= window)")
+    corpus.validate(cfg.dataset)
+    models.validate(cfg.model)
+    if cfg.logger is not None and cfg.logger.name not in ("none", "wandb"):
+        raise ConfigError(f"logger={cfg.logger.name!r}: allowed none, wandb")
+    return stack

@@ -1,0 +1,126 @@
+"""Perplexity under compression (METHODS.md): prefill P tokens, apply the stack, then score the
+next tokens in chunks of C against the compressed cache, re-applying the stack after each chunk.
+With the stack ``none`` this equals one full forward pass to numerical precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from kvbench import metrics
+from kvbench.cache.engine import HitProbe
+from kvbench.errors import ConfigError
+from kvbench.eval import loop
+from kvbench.models import LoadedModel
+from kvbench.stack import Stack
+
+
+@dataclass
+class WindowResult:
+    """What one window measured. ``logprobs`` is kept only for the baseline (fidelity reference)."""
+
+    nll: torch.Tensor  # (n_scored,)
+    chunk_nll: list[float]
+    logprobs: torch.Tensor | None
+    ttft: float
+    tpot: list[float]
+    bytes_prefill: int
+    bytes_peak: int
+    per_layer_prefill: list[int]
+    compression_prefill: float
+    compression_chunks: list[float]
+    kl: list[float] = field(default_factory=list)
+    top1: list[float] = field(default_factory=list)
+
+
+def window_length(cfg) -> int:
+    return cfg.prefill + cfg.chunk * cfg.chunks_per_window + 1
+
+
+def windows(ids: list[int], cfg) -> list[list[int]]:
+    """``cfg.windows`` windows spread evenly over the token stream (deterministic)."""
+    length = window_length(cfg)
+    if len(ids) < length:
+        raise ConfigError(f"dataset {cfg.name!r}: {len(ids)} tokens, fewer than one window ({length})")
+    starts = np.linspace(0, len(ids) - length, cfg.windows).round().astype(int)
+    return [ids[s : s + length] for s in starts]
+
+
+def score_window(lm: LoadedModel, stack: Stack, ids: list[int], cfg, reference: torch.Tensor | None,
+                 probe: HitProbe | None, keep_logprobs: bool) -> WindowResult:
+    """Run the protocol on one window of ``prefill + chunk * chunks_per_window + 1`` tokens."""
+    cache = loop.new_cache(lm, stack, shadow=probe is not None)
+    ttft: list[float] = []
+    loop.step(lm, cache, ids[: cfg.prefill], ttft)
+    ref_bytes = cache.reference_bytes()
+    out = WindowResult(
+        nll=torch.empty(0), chunk_nll=[], logprobs=None, ttft=ttft[0], tpot=[], bytes_prefill=cache.nbytes(),
+        bytes_peak=cache.nbytes(), per_layer_prefill=cache.per_layer_bytes(),
+        compression_prefill=ref_bytes / cache.nbytes(), compression_chunks=[],
+    )
+    cache.probe = probe
+    nlls, lps = [], []
+    for j in range(cfg.chunks_per_window):
+        a = cfg.prefill + j * cfg.chunk
+        logprobs = torch.log_softmax(loop.step(lm, cache, ids[a : a + cfg.chunk]), dim=-1)
+        target = torch.as_tensor(ids[a + 1 : a + cfg.chunk + 1], device=logprobs.device)
+        nll = -logprobs.gather(-1, target[:, None])[:, 0]
+        nlls.append(nll.cpu())
+        out.chunk_nll.append(float(nll.mean()))
+        out.bytes_peak = max(out.bytes_peak, cache.nbytes())
+        out.compression_chunks.append(cache.reference_bytes() / cache.nbytes())
+        if reference is not None:
+            kl, agree = metrics.kl_and_top1(reference[j * cfg.chunk : (j + 1) * cfg.chunk].to(logprobs.device), logprobs)
+            out.kl.extend(kl.tolist())
+            out.top1.extend(agree.float().tolist())
+        if keep_logprobs:
+            lps.append(logprobs.half().cpu())
+    out.nll = torch.cat(nlls)
+    out.logprobs = torch.cat(lps) if keep_logprobs else None
+    cache.probe, cache.shadow = None, None  # the shadow stays out of timed passes
+    if cfg.decode_steps:
+        loop.greedy(lm, cache, logprobs[-1], cfg.decode_steps + 1, out.tpot)
+    return out
+
+
+def evaluate(lm: LoadedModel, stack: Stack, ids: list[int], cfg, baseline: list[WindowResult] | None,
+             keep_logprobs: bool = False) -> tuple[dict, list[WindowResult]]:
+    """All windows of one cell; returns (metrics, per-window results)."""
+    probe = HitProbe() if stack.order else None
+    results = []
+    for w, window in enumerate(tqdm(windows(ids, cfg), desc="perplexity windows", leave=False)):
+        ref = baseline[w].logprobs if baseline is not None else None
+        results.append(score_window(lm, stack, window, cfg, ref, probe, keep_logprobs))
+    return summarize(results, baseline, probe), results
+
+
+def summarize(results: list[WindowResult], baseline: list[WindowResult] | None, probe: HitProbe | None) -> dict:
+    nll = torch.cat([r.nll for r in results])
+    tpot = [t for r in results for t in r.tpot]
+    m: dict = {
+        "score": {"name": "perplexity", "value": float(nll.mean().exp()), "higher_is_better": False},
+        "nll": float(nll.mean()),
+        "accuracy_drop": None, "delta_nll": None, "kl": None, "top1_agreement": None,
+        "compression_prefill": float(np.mean([r.compression_prefill for r in results])),
+        "compression_mean": float(np.mean([c for r in results for c in r.compression_chunks])),
+        "kv_mem_mb_prefill": float(np.mean([r.bytes_prefill for r in results])) / 2**20,
+        "kv_mem_mb_peak": max(r.bytes_peak for r in results) / 2**20,
+        "ttft_s": float(np.mean([r.ttft for r in results])),
+        "tpot_s": float(np.mean(tpot)) if tpot else None,
+        "throughput_tok_s": len(tpot) / float(np.sum(tpot)) if tpot else None,
+        "n_examples": len(results), "n_scored_tokens": int(nll.numel()),
+        "kv_hit": None, "kv_hit_excl": None,
+    }
+    if probe is not None:
+        m["kv_hit"], m["kv_hit_excl"] = probe.result()
+    if baseline is not None:
+        base = [c for r in baseline for c in r.chunk_nll]
+        mine = [c for r in results for c in r.chunk_nll]
+        m["accuracy_drop"], m["delta_nll"] = metrics.perplexity_drop(base, mine)
+        m["kl"] = float(np.mean([k for r in results for k in r.kl]))
+        m["top1_agreement"] = float(np.mean([a for r in results for a in r.top1]))
+    return m
