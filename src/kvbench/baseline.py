@@ -31,24 +31,40 @@ def _disk_path(key: str) -> Path:
     return models.cache_root() / "baselines" / f"{key}.pt"
 
 
-def get(cfg: DictConfig, lm, text: str, ident: dict[str, Any]):
-    """Per-window (perplexity) or per-case (needle) baseline results for this cell's model x dataset."""
-    key = results.cell_hash(baseline_identity(ident))
-    if key in _MEMO:
-        return _MEMO[key]
-    path = _disk_path(key)
-    if path.exists():
-        _MEMO[key] = torch.load(path, weights_only=False)
-        return _MEMO[key]
-    stack = Stack()
-    stack.bind(lm.num_layers)
+def evaluate(cfg: DictConfig, lm, stack: Stack, text: str):
+    """Run the cell's protocol; ``(metrics, per-example results)``. Full-cache runs keep the
+    per-token distributions that fidelity metrics compare against."""
     if cfg.dataset.task == "perplexity":
-        _, value = perplexity.evaluate(lm, stack, lm.codec.encode(text), cfg.dataset, None, keep_logprobs=True)
-    else:
-        _, value = needle.evaluate(lm, stack, text, cfg.dataset, None)
+        return perplexity.evaluate(
+            lm, stack, lm.codec.encode(text), cfg.dataset, None, keep_logprobs=stack.order == 0
+        )
+    return needle.evaluate(lm, stack, text, cfg.dataset, None)
+
+
+def lookup(ident: dict[str, Any]):
+    """The stored baseline of this cell's model x dataset, or None."""
+    key = results.cell_hash(baseline_identity(ident))
+    if key not in _MEMO and _disk_path(key).exists():
+        _MEMO[key] = torch.load(_disk_path(key), weights_only=False)
+    return _MEMO.get(key)
+
+
+def store(ident: dict[str, Any], value) -> None:
+    key = results.cell_hash(baseline_identity(ident))
+    path = _disk_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     torch.save(value, tmp)
     os.replace(tmp, path)
     _MEMO[key] = value
+
+
+def get(cfg: DictConfig, lm, text: str, ident: dict[str, Any]):
+    """Per-window (perplexity) or per-case (needle) full-cache results for this cell's model x dataset."""
+    value = lookup(ident)
+    if value is None:
+        stack = Stack()
+        stack.bind(lm.num_layers)
+        _, value = evaluate(cfg, lm, stack, text)
+        store(ident, value)
     return value

@@ -63,7 +63,9 @@ def validate(cfg: DictConfig) -> Stack:
     stack = build_stack(cfg)
     validate_protocol(cfg.dataset)
     if cfg.dataset.task == "perplexity" and cfg.dataset.chunk > cfg.window and stack.order:
-        raise ConfigError(f"dataset.chunk={cfg.dataset.chunk}: must be <= window ({cfg.window}) (METHODS.md: C <= window)")
+        raise ConfigError(
+            f"dataset.chunk={cfg.dataset.chunk}: must be <= window ({cfg.window}) (METHODS.md: C <= window)"
+        )
     corpus.validate(cfg.dataset)
     models.validate(cfg.model)
     if cfg.logger is not None and cfg.logger.name not in ("none", "wandb"):

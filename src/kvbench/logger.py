@@ -25,15 +25,25 @@ def log(cfg: DictConfig, record: dict[str, Any]) -> None:
 
     mode = cfg.logger.mode
     if mode != "disabled" and not os.environ.get("WANDB_API_KEY") and mode != "offline":
-        print("kvbench: no WANDB_API_KEY; logging offline (upload later with `wandb sync <run dir>`)", file=sys.stderr)
+        print(
+            "kvbench: no WANDB_API_KEY; logging offline (upload later with `wandb sync <run dir>`)",
+            file=sys.stderr,
+        )
         mode = "offline"
     stack = record["stack"]
     run = wandb.init(
-        project=cfg.logger.project, entity=cfg.logger.entity, mode=mode, group=record["experiment"],
+        project=cfg.logger.project,
+        entity=cfg.logger.entity,
+        mode=mode,
+        group=record["experiment"],
         job_type={0: "baseline", 1: "single", 2: "double", 3: "triple"}[stack["order"]],
-        name=" + ".join(f"{r}/{stack[r]}" for r in ("router", "compressor", "scheduler") if stack[r] != "none")
+        name=" + ".join(
+            f"{r}/{stack[r]}" for r in ("router", "compressor", "scheduler") if stack[r] != "none"
+        )
         or "full cache",
-        id=record["cell_id"], resume="allow", config={**record["config"], "cell_id": record["cell_id"]},
+        id=record["cell_id"],
+        resume="allow",
+        config={**record["config"], "cell_id": record["cell_id"]},
         reinit="finish_previous",
     )
     summary: dict[str, Any] = {}

@@ -84,7 +84,12 @@ def file_sha256(path: Path) -> str:
 
 def model_identity(cfg: DictConfig) -> dict[str, Any]:
     """What of the model can change a number: its weights' identity, dtype and attention backend."""
-    ident: dict[str, Any] = {"name": cfg.name, "source": cfg.source, "dtype": cfg.dtype, "attn": engine.ATTN_NAME}
+    ident: dict[str, Any] = {
+        "name": cfg.name,
+        "source": cfg.source,
+        "dtype": cfg.dtype,
+        "attn": engine.ATTN_NAME,
+    }
     if cfg.source == "gguf":
         ident["sha256"] = file_sha256(gguf_path(cfg))
     elif cfg.source == "hub":
@@ -107,10 +112,13 @@ def _load(cfg: DictConfig, device: torch.device) -> LoadedModel:
 
     engine.register()
     dtype = DTYPES[cfg.dtype]
+    codec: ByteCodec | HFCodec
     if cfg.source == "tiny":
         model, codec = _tiny(cfg, dtype), ByteCodec()
     else:
-        path, kwargs = (_converted_gguf(cfg), {}) if cfg.source == "gguf" else (cfg.hf_id, {"revision": cfg.revision})
+        path, kwargs = (
+            (_converted_gguf(cfg), {}) if cfg.source == "gguf" else (cfg.hf_id, {"revision": cfg.revision})
+        )
         tok = transformers.AutoTokenizer.from_pretrained(path, **kwargs)
         place = {"device_map": cfg.device_map} if cfg.get("device_map") else {}
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **place)
@@ -136,8 +144,10 @@ def _converted_gguf(cfg: DictConfig) -> Path:
     if (out / "config.json").exists():
         return out
     tok = transformers.AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    model = transformers.AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    model.hf_quantizer = None  # the weights are dequantized: save them as a plain model
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        src.parent, gguf_file=src.name, dtype=torch.float32
+    )
+    model.hf_quantizer = None  # type: ignore[assignment] # the weights are dequantized: save them as a plain model
     del model.config.quantization_config
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp)
@@ -156,9 +166,16 @@ def _wrap(cfg: DictConfig, model, codec) -> LoadedModel:
     kv_heads = attn.k_proj.out_features // head_dim if hasattr(attn, "k_proj") else heads
     devices = [next(layer.parameters()).device for layer in layers]
     info = {
-        "name": cfg.name, "hf_id": cfg.get("hf_id"), "description": cfg.get("description"),
-        "dtype": cfg.dtype, "attn": engine.ATTN_NAME, "family": c.model_type,
-        "layers": len(layers), "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+        "name": cfg.name,
+        "hf_id": cfg.get("hf_id"),
+        "description": cfg.get("description"),
+        "dtype": cfg.dtype,
+        "attn": engine.ATTN_NAME,
+        "family": c.model_type,
+        "layers": len(layers),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
         "sliding_window": getattr(c, "sliding_window", None),
     }
     return LoadedModel(model, codec, info, len(layers), kv_heads, head_dim, devices)

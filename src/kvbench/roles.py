@@ -113,7 +113,9 @@ class Router(Technique):
 
     role = "router"
 
-    def read_mask(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    def read_mask(
+        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
         """Which stored tokens each query may read.
 
         Args:

@@ -63,7 +63,9 @@ def check_legal(techniques: list[Technique]) -> None:
     """Refuse combinations the capability flags make meaningless, with the reason."""
     readers = [f"{t.role}/{t.name}" for t in techniques if t.flags.selects_reads]
     if len(readers) > 1:
-        raise ConfigError(f"stack {' + '.join(readers)}: both select reads; a stack may hold one read selector")
+        raise ConfigError(
+            f"stack {' + '.join(readers)}: both select reads; a stack may hold one read selector"
+        )
 
 
 def build_technique(node: DictConfig | None, role: str) -> Technique | None:
@@ -74,7 +76,8 @@ def build_technique(node: DictConfig | None, role: str) -> Technique | None:
         tech = instantiate(node)
     except Exception as err:  # hydra wraps the technique's own ConfigError
         cause = err.__cause__ if isinstance(err.__cause__, ConfigError) else err
-        raise ConfigError(f"{role}: {cause}") from err
+        message = str(cause) if str(cause).startswith(f"{role}.") else f"{role}={node.get('name')}: {cause}"
+        raise ConfigError(message) from err
     if tech.role != role:
         raise ConfigError(f"{role}={node.get('name')}: is a {tech.role}, not a {role}")
     return tech
@@ -83,7 +86,10 @@ def build_technique(node: DictConfig | None, role: str) -> Technique | None:
 def build_stack(cfg: DictConfig) -> Stack:
     """Build and validate the stack of a resolved config (no model needed)."""
     budget = Budget(
-        budget=float(cfg.budget), budget_tokens=cfg.budget_tokens, sinks=int(cfg.sinks), window=int(cfg.window)
+        budget=float(cfg.budget),
+        budget_tokens=cfg.budget_tokens,
+        sinks=int(cfg.sinks),
+        window=int(cfg.window),
     )
     parts = {role: build_technique(cfg.get(role), role) for role in ROLES}
     return Stack(**parts, budget=budget)  # type: ignore[arg-type]

@@ -52,7 +52,9 @@ def attend(
         )
     if groups > 1:
         mask = mask.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1
+    )
 
 
 def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -81,8 +81,17 @@ class KVCache(Cache):
         shadow: keep exact keys of every token, for the KV-hit probe.
     """
 
-    def __init__(self, stack, num_layers: int, kv_heads: int, head_dim: int, batch: int,
-                 dtype: torch.dtype, devices: list[torch.device], shadow: bool = False):
+    def __init__(
+        self,
+        stack,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        devices: list[torch.device],
+        shadow: bool = False,
+    ):
         self.stores = [LayerStore(batch, kv_heads, head_dim, dtype, devices[i]) for i in range(num_layers)]
         super().__init__(layers=[_Layer(s) for s in self.stores])
         self.stack = stack
@@ -105,7 +114,9 @@ class KVCache(Cache):
         return -1
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError("kvbench: crop is refused on a compressed cache (evicted tokens cannot return)")
+        raise NotImplementedError(
+            "kvbench: crop is refused on a compressed cache (evicted tokens cannot return)"
+        )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("kvbench: beam search / reorder_cache is refused on a compressed cache")
@@ -134,13 +145,17 @@ class KVCache(Cache):
         s = self.stores[0]
         return len(self.stores) * s.batch * s.kv_heads * s.head_dim * s.seen * 2 * 2
 
-    def attend(self, layer: int, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+    def attend(
+        self, layer: int, query: torch.Tensor, scaling: float, sliding_window: int | None
+    ) -> torch.Tensor:
         store = self.stores[layer]
         q_len = query.shape[2]
         qpos = torch.arange(store.seen - q_len, store.seen, device=query.device)
         view = store.view()
         router = self.stack.router if self.routed else None
-        no_past = view.k.shape[2] == q_len and sliding_window is None and bool(view.valid.all())
+        # Plain causal attention needs no mask: a prefill with no past, or one decode step over
+        # an unwindowed cache where every stored token is real (all are in the past).
+        plain = sliding_window is None and bool(view.valid.all()) and (view.k.shape[2] == q_len or q_len == 1)
 
         def mask_fn(start: int, stop: int) -> torch.Tensor:
             mask = att.read_mask(view.pos, view.valid, qpos[start:stop], sliding_window)
@@ -148,11 +163,12 @@ class KVCache(Cache):
                 mask = mask & router.read_mask(layer, store, query[:, :, start:stop], qpos[start:stop])
             return mask
 
-        mask = None if no_past and router is None else mask_fn(0, q_len)
+        mask = None if plain and router is None else mask_fn(0, q_len)
         out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling)
         if self.stack.observers:
-            blocks = att.probs_blocks(query, view.k, (lambda a, b: mask[:, :, a:b]) if mask is not None else mask_fn,
-                                      scaling)
+            blocks = att.probs_blocks(
+                query, view.k, (lambda a, b: mask[:, :, a:b]) if mask is not None else mask_fn, scaling
+            )
             for start, probs in blocks:
                 summed = probs.sum(2)
                 for tech in self.stack.observers:
@@ -163,27 +179,34 @@ class KVCache(Cache):
 
     def _probe_hit(self, layer, store, query, qpos, mask_fn, scaling, sliding_window) -> None:
         """KV hit at a few evenly spaced queries of the chunk, against every exact key seen."""
+        assert self.probe is not None and self.shadow is not None
         n = min(self.probe.queries_per_chunk, query.shape[2])
         pick = torch.linspace(0, query.shape[2] - 1, n, device=query.device).round().long()
         q, qp = query[:, :, pick], qpos[pick]
         view = store.view()
         mask = mask_fn(0, query.shape[2])[:, :, pick]
         p_stack = next(att.probs_blocks(q, view.k, lambda a, b: mask[:, :, a:b], scaling))[1]
-        shadow = torch.cat(self.shadow[layer], dim=2) if len(self.shadow[layer]) > 1 else self.shadow[layer][0]
+        shadow = (
+            torch.cat(self.shadow[layer], dim=2) if len(self.shadow[layer]) > 1 else self.shadow[layer][0]
+        )
         self.shadow[layer] = [shadow]
         s = shadow.shape[2]
         spos = torch.arange(s, device=query.device).expand(*shadow.shape[:2], s)
         ones = torch.ones_like(spos, dtype=torch.bool)
-        p_full = next(att.probs_blocks(q, shadow, lambda a, b: att.read_mask(spos, ones, qp[a:b], sliding_window),
-                                       scaling))[1]
+        p_full = next(
+            att.probs_blocks(
+                q, shadow, lambda a, b: att.read_mask(spos, ones, qp[a:b], sliding_window), scaling
+            )
+        )[1]
         exclude = self.stack.budget.protected(torch.arange(s, device=query.device), int(qpos[0]))
         exclude |= torch.arange(s, device=query.device) >= int(qpos[0])
         hit, hit_excl = att.kv_hit(p_stack, view.pos, p_full, exclude)
         self.probe.add(hit, hit_excl)
 
 
-def kvbench_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                      sliding_window=None, **kwargs):
+def kvbench_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
+):
     """Attention function registered as ``attn_implementation="kvbench"``.
 
     Reads the active :class:`KVCache`; ``key``/``value`` are only the new tokens (already stored).

@@ -37,7 +37,9 @@ def _params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -65504.0)), zero)
     step = ((hi - zero.float()) / ((1 << bits) - 1)).clamp(min=1e-8)
     step16 = step.half()
-    step16 = torch.where(step16.float() < step, torch.nextafter(step16, torch.full_like(step16, 65504.0)), step16)
+    step16 = torch.where(
+        step16.float() < step, torch.nextafter(step16, torch.full_like(step16, 65504.0)), step16
+    )
     return zero, step16
 
 
@@ -53,5 +55,7 @@ def quantize(x: torch.Tensor, bits: int, dim: int) -> tuple[torch.Tensor, torch.
     return codes.to(torch.uint8), zero, step
 
 
-def dequantize(codes: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(
+    codes: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     return (codes.float() * step.float() + zero.float()).to(dtype)

@@ -32,7 +32,9 @@ def to_padded(flat: torch.Tensor, lens: torch.Tensor, fill: float = 0) -> tuple[
     bh = lens.numel()
     width = int(lens.max()) if bh else 0
     if bh and bool((lens == width).all()):
-        return flat.view(bh, width, *flat.shape[1:]), torch.ones(bh, width, dtype=torch.bool, device=flat.device)
+        return flat.view(bh, width, *flat.shape[1:]), torch.ones(
+            bh, width, dtype=torch.bool, device=flat.device
+        )
     valid = valid_mask(lens, width)
     padded = flat.new_full((bh, width, *flat.shape[1:]), fill)
     padded[valid] = flat

@@ -90,7 +90,8 @@ class FPSegment(Segment):
         self.v = ragged.concat(self.v, self.lens, v.reshape(bh * q, -1), new_lens)
         self.pos = ragged.concat(self.pos, self.lens, pos.reshape(-1), new_lens)
         self.aux = {
-            name: ragged.concat(val, self.lens, val.new_zeros(bh * q), new_lens) for name, val in self.aux.items()
+            name: ragged.concat(val, self.lens, val.new_zeros(bh * q), new_lens)
+            for name, val in self.aux.items()
         }
         self.lens = self.lens + new_lens
 
@@ -143,7 +144,10 @@ class LayerStore:
             k, v, pos, valid = (torch.cat([p[i] for p in parts], dim=1) for i in range(4))
             d = self.head_dim
             self._view = PaddedView(
-                k=k.view(*shape, d), v=v.view(*shape, d), pos=pos.view(shape), valid=valid.view(shape),
+                k=k.view(*shape, d),
+                v=v.view(*shape, d),
+                pos=pos.view(shape),
+                valid=valid.view(shape),
                 widths=[p[3].shape[1] for p in parts],
             )
         return self._view

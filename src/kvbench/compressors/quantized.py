@@ -50,9 +50,12 @@ class QuantSegment(Segment):
         return sum(t.numel() * t.element_size() for t in fields)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        gid = torch.repeat_interleave(torch.arange(self.gcount.numel(), device=self.gcount.device),
-                                      self.gcount.long())
-        k = quant.dequantize(quant.unpack(self.kcodes, self.key_bits), self.kzero[gid], self.kstep[gid], dtype)
+        gid = torch.repeat_interleave(
+            torch.arange(self.gcount.numel(), device=self.gcount.device), self.gcount.long()
+        )
+        k = quant.dequantize(
+            quant.unpack(self.kcodes, self.key_bits), self.kzero[gid], self.kstep[gid], dtype
+        )
         d, g = self.head_dim, self.group_size
         vz = self.vzero.repeat_interleave(g, dim=1)[:, :d]
         vs = self.vstep.repeat_interleave(g, dim=1)[:, :d]
@@ -60,7 +63,9 @@ class QuantSegment(Segment):
         return k, v
 
     def keep(self, keep: torch.Tensor) -> None:
-        gid = torch.repeat_interleave(torch.arange(self.gcount.numel(), device=keep.device), self.gcount.long())
+        gid = torch.repeat_interleave(
+            torch.arange(self.gcount.numel(), device=keep.device), self.gcount.long()
+        )
         counts = torch.bincount(gid[keep], minlength=self.gcount.numel())
         live = counts > 0
         ghead = ragged.segment_ids(self.glens)
@@ -72,10 +77,14 @@ class QuantSegment(Segment):
     def extend(self, other: QuantSegment) -> None:
         """Append ``other``'s tokens and groups after this segment's, per head-row."""
         for name in [*self.data_fields(), "pos"]:
-            setattr(self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens))
+            setattr(
+                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
+            )
         self.aux = {k: ragged.concat(v, self.lens, other.aux[k], other.lens) for k, v in self.aux.items()}
         for name in self.group_fields():
-            setattr(self, name, ragged.concat(getattr(self, name), self.glens, getattr(other, name), other.glens))
+            setattr(
+                self, name, ragged.concat(getattr(self, name), self.glens, getattr(other, name), other.glens)
+            )
         self.lens, self.glens = self.lens + other.lens, self.glens + other.glens
 
 
@@ -105,8 +114,12 @@ class QuantizedCompressor(Compressor):
         if not bool(move.any()):
             return
         fp = store.fp
-        seg = self._quantize(fp.k[move], fp.v[move], fp.pos[move],
-                             torch.bincount(ragged.segment_ids(fp.lens)[move], minlength=fp.lens.numel()))
+        seg = self._quantize(
+            fp.k[move],
+            fp.v[move],
+            fp.pos[move],
+            torch.bincount(ragged.segment_ids(fp.lens)[move], minlength=fp.lens.numel()),
+        )
         seg.aux = {k: v[move] for k, v in fp.aux.items()}
         fp.keep(~move)
         old = [s for s in store.compressed if isinstance(s, QuantSegment)]
@@ -126,18 +139,29 @@ class QuantizedCompressor(Compressor):
         move = padded & (rank <= whole[:, None])
         return ragged.from_padded(move, valid)
 
-    def _quantize(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> QuantSegment:
+    def _quantize(
+        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor
+    ) -> QuantSegment:
         g, d = self.group_size, k.shape[-1]
-        kc, kz, ks = quant.quantize(k.view(-1, g, d), self.key_bits, dim=1)  # per channel over G tokens
+        kb, vb = int(self.key_bits or self.bits), int(self.value_bits or self.bits)
+        kc, kz, ks = quant.quantize(k.view(-1, g, d), kb, dim=1)  # per channel over G tokens
         ngv = -(-d // g)
         vpad = F.pad(v.float(), (0, ngv * g - d), mode="replicate") if ngv * g != d else v.float()
-        vc, vz, vs = quant.quantize(vpad.view(-1, ngv, g), self.value_bits, dim=2)  # per token, G channels
+        vc, vz, vs = quant.quantize(vpad.view(-1, ngv, g), vb, dim=2)  # per token, G channels
         vc = vc.view(-1, ngv * g)[:, :d]
         return QuantSegment(
-            lens=lens, pos=pos, key_bits=self.key_bits, value_bits=self.value_bits, group_size=g, head_dim=d,
-            kcodes=quant.pack(kc.view(-1, d), self.key_bits), vcodes=quant.pack(vc.contiguous(), self.value_bits),
-            vzero=vz.view(-1, ngv), vstep=vs.view(-1, ngv),
-            kzero=kz.view(-1, d), kstep=ks.view(-1, d),
+            lens=lens,
+            pos=pos,
+            key_bits=kb,
+            value_bits=vb,
+            group_size=g,
+            head_dim=d,
+            kcodes=quant.pack(kc.view(-1, d), kb),
+            vcodes=quant.pack(vc.contiguous(), vb),
+            vzero=vz.view(-1, ngv),
+            vstep=vs.view(-1, ngv),
+            kzero=kz.view(-1, d),
+            kstep=ks.view(-1, d),
             gcount=torch.full((kz.shape[0],), g, dtype=torch.int16, device=k.device),
             glens=lens // g,
         )

@@ -22,8 +22,9 @@ class HFCodec:
         marker = "\u0000QUESTION\u0000"
         user = f"{context}\n\n{marker}"
         if self.tok.chat_template:
-            text = self.tok.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                                add_generation_prompt=True)
+            text = self.tok.apply_chat_template(
+                [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+            )
         else:
             text = user + "\nAnswer:"
         head, tail = text.split(marker)

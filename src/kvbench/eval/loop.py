@@ -15,7 +15,9 @@ from kvbench.stack import Stack
 
 
 def new_cache(lm: LoadedModel, stack: Stack, shadow: bool = False) -> KVCache:
-    return KVCache(stack, lm.num_layers, lm.kv_heads, lm.head_dim, 1, lm.dtype, lm.layer_devices, shadow=shadow)
+    return KVCache(
+        stack, lm.num_layers, lm.kv_heads, lm.head_dim, 1, lm.dtype, lm.layer_devices, shadow=shadow
+    )
 
 
 @torch.inference_mode()
@@ -40,8 +42,9 @@ def step(lm: LoadedModel, cache: KVCache, ids, times: list[float] | None = None)
     return logits
 
 
-def greedy(lm: LoadedModel, cache: KVCache, first_logits: torch.Tensor, max_new: int,
-           times: list[float]) -> list[int]:
+def greedy(
+    lm: LoadedModel, cache: KVCache, first_logits: torch.Tensor, max_new: int, times: list[float]
+) -> list[int]:
     """Greedy decoding from ``first_logits``; each step timed into ``times``; stops at EOS."""
     tokens = [int(first_logits.argmax())]
     while len(tokens) < max_new and tokens[-1] != lm.codec.eos_id:

@@ -18,8 +18,24 @@ from kvbench.eval import loop
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
-CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Quito", "Tallinn", "Perth", "Dakar", "Bergen",
-          "Kyoto", "Porto", "Accra", "Cusco", "Riga", "Malmo"]
+CITIES = [
+    "Lisbon",
+    "Oslo",
+    "Nairobi",
+    "Lima",
+    "Hanoi",
+    "Quito",
+    "Tallinn",
+    "Perth",
+    "Dakar",
+    "Bergen",
+    "Kyoto",
+    "Porto",
+    "Accra",
+    "Cusco",
+    "Riga",
+    "Malmo",
+]
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
@@ -55,7 +71,8 @@ def validate(cfg) -> None:
 
 
 def haystack_with_needle(codec, ids: list[int], case: Case, cfg) -> str:
-    """``case.length`` tokens of corpus from an offset, needle inserted at the sentence boundary nearest the depth."""
+    """``case.length`` corpus tokens from the case's offset, the needle at the sentence boundary
+    nearest the case's depth."""
     start = case.offset * cfg.offset_stride
     text = codec.decode(ids[start : start + case.length])
     needle = cfg.needle.format(city=case.city, code=case.code)
@@ -87,18 +104,31 @@ def run_case(lm: LoadedModel, stack: Stack, hay_ids: list[int], case: Case, cfg)
     tokens = loop.greedy(lm, cache, logits[-1], cfg.max_new_tokens, tpot)
     answer = lm.codec.decode(tokens)
     return {
-        "length": case.length, "depth": case.depth, "offset": case.offset, "context_tokens": len(head),
-        "expected": case.code, "answer": answer, "correct": float(case.code in answer),
-        "ttft": sum(ttft), "tpot": tpot, "bytes_prefill": stored, "compression_prefill": ref / stored,
-        "bytes_end": cache.nbytes(), "compression_end": cache.reference_bytes() / cache.nbytes(),
+        "length": case.length,
+        "depth": case.depth,
+        "offset": case.offset,
+        "context_tokens": len(head),
+        "expected": case.code,
+        "answer": answer,
+        "correct": float(case.code in answer),
+        "ttft": sum(ttft),
+        "tpot": tpot,
+        "bytes_prefill": stored,
+        "compression_prefill": ref / stored,
+        "bytes_end": cache.nbytes(),
+        "compression_end": cache.reference_bytes() / cache.nbytes(),
     }
 
 
-def evaluate(lm: LoadedModel, stack: Stack, corpus: str, cfg, baseline: list[dict] | None) -> tuple[dict, list[dict]]:
+def evaluate(
+    lm: LoadedModel, stack: Stack, corpus: str, cfg, baseline: list[dict] | None
+) -> tuple[dict, list[dict]]:
     longest = max(cfg.lengths) + (cfg.offsets - 1) * cfg.offset_stride
     hay_ids = lm.codec.encode(corpus[: longest * 12])
     if len(hay_ids) < longest:
-        raise ConfigError(f"dataset {cfg.name!r}: haystack has {len(hay_ids)} tokens, the grid needs {longest}")
+        raise ConfigError(
+            f"dataset {cfg.name!r}: haystack has {len(hay_ids)} tokens, the grid needs {longest}"
+        )
     cases = [run_case(lm, stack, hay_ids, c, cfg) for c in tqdm(grid(cfg), desc="needle cases", leave=False)]
     return summarize(cases, baseline), cases
 
@@ -110,10 +140,21 @@ def summarize(cases: list[dict], baseline: list[dict] | None) -> dict:
     lo, hi = metrics.wilson_interval(n_ok, len(cases))
     gen_time = sum(c["ttft"] + sum(c["tpot"]) for c in cases)
     return {
-        "score": {"name": "needle_accuracy", "value": n_ok / len(cases), "higher_is_better": True,
-                  "ci_low": lo, "ci_high": hi},
-        "accuracy_drop": metrics.accuracy_drop([b["correct"] for b in baseline], correct) if baseline else None,
-        "delta_nll": None, "kl": None, "top1_agreement": None, "kv_hit": None, "kv_hit_excl": None,
+        "score": {
+            "name": "needle_accuracy",
+            "value": n_ok / len(cases),
+            "higher_is_better": True,
+            "ci_low": lo,
+            "ci_high": hi,
+        },
+        "accuracy_drop": metrics.accuracy_drop([b["correct"] for b in baseline], correct)
+        if baseline
+        else None,
+        "delta_nll": None,
+        "kl": None,
+        "top1_agreement": None,
+        "kv_hit": None,
+        "kv_hit_excl": None,
         "compression_prefill": float(np.mean([c["compression_prefill"] for c in cases])),
         "compression_mean": float(np.mean([c["compression_end"] for c in cases])),
         "kv_mem_mb_prefill": float(np.mean([c["bytes_prefill"] for c in cases])) / 2**20,

@@ -50,17 +50,31 @@ def windows(ids: list[int], cfg) -> list[list[int]]:
     return [ids[s : s + length] for s in starts]
 
 
-def score_window(lm: LoadedModel, stack: Stack, ids: list[int], cfg, reference: torch.Tensor | None,
-                 probe: HitProbe | None, keep_logprobs: bool) -> WindowResult:
+def score_window(
+    lm: LoadedModel,
+    stack: Stack,
+    ids: list[int],
+    cfg,
+    reference: torch.Tensor | None,
+    probe: HitProbe | None,
+    keep_logprobs: bool,
+) -> WindowResult:
     """Run the protocol on one window of ``prefill + chunk * chunks_per_window + 1`` tokens."""
     cache = loop.new_cache(lm, stack, shadow=probe is not None)
     ttft: list[float] = []
     loop.step(lm, cache, ids[: cfg.prefill], ttft)
     ref_bytes = cache.reference_bytes()
     out = WindowResult(
-        nll=torch.empty(0), chunk_nll=[], logprobs=None, ttft=ttft[0], tpot=[], bytes_prefill=cache.nbytes(),
-        bytes_peak=cache.nbytes(), per_layer_prefill=cache.per_layer_bytes(),
-        compression_prefill=ref_bytes / cache.nbytes(), compression_chunks=[],
+        nll=torch.empty(0),
+        chunk_nll=[],
+        logprobs=None,
+        ttft=ttft[0],
+        tpot=[],
+        bytes_prefill=cache.nbytes(),
+        bytes_peak=cache.nbytes(),
+        per_layer_prefill=cache.per_layer_bytes(),
+        compression_prefill=ref_bytes / cache.nbytes(),
+        compression_chunks=[],
     )
     cache.probe = probe
     nlls, lps = [], []
@@ -74,7 +88,9 @@ def score_window(lm: LoadedModel, stack: Stack, ids: list[int], cfg, reference: 
         out.bytes_peak = max(out.bytes_peak, cache.nbytes())
         out.compression_chunks.append(cache.reference_bytes() / cache.nbytes())
         if reference is not None:
-            kl, agree = metrics.kl_and_top1(reference[j * cfg.chunk : (j + 1) * cfg.chunk].to(logprobs.device), logprobs)
+            kl, agree = metrics.kl_and_top1(
+                reference[j * cfg.chunk : (j + 1) * cfg.chunk].to(logprobs.device), logprobs
+            )
             out.kl.extend(kl.tolist())
             out.top1.extend(agree.float().tolist())
         if keep_logprobs:
@@ -87,8 +103,14 @@ def score_window(lm: LoadedModel, stack: Stack, ids: list[int], cfg, reference: 
     return out
 
 
-def evaluate(lm: LoadedModel, stack: Stack, ids: list[int], cfg, baseline: list[WindowResult] | None,
-             keep_logprobs: bool = False) -> tuple[dict, list[WindowResult]]:
+def evaluate(
+    lm: LoadedModel,
+    stack: Stack,
+    ids: list[int],
+    cfg,
+    baseline: list[WindowResult] | None,
+    keep_logprobs: bool = False,
+) -> tuple[dict, list[WindowResult]]:
     """All windows of one cell; returns (metrics, per-window results)."""
     probe = HitProbe() if stack.order else None
     results = []
@@ -98,13 +120,18 @@ def evaluate(lm: LoadedModel, stack: Stack, ids: list[int], cfg, baseline: list[
     return summarize(results, baseline, probe), results
 
 
-def summarize(results: list[WindowResult], baseline: list[WindowResult] | None, probe: HitProbe | None) -> dict:
+def summarize(
+    results: list[WindowResult], baseline: list[WindowResult] | None, probe: HitProbe | None
+) -> dict:
     nll = torch.cat([r.nll for r in results])
     tpot = [t for r in results for t in r.tpot]
     m: dict = {
         "score": {"name": "perplexity", "value": float(nll.mean().exp()), "higher_is_better": False},
         "nll": float(nll.mean()),
-        "accuracy_drop": None, "delta_nll": None, "kl": None, "top1_agreement": None,
+        "accuracy_drop": None,
+        "delta_nll": None,
+        "kl": None,
+        "top1_agreement": None,
         "compression_prefill": float(np.mean([r.compression_prefill for r in results])),
         "compression_mean": float(np.mean([c for r in results for c in r.compression_chunks])),
         "kv_mem_mb_prefill": float(np.mean([r.bytes_prefill for r in results])) / 2**20,
@@ -112,8 +139,10 @@ def summarize(results: list[WindowResult], baseline: list[WindowResult] | None, 
         "ttft_s": float(np.mean([r.ttft for r in results])),
         "tpot_s": float(np.mean(tpot)) if tpot else None,
         "throughput_tok_s": len(tpot) / float(np.sum(tpot)) if tpot else None,
-        "n_examples": len(results), "n_scored_tokens": int(nll.numel()),
-        "kv_hit": None, "kv_hit_excl": None,
+        "n_examples": len(results),
+        "n_scored_tokens": int(nll.numel()),
+        "kv_hit": None,
+        "kv_hit_excl": None,
     }
     if probe is not None:
         m["kv_hit"], m["kv_hit_excl"] = probe.result()

@@ -45,10 +45,14 @@ class BaseRouter(Router):
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")
 
-    def read_mask(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    def read_mask(
+        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
         view = store.view()
         chunk_start = int(qpos[0])
-        always = self.budget_cfg.protected(view.pos, chunk_start, store.protect_from) | (view.pos >= chunk_start)
+        always = self.budget_cfg.protected(view.pos, chunk_start, store.protect_from) | (
+            view.pos >= chunk_start
+        )
         routable = view.valid & ~always
         eid = position_blocks(view.pos, routable, self.num_experts)
         b, h, t, d = view.k.shape
@@ -63,7 +67,9 @@ class BaseRouter(Router):
         chosen = torch.zeros_like(score, dtype=torch.bool).scatter(-1, score.topk(k, dim=-1).indices, True)
         chosen &= count[:, :, None, :] > 0
         self._account(chosen, routable, eid)
-        token_read = torch.gather(chosen, -1, eid.clamp(min=0)[:, :, None, :].expand(-1, -1, query.shape[2], -1))
+        token_read = torch.gather(
+            chosen, -1, eid.clamp(min=0)[:, :, None, :].expand(-1, -1, query.shape[2], -1)
+        )
         return token_read | ~routable[:, :, None, :]
 
     def _account(self, chosen: torch.Tensor, routable: torch.Tensor, eid: torch.Tensor) -> None:

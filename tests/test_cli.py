@@ -1,0 +1,98 @@
+"""The command line: one-line errors before any model loads, a multirun in one process, skip and force."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "model=tiny_random",
+    "dataset=pydoc",
+    "dataset.prefill=48",
+    "dataset.chunk=8",
+    "dataset.chunks_per_window=2",
+    "dataset.windows=2",
+    "dataset.decode_steps=2",
+    "window=8",
+    "sinks=2",
+]
+
+
+def kvbench(*args: str, tmp: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "KVBENCH_CACHE": str(tmp / "cache"), "KVBENCH_HYDRA_DIR": str(tmp / "hydra")}
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *args, f"results_dir={tmp / 'results'}"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["scheduler=h2oo"], "scheduler='h2oo': unknown option (did you mean 'h2o'?); allowed: h2o, none"),
+        (["compressor=quantized", "compressor.bits=5"], "compressor.bits=5: allowed 2, 4, 8"),
+        (["budget=1.5"], "budget=1.5: must be in (0, 1]"),
+        (["dataset=needle", "dataset.depths=[0.5,1.5]"], "needle depths must be in 0..1"),
+        (
+            ["dataset=text_file", "dataset.path=/no/such/file.txt"],
+            "dataset.path='/no/such/file.txt': file not found",
+        ),
+        (["seed=abc"], "seed=abc"),
+        (["-m", "compressor=quantized", "compressor.bits=2,5"], "compressor.bits=5"),
+    ],
+)
+def test_bad_input_fails_in_one_line_before_loading(tmp_path, args, needle):
+    out = kvbench(*args, tmp=tmp_path)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if line.startswith("kvbench: error:")]
+    assert len(errors) == 1 and needle in errors[0], out.stderr
+    assert not (tmp_path / "results").exists()  # nothing written
+    assert not (tmp_path / "cache").exists()  # no model was loaded or converted
+
+
+def test_multirun_in_one_process_then_skip_and_report(tmp_path):
+    out = kvbench("-m", *TINY, "scheduler=none,h2o", "compressor=none,quantized", "name=mini", tmp=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    records = [json.loads(p.read_text()) for p in (tmp_path / "results" / "mini").glob("*.json")]
+    assert len(records) == 4 and all(r["status"] == "done" for r in records)
+    assert len({r["cell_id"] for r in records}) == 4
+    by_stack = {(r["stack"]["compressor"], r["stack"]["scheduler"]): r for r in records}
+    base = by_stack[("none", "none")]["metrics"]
+    both = by_stack[("quantized", "h2o")]["metrics"]
+    assert base["accuracy_drop"] is None and both["accuracy_drop"]["name"] == "delta_ppl_pct"
+    assert both["compression_mean"] > base["compression_mean"]
+    assert both["score"]["value"] != base["score"]["value"]
+    again = kvbench("-m", *TINY, "scheduler=none,h2o", "compressor=none,quantized", "name=mini", tmp=tmp_path)
+    assert again.stderr.count("is done") == 4
+    rep = subprocess.run(
+        [sys.executable, "-m", "kvbench.report", str(tmp_path / "results" / "mini")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert rep.returncode == 0 and "### Double" in rep.stdout and "quantized" in rep.stdout
+
+
+def test_record_identity_excludes_logging_and_paths(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from kvbench import config, run
+
+    config.register()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        a = compose("config", overrides=[*TINY, "logger=none", "results_dir=/a"])
+        b = compose("config", overrides=[*TINY, "logger=wandb", "results_dir=/b", "name=other"])
+        c = compose("config", overrides=[*TINY, "dataset.prefill=40"])
+    stacks = [config.validate(x) for x in (a, b, c)]
+    ids = [run.identity(x, s, "sha") for x, s in zip((a, b, c), stacks)]
+    assert ids[0] == ids[1] and ids[0] != ids[2]
