@@ -17,7 +17,7 @@ def test_kl_and_top1_by_hand():
     kl, agree = metrics.kl_and_top1(p, q)
     expect = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
     assert kl[0].item() == pytest.approx(expect, abs=1e-6) and kl[1].item() == pytest.approx(0.0, abs=1e-6)
-    assert agree.tolist() == [True, True]  # argmax ties resolve to the first index
+    assert agree.tolist() == [False, True]  # the tie in row 0 resolves to index 0; q picks 1
 
 
 def test_wilson_interval_by_hand():
