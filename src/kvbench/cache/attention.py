@@ -100,8 +100,9 @@ def kv_hit(
         the share of the full-cache mass outside ``exclude`` that the stack recovers (NaN if none).
     """
     s = p_full.shape[-1]
+    # Padding slots (position -1) carry zero probability under the read mask: park them on 0.
     idx = stack_pos.clamp(min=0)[:, :, None, None, :].expand_as(p_stack)
-    on_pos = torch.zeros_like(p_full).scatter_add_(-1, idx, p_stack.masked_fill(idx.lt(0), 0.0))
+    on_pos = torch.zeros_like(p_full).scatter_add_(-1, idx, p_stack)
     overlap = torch.minimum(on_pos, p_full)
     keep = ~exclude[:s]
     mass = p_full[..., keep].sum(-1)
