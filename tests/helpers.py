@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from kvbench.eval import loop
-from kvbench.roles import Budget
+from kvbench.roles import BindContext, Budget
 from kvbench.stack import Stack
 
 
 def make_stack(lm, router=None, compressor=None, scheduler=None, **budget) -> Stack:
     stack = Stack(router=router, compressor=compressor, scheduler=scheduler, budget=Budget(**budget))
-    stack.bind(lm.num_layers)
+    stack.bind(BindContext.for_model(lm, stack.budget))
     return stack
 
 

@@ -26,11 +26,13 @@ def _hydra():
 
 @pytest.mark.parametrize(("group", "option"), ROLE_OPTIONS)
 def test_every_technique_option_instantiates(group, option):
-    cfg = compose("config", overrides=[f"{group}={option}"])
+    extra = [f"{group}.stages=[snapkv,quantized]"] if option == "chain" else []
+    cfg = compose("config", overrides=[f"{group}={option}", *extra])
     tech = build_technique(cfg[group], group)
     assert (tech is None) == (option == "none")
     if tech is not None:
-        assert tech.name == option and tech.role == group
+        name = "chain[snapkv,quantized]" if option == "chain" else option
+        assert tech.name == name and tech.role == group
 
 
 @pytest.mark.parametrize("option", sorted(p.stem for p in (CONF / "model").glob("*.yaml")))

@@ -41,8 +41,18 @@ def test_kv_hit_by_hand():
     # Full attention over positions 0..3; the stack kept positions 0 and 2 (renormalized).
     p_full = torch.tensor([0.1, 0.2, 0.3, 0.4]).view(1, 1, 1, 1, 4)
     p_stack = torch.tensor([0.25, 0.75]).view(1, 1, 1, 1, 2)
-    pos = torch.tensor([0, 2]).view(1, 1, 2)
+    units = torch.tensor([0, -1, 1, -1]).view(1, 1, 4)  # position -> stored unit (-1: evicted)
     exclude = torch.tensor([True, False, False, False])
-    hit, hit_excl = kv_hit(p_stack, pos, p_full, exclude)
+    hit, hit_excl = kv_hit(p_stack, units, p_full, exclude)
     assert hit.item() == pytest.approx(0.1 + 0.3)
     assert hit_excl.item() == pytest.approx(0.3 / 0.9)
+
+
+def test_kv_hit_merged_units_compare_summed_mass():
+    # Unit 1 merged positions 1..3 (mass 0.9 under full attention); the stack gives it 0.75.
+    p_full = torch.tensor([0.1, 0.2, 0.3, 0.4]).view(1, 1, 1, 1, 4)
+    p_stack = torch.tensor([0.25, 0.75]).view(1, 1, 1, 1, 2)
+    units = torch.tensor([0, 1, 1, 1]).view(1, 1, 4)
+    hit, hit_excl = kv_hit(p_stack, units, p_full, torch.tensor([True, False, False, False]))
+    assert hit.item() == pytest.approx(0.1 + 0.75)
+    assert hit_excl.item() == pytest.approx(0.75 / 0.9)

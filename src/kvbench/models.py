@@ -37,6 +37,7 @@ class LoadedModel:
     kv_heads: int
     head_dim: int
     layer_devices: list[torch.device] = field(default_factory=list)
+    cfg: Any = None  # the model's config node (identity of calibration artifacts)
 
     @property
     def device(self) -> torch.device:
@@ -178,4 +179,4 @@ def _wrap(cfg: DictConfig, model, codec) -> LoadedModel:
         "head_dim": head_dim,
         "sliding_window": getattr(c, "sliding_window", None),
     }
-    return LoadedModel(model, codec, info, len(layers), kv_heads, head_dim, devices)
+    return LoadedModel(model, codec, info, len(layers), kv_heads, head_dim, devices, cfg)

@@ -9,12 +9,12 @@ The cache engine calls the hooks below; techniques touch only kvbench's own stor
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.store import LayerStore, Segment
 from kvbench.errors import ConfigError
 
 
@@ -50,15 +50,76 @@ class Budget:
         if self.sinks < 0 or self.window < 1:
             raise ConfigError(f"sinks={self.sinks}, window={self.window}: need sinks >= 0 and window >= 1")
 
-    def capacity(self, seen: int) -> int:
-        """Tokens a head may keep after ``seen`` tokens (never fewer than sinks + window)."""
-        cap = self.budget_tokens if self.budget_tokens is not None else math.ceil(self.budget * seen)
-        return max(cap, self.sinks + self.window)
+    def capacity(self, seen: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
+        """Tokens a head-row may keep after ``seen`` ``(B,)`` tokens: ``(B,)``, never fewer than
+        sinks + window (nor more than seen). ``weight`` is the layer's share under an allocation."""
+        if self.budget_tokens is not None:
+            cap = torch.full_like(seen, math.ceil(self.budget_tokens * weight))
+        else:
+            cap = torch.ceil(self.budget * weight * seen.double() - 1e-9).long()
+        return torch.minimum(cap.clamp(min=self.sinks + self.window), seen)
 
-    def protected(self, pos: torch.Tensor, seen: int, protect_from: int | None = None) -> torch.Tensor:
-        """True where a position is a sink, inside the recent window, or at/after ``protect_from``."""
+    def protected(
+        self, pos: torch.Tensor, seen: torch.Tensor | int, protect_from: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
+        """True where a position is a sink, inside the recent window, or at/after ``protect_from``.
+
+        ``seen`` and ``protect_from`` broadcast against ``pos`` (one per sequence in a batch).
+        """
         prot = (pos < self.sinks) | (pos >= seen - self.window)
         return prot if protect_from is None else prot | (pos >= protect_from)
+
+    def protected_view(self, store: LayerStore) -> torch.Tensor:
+        """:meth:`protected` over ``store.view()``: ``(B, H, T)``."""
+        return self.protected(store.view().pos, store.view_seen(), store.view_protect_from())
+
+    def protected_flat(self, store: LayerStore, seg: Segment) -> torch.Tensor:
+        """:meth:`protected` over the flat tokens of one segment: ``(N,)``."""
+        return self.protected(seg.pos, store.flat_seen(seg), store.flat_protect_from(seg))
+
+    def scaled(self, depth: int) -> Budget:
+        """The budget of the ``depth``-th selection of a stack: selections compose multiplicatively."""
+        return self if depth <= 1 else replace(self, budget=self.budget**depth)
+
+
+@dataclass
+class BindContext:
+    """What a technique may know before the first forward.
+
+    Attributes:
+        budget: the stack-wide budget, already scaled for this technique's place among selections.
+        model: the :class:`kvbench.models.LoadedModel` (for rotary and calibration), or None.
+        calibrations: records of every calibration artifact the stack used (filled by techniques).
+    """
+
+    budget: Budget
+    num_layers: int
+    kv_heads: int = 1
+    q_heads: int = 1
+    head_dim: int = 64
+    model: Any = None
+    seed: int = 0
+    calibrations: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def for_model(cls, lm: Any, budget: Budget, seed: int = 0) -> BindContext:
+        return cls(
+            budget=budget,
+            num_layers=lm.num_layers,
+            kv_heads=lm.kv_heads,
+            q_heads=int(lm.info.get("heads", lm.kv_heads)),
+            head_dim=lm.head_dim,
+            model=lm,
+            seed=seed,
+        )
+
+    def rotary(self):
+        """The model's rotary embedding (refused for models without the rotate-half convention)."""
+        from kvbench.cache.rotary import Rotary
+
+        if self.model is None:
+            raise ConfigError("this technique needs a model's rotary embedding (bind with a model)")
+        return Rotary.from_model(self.model.model)
 
 
 class Technique:
@@ -68,20 +129,41 @@ class Technique:
     flags: ClassVar[Flags] = Flags()
     name: str = ""
 
-    def bind(self, budget: Budget, num_layers: int) -> None:
-        """Receive the stack-wide budget once, before the first forward."""
-        self.budget_cfg = budget
-        self.num_layers = num_layers
+    wants_queries: ClassVar[bool] = False  # receive the rotated queries of every forward
+
+    def bind(self, ctx: BindContext) -> None:
+        """Receive the stack-wide budget (and the model) once, before the first forward."""
+        self.ctx = ctx
+        self.budget_cfg = ctx.budget
+        self.num_layers = ctx.num_layers
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
-        """Attention probabilities of a block of queries, summed over each KV head's query group.
+        """Attention probabilities of a block of queries (only for ``needs_attention_scores``).
 
         Args:
             layer: layer index.
             store: the layer's storage; ``probs`` is aligned with ``store.view()``.
-            probs: ``(B, H_kv, q, T)``.
-            qpos: ``(q,)`` positions of the queries.
+            probs: ``(B, H_kv, g, q, T)`` fp32, ``g`` query heads per KV head; rows of padding
+                queries are zero.
+            qpos: ``(B, q)`` positions of the queries (-1 for padding).
         """
+
+    def observe_queries(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> None:
+        """The rotated queries ``(B, H_q, q, D)`` of a forward (only for ``wants_queries``)."""
+
+    def read_mask(
+        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
+        """Which stored tokens each query may read (only for ``selects_reads``).
+
+        Args:
+            query: ``(B, H_q, q, D)`` rotated queries.
+            qpos: ``(B, q)`` query positions (-1 for padding).
+
+        Returns:
+            ``(B, H_kv, q, T)`` bool, aligned with ``store.view()``.
+        """
+        raise NotImplementedError
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         """Technique-specific measured figures for the result record."""
@@ -109,42 +191,32 @@ class Compressor(Technique):
 
 
 class Router(Technique):
-    """Decides which shard of the stored cache each query reads."""
+    """Decides which shard of the stored cache each query reads (``read_mask``)."""
 
     role = "router"
-
-    def read_mask(
-        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
-    ) -> torch.Tensor:
-        """Which stored tokens each query may read.
-
-        Args:
-            query: ``(B, H_q, q, D)`` rotated queries.
-            qpos: ``(q,)`` query positions.
-
-        Returns:
-            ``(B, H_kv, q, T)`` bool, aligned with ``store.view()``.
-        """
-        raise NotImplementedError
 
     def write(self, layer: int, store: LayerStore) -> None:
         """Called after every forward chunk, last: update shard assignment of stored tokens."""
 
 
-def keep_top(scores: torch.Tensor, valid: torch.Tensor, k: int) -> torch.Tensor:
+def keep_top(scores: torch.Tensor, valid: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
     """Boolean mask of the ``k`` highest valid scores per head-row.
 
     Args:
-        scores: ``(B, H, T)``; protected tokens should carry ``+inf``.
+        scores: ``(B, H, T)``; protected tokens should carry ``+inf`` and are never dropped.
         valid: ``(B, H, T)``.
-        k: tokens to keep per head-row.
+        k: tokens to keep per head-row: an int, or per sequence ``(B,)``, or per head-row ``(B, H)``.
 
     Returns:
         ``(B, H, T)`` bool.
     """
-    protected = torch.isinf(scores) & (scores > 0) & valid
-    k = min(max(k, int(protected.sum(-1).max())), scores.shape[-1])  # never drop a protected token
+    b, h, _ = scores.shape
+    kk = torch.as_tensor(k, device=scores.device).long()
+    kk = kk.view(b, 1) if kk.dim() == 1 else kk
+    kk = kk.expand(b, h) if kk.dim() else kk.expand(b, h)
+    protected = (torch.isinf(scores) & (scores > 0) & valid).sum(-1)
+    kk = torch.maximum(kk, protected)
     masked = scores.masked_fill(~valid, float("-inf"))
-    idx = masked.topk(k, dim=-1).indices
-    keep = torch.zeros_like(valid).scatter(-1, idx, True)
-    return keep & valid
+    order = masked.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return (rank < kk[..., None]) & valid

@@ -18,6 +18,7 @@ from kvbench import baseline as baselines
 from kvbench import config, models, results
 from kvbench.data import corpus
 from kvbench.eval import measure, needle, perplexity
+from kvbench.roles import BindContext
 from kvbench.stack import Stack, stack_identity
 
 
@@ -87,7 +88,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 
 
 def _evaluate(cfg, lm, stack, text, ident, record) -> None:
-    stack.bind(lm.num_layers)
+    stack.bind(BindContext.for_model(lm, stack.budget, int(cfg.seed)))  # may calibrate (cached)
     base = baselines.get(cfg, lm, text, ident) if stack.order else None  # once per model x dataset
     measure.reset_peak(lm.device)
     t0 = time.perf_counter()
@@ -109,6 +110,7 @@ def _evaluate(cfg, lm, stack, text, ident, record) -> None:
     metrics["peak_memory_mb"] = measure.peak_mb(lm.device)
     metrics["techniques"] = stack.metrics()
     record["metrics"] = metrics
+    record["calibrations"] = stack.calibrations()
     record["timings"]["eval_s"] = time.perf_counter() - t0
     record["dataset"]["n_examples"] = metrics["n_examples"]
     record["status"] = "done"
@@ -142,6 +144,7 @@ def _skeleton(cfg, stack, ident, cell_id, source) -> dict[str, Any]:
         "device": {"type": models.resolve_device(cfg.device).type},
         "metrics": {},
         "per_layer_bytes": [],
+        "calibrations": [],
         "timings": {"load_s": None, "eval_s": None, "total_s": None},
         "versions": {
             "kvbench": kvbench.__version__,

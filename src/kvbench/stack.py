@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from hydra.utils import instantiate
@@ -10,9 +11,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
-from kvbench.roles import Budget, Compressor, Router, Scheduler, Technique
+from kvbench.roles import BindContext, Budget, Compressor, Router, Scheduler, Technique
 
 ROLES = ("router", "compressor", "scheduler")
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 @dataclass
@@ -32,16 +34,47 @@ class Stack:
         return [t for t in (self.router, self.compressor, self.scheduler) if t is not None]
 
     @property
+    def pipeline(self) -> list[Technique]:
+        """Every acting technique in application order, a chain's stages in place of the chain."""
+        out: list[Technique] = []
+        for tech in self.techniques:
+            out.extend(getattr(tech, "stages", None) or [tech])
+        return out
+
+    @property
     def observers(self) -> list[Technique]:
-        return [t for t in self.techniques if t.flags.needs_attention_scores]
+        return [t for t in self.pipeline if t.flags.needs_attention_scores]
+
+    @property
+    def query_observers(self) -> list[Technique]:
+        return [t for t in self.pipeline if t.wants_queries]
+
+    @property
+    def read_selector(self) -> Technique | None:
+        """The one technique that selects reads inside attention (a router or ``quest``)."""
+        return next((t for t in self.pipeline if t.flags.selects_reads), None)
 
     @property
     def order(self) -> int:
         return len(self.techniques)
 
-    def bind(self, num_layers: int) -> None:
+    def bind(self, ctx: BindContext | int) -> BindContext:
+        """Bind every technique; the n-th token selection gets ``budget ** n`` (METHODS.md).
+
+        ``ctx`` may be a bare layer count (no model: techniques that need one refuse).
+        """
+        if isinstance(ctx, int):
+            ctx = BindContext(budget=self.budget, num_layers=ctx)
+        ctx = replace(ctx, budget=self.budget)
+        depth = 0
         for tech in self.techniques:
-            tech.bind(self.budget, num_layers)
+            if getattr(tech, "stages", None):
+                tech.bind(ctx)
+            for part in getattr(tech, "stages", None) or [tech]:
+                depth += part.flags.evicts_tokens
+                part.bind(replace(ctx, budget=self.budget.scaled(depth)) if part.flags.evicts_tokens else ctx)
+        self.ctx = ctx
+        return ctx
 
     def apply(self, layer: int, store: LayerStore) -> None:
         """After a forward chunk: the compressor, then the scheduler's eviction, then router writes."""
@@ -56,15 +89,32 @@ class Stack:
         return {role: (getattr(self, role).name if getattr(self, role) else "none") for role in ROLES}
 
     def metrics(self) -> dict[str, Any]:
-        return {f"{t.role}/{t.name}": t.metrics() for t in self.techniques if t.metrics()}
+        return {f"{t.role}/{t.name}": t.metrics() for t in self.pipeline if t.metrics()}
+
+    def calibrations(self) -> list[dict[str, Any]]:
+        """Records of the calibration artifacts the bound techniques used."""
+        ctx = getattr(self, "ctx", None)
+        return list(ctx.calibrations) if ctx is not None else []
 
 
 def check_legal(techniques: list[Technique]) -> None:
     """Refuse combinations the capability flags make meaningless, with the reason."""
-    readers = [f"{t.role}/{t.name}" for t in techniques if t.flags.selects_reads]
+    parts: list[Technique] = []
+    for tech in techniques:
+        parts.extend(getattr(tech, "stages", None) or [tech])
+    readers = [f"{t.role}/{t.name}" for t in parts if t.flags.selects_reads]
     if len(readers) > 1:
         raise ConfigError(
             f"stack {' + '.join(readers)}: both select reads; a stack may hold one read selector"
+        )
+    tiers = [f"{t.role}/{t.name}" for t in parts if t.flags.places_tiers]
+    if len(tiers) > 1:
+        raise ConfigError(f"stack {' + '.join(tiers)}: both place cache tiers; a stack may hold one placer")
+    reps = [f"{t.role}/{t.name}" for t in parts if t.flags.changes_representation]
+    if len(reps) > 1:
+        raise ConfigError(
+            f"stack {' + '.join(reps)}: both change the representation of the tokens leaving the "
+            "full-precision window; a stack may hold one"
         )
 
 
@@ -101,6 +151,9 @@ def stack_identity(cfg: DictConfig, stack: Stack) -> dict[str, Any]:
     for role in ROLES:
         node = cfg.get(role)
         ident[role] = OmegaConf.to_container(node, resolve=True) if node is not None else None
+        tech = getattr(stack, role)
+        if tech is not None and hasattr(tech, "resolved"):
+            ident[role]["stages"] = tech.resolved  # a chain: its stages' full knobs
     if stack.order:
         ident["budget"] = {k: cfg[k] for k in ("budget", "budget_tokens", "sinks", "window")}
     return ident

@@ -23,24 +23,38 @@ def read_mask(
     Args:
         kpos: ``(B, H, T)`` original positions of the stored tokens.
         valid: ``(B, H, T)`` real tokens (padding is False).
-        qpos: ``(q,)`` query positions.
+        qpos: ``(B, q)`` query positions (one row per sequence).
         sliding_window: the model's window, or None.
 
     Returns:
         ``(B, H, q, T)`` bool.
     """
     kp = kpos[:, :, None, :]
-    qp = qpos[None, None, :, None]
+    qp = qpos[:, None, :, None]
     mask = valid[:, :, None, :] & (kp <= qp)
     if sliding_window is not None:
         mask = mask & (kp > qp - sliding_window)
     return mask
 
 
+def additive(mask: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean ``(B, H, q, T)`` mask as additive logits, with a per-unit ``bias`` ``(B, H, T)``."""
+    neg = torch.finfo(dtype).min if dtype != torch.float32 else float("-inf")
+    base = bias[:, :, None, :].to(dtype) if bias is not None else torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, base, torch.full((), neg, dtype=dtype, device=mask.device))
+
+
 def attend(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Grouped-query attention with a per-KV-head boolean mask; ``mask=None`` means causal.
+
+    ``bias`` ``(B, H, T)`` adds a logit per stored unit (a merged token's log(count)).
 
     Returns:
         ``(B, Hq, q, D)``.
@@ -50,10 +64,11 @@ def attend(
         return F.scaled_dot_product_attention(
             query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=groups > 1
         )
+    attn_mask = mask if bias is None else additive(mask, bias, query.dtype)
     if groups > 1:
-        mask = mask.repeat_interleave(groups, dim=1)
+        attn_mask = attn_mask.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1
+        query, key, value, attn_mask=attn_mask, scale=scaling, enable_gqa=groups > 1
     )
 
 
@@ -65,7 +80,7 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
     return torch.einsum("bhgqd,bhtd->bhgqt", grouped, key.float()) * scaling
 
 
-def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float):
+def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float, bias=None):
     """Yield ``(start, probs)`` for query blocks; ``probs`` ``(B, H, g, q_blk, T)`` fp32.
 
     ``mask_fn(start, stop)`` returns the ``(B, H, stop - start, T)`` read mask of that block, so a
@@ -77,21 +92,24 @@ def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float
     for start in range(0, q, block):
         stop = min(q, start + block)
         logits = _logits(query[:, :, start:stop], key, scaling)
+        if bias is not None:
+            logits = logits + bias[:, :, None, None, :].float()
         logits = logits.masked_fill(~mask_fn(start, stop)[:, :, None], float("-inf"))
         yield start, torch.softmax(logits, dim=-1)
 
 
 def kv_hit(
     p_stack: torch.Tensor,
-    stack_pos: torch.Tensor,
+    units: torch.Tensor,
     p_full: torch.Tensor,
     exclude: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Σ_u min(P_full(u), P_stack(u)) over original positions, and the same outside ``exclude``.
+    """Σ_u min(P_full(u), P_stack(u)) over the stack's read units, and the same outside ``exclude``.
 
     Args:
         p_stack: ``(B, H, g, n, T)`` the distribution the stack used over its stored units.
-        stack_pos: ``(B, H, T)`` original position of each unit (-1 for padding).
+        units: ``(B, H, S)`` the unit (column of ``p_stack``) holding each original position, -1 if
+            none; a merged unit holds several positions and compares with their summed mass.
         p_full: ``(B, H, g, n, S)`` softmax over every exact key, ``S`` positions.
         exclude: ``(S,)`` True for sinks, window and the current chunk.
 
@@ -100,11 +118,16 @@ def kv_hit(
         the share of the full-cache mass outside ``exclude`` that the stack recovers (NaN if none).
     """
     s = p_full.shape[-1]
-    # Padding slots (position -1) carry zero probability under the read mask: park them on 0.
-    idx = stack_pos.clamp(min=0)[:, :, None, None, :].expand_as(p_stack)
-    on_pos = torch.zeros_like(p_full).scatter_add_(-1, idx, p_stack)
-    overlap = torch.minimum(on_pos, p_full)
+    t = p_stack.shape[-1]
+    # Positions not stored go to an extra bucket the stack gives no mass.
+    idx = torch.where(units >= 0, units, torch.full_like(units, t))[:, :, None, None, :].expand_as(p_full)
+    full_on_units = torch.zeros(*p_full.shape[:-1], t + 1, device=p_full.device).scatter_add_(-1, idx, p_full)
+    hit = torch.minimum(full_on_units[..., :t], p_stack).sum(-1)
+    # Outside the excluded positions: units whose positions are all outside ``exclude``.
     keep = ~exclude[:s]
+    unit_excluded = torch.zeros(*units.shape[:2], t + 1, device=p_full.device)
+    unit_excluded.scatter_add_(-1, idx[:, :, 0, 0], (~keep).float().expand(*units.shape[:2], s))
+    outside = (unit_excluded[..., :t] == 0)[:, :, None, None, :]
+    overlap = torch.where(outside, torch.minimum(full_on_units[..., :t], p_stack), 0.0).sum(-1)
     mass = p_full[..., keep].sum(-1)
-    hit_excl = overlap[..., keep].sum(-1) / mass
-    return overlap.sum(-1), hit_excl
+    return hit, overlap / mass

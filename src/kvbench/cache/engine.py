@@ -64,7 +64,7 @@ class _Layer(CacheLayerMixin):
         return self.store.stored_tokens() + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.store.seen
+        return self.store.seen_max
 
     def get_max_length(self) -> int:
         return -1
@@ -97,18 +97,19 @@ class KVCache(Cache):
         self.stack = stack
         self.shadow: list[list[torch.Tensor]] | None = [[] for _ in range(num_layers)] if shadow else None
         self.probe: HitProbe | None = None
-        self.routed = False  # routers act for queries after the first compression point
+        self.routed = False  # read selectors act for queries after the first compression point
+        self.real: torch.Tensor | None = None  # (B, q) non-padding tokens of the coming forward
 
     # --- transformers interface -------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        self.stores[layer_idx].append(key_states, value_states)
+        self.stores[layer_idx].append(key_states, value_states, self.real)
         if self.shadow is not None:
             self.shadow[layer_idx].append(key_states)
         _ACTIVE.set(self)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.stores[layer_idx].seen
+        return self.stores[layer_idx].seen_max
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -143,49 +144,71 @@ class KVCache(Cache):
     def reference_bytes(self) -> int:
         """The same tokens as 16-bit K and V: the denominator-free reference of compression."""
         s = self.stores[0]
-        return len(self.stores) * s.batch * s.kv_heads * s.head_dim * s.seen * 2 * 2
+        return len(self.stores) * s.kv_heads * s.head_dim * int(s.seen.sum()) * 2 * 2
 
     def attend(
         self, layer: int, query: torch.Tensor, scaling: float, sliding_window: int | None
     ) -> torch.Tensor:
         store = self.stores[layer]
         q_len = query.shape[2]
-        qpos = torch.arange(store.seen - q_len, store.seen, device=query.device)
+        qpos = store.last_qpos  # (B, q), -1 for padding
         view = store.view()
-        router = self.stack.router if self.routed else None
+        selector = self.stack.read_selector if self.routed else None
+        padded = self.real is not None and not bool(self.real.all())
         # Plain causal attention needs no mask: a prefill with no past, or one decode step over
         # an unwindowed cache where every stored token is real (all are in the past).
-        plain = sliding_window is None and bool(view.valid.all()) and (view.k.shape[2] == q_len or q_len == 1)
+        plain = (
+            sliding_window is None
+            and not padded
+            and view.bias is None
+            and bool(view.valid.all())
+            and (view.k.shape[2] == q_len or q_len == 1)
+        )
+        qreal = qpos >= 0
 
         def mask_fn(start: int, stop: int) -> torch.Tensor:
-            mask = att.read_mask(view.pos, view.valid, qpos[start:stop], sliding_window)
-            if router is not None:
-                mask = mask & router.read_mask(layer, store, query[:, :, start:stop], qpos[start:stop])
+            mask = att.read_mask(view.pos, view.valid, qpos[:, start:stop], sliding_window)
+            if selector is not None:
+                mask = mask & selector.read_mask(layer, store, query[:, :, start:stop], qpos[:, start:stop])
+            if padded:  # padding queries read every stored token (their output is discarded)
+                mask = torch.where(qreal[:, None, start:stop, None], mask, view.valid[:, :, None, :])
             return mask
 
-        mask = None if plain and router is None else mask_fn(0, q_len)
-        out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling)
+        mask = None if plain and selector is None else mask_fn(0, q_len)
+        out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling, view.bias)
+        for tech in self.stack.query_observers:
+            tech.observe_queries(layer, store, query, qpos)
         if self.stack.observers:
             blocks = att.probs_blocks(
-                query, view.k, (lambda a, b: mask[:, :, a:b]) if mask is not None else mask_fn, scaling
+                query,
+                view.k,
+                (lambda a, b: mask[:, :, a:b]) if mask is not None else mask_fn,
+                scaling,
+                view.bias,
             )
             for start, probs in blocks:
-                summed = probs.sum(2)
+                stop = start + probs.shape[3]
+                if padded:
+                    probs = probs * qreal[:, None, None, start:stop, None]
                 for tech in self.stack.observers:
-                    tech.observe(layer, store, summed, qpos[start : start + summed.shape[2]])
+                    tech.observe(layer, store, probs, qpos[:, start:stop])
         if self.probe is not None and self.shadow is not None:
             self._probe_hit(layer, store, query, qpos, mask_fn, scaling, sliding_window)
         return out
 
     def _probe_hit(self, layer, store, query, qpos, mask_fn, scaling, sliding_window) -> None:
-        """KV hit at a few evenly spaced queries of the chunk, against every exact key seen."""
+        """KV hit at a few evenly spaced queries of the chunk, against every exact key seen.
+
+        Batch size 1 (the protocols' case). Merged units are compared with the summed full-cache
+        probability of the positions they absorbed.
+        """
         assert self.probe is not None and self.shadow is not None
         n = min(self.probe.queries_per_chunk, query.shape[2])
         pick = torch.linspace(0, query.shape[2] - 1, n, device=query.device).round().long()
-        q, qp = query[:, :, pick], qpos[pick]
+        q, qp = query[:, :, pick], qpos[:, pick]
         view = store.view()
         mask = mask_fn(0, query.shape[2])[:, :, pick]
-        p_stack = next(att.probs_blocks(q, view.k, lambda a, b: mask[:, :, a:b], scaling))[1]
+        p_stack = next(att.probs_blocks(q, view.k, lambda a, b: mask[:, :, a:b], scaling, view.bias))[1]
         shadow = (
             torch.cat(self.shadow[layer], dim=2) if len(self.shadow[layer]) > 1 else self.shadow[layer][0]
         )
@@ -195,12 +218,13 @@ class KVCache(Cache):
         ones = torch.ones_like(spos, dtype=torch.bool)
         p_full = next(
             att.probs_blocks(
-                q, shadow, lambda a, b: att.read_mask(spos, ones, qp[a:b], sliding_window), scaling
+                q, shadow, lambda a, b: att.read_mask(spos, ones, qp[:, a:b], sliding_window), scaling
             )
         )[1]
-        exclude = self.stack.budget.protected(torch.arange(s, device=query.device), int(qpos[0]))
-        exclude |= torch.arange(s, device=query.device) >= int(qpos[0])
-        hit, hit_excl = att.kv_hit(p_stack, view.pos, p_full, exclude)
+        chunk_start = int(qpos[0, 0])
+        exclude = self.stack.budget.protected(torch.arange(s, device=query.device), chunk_start)
+        exclude |= torch.arange(s, device=query.device) >= chunk_start
+        hit, hit_excl = att.kv_hit(p_stack, store.units(s), p_full, exclude)
         self.probe.add(hit, hit_excl)
 
 

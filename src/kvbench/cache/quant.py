@@ -1,7 +1,8 @@
 """Asymmetric integer quantization with real bit packing (torch reference path).
 
-Codes of ``bits`` bits are packed along the last dimension, ``8 // bits`` per byte, so a row of
-``D`` codes takes ``D * bits / 8`` bytes. Scales and minima are stored in float16, rounded so
+Codes of ``bits`` bits are packed along the last dimension, so a row of ``D`` codes takes
+``D * bits / 8`` bytes: 2, 4 and 8 bits pack ``8 // bits`` codes per byte; 3 bits pack eight codes
+into three bytes. Scales and minima are stored in float16, rounded so
 that every value stays within half a quantization step of its reconstruction.
 """
 
@@ -9,26 +10,39 @@ from __future__ import annotations
 
 import torch
 
-SUPPORTED_BITS = (2, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+def _layout(bits: int) -> tuple[int, int]:
+    """Codes per packed word and bytes per word."""
+    return (8, 3) if bits == 3 else (8 // bits, 1)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """``(..., D)`` uint8 codes < 2**bits -> ``(..., D * bits // 8)`` uint8."""
-    per = 8 // bits
+    per, nbytes = _layout(bits)
     d = codes.shape[-1]
     if d % per:
         raise ValueError(f"head_dim {d} is not a multiple of {per} (needed to pack {bits}-bit codes)")
     grouped = codes.view(*codes.shape[:-1], d // per, per).to(torch.int32)
     shifts = torch.arange(per, device=codes.device, dtype=torch.int32) * bits
-    return (grouped << shifts).sum(-1).to(torch.uint8)
+    word = (grouped << shifts).sum(-1)  # at most 24 bits
+    if nbytes == 1:
+        return word.to(torch.uint8)
+    byte_shifts = torch.arange(nbytes, device=codes.device, dtype=torch.int32) * 8
+    out = (word[..., None] >> byte_shifts) & 0xFF
+    return out.reshape(*codes.shape[:-1], d // per * nbytes).to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack`: ``(..., P)`` -> ``(..., P * 8 // bits)`` uint8."""
-    per = 8 // bits
+    per, nbytes = _layout(bits)
+    words = packed.to(torch.int32).view(*packed.shape[:-1], packed.shape[-1] // nbytes, nbytes)
+    byte_shifts = torch.arange(nbytes, device=packed.device, dtype=torch.int32) * 8
+    word = (words << byte_shifts).sum(-1)
     shifts = torch.arange(per, device=packed.device, dtype=torch.int32) * bits
-    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per).to(torch.uint8)
+    codes = (word[..., None] >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], word.shape[-1] * per).to(torch.uint8)
 
 
 def _params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,3 +60,8 @@ def concat(a: torch.Tensor, a_lens: torch.Tensor, b: torch.Tensor, b_lens: torch
 def segment_ids(lens: torch.Tensor) -> torch.Tensor:
     """Head-row index of every flat row: ``(N,)``."""
     return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+
+
+def starts(lens: torch.Tensor) -> torch.Tensor:
+    """Flat index of the first row of each head-row ``(BH,)``."""
+    return lens.cumsum(0) - lens

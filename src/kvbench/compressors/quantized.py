@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import quant, ragged
-from kvbench.cache.store import LayerStore, Segment
+from kvbench.cache.store import GroupedSegment, LayerStore
 from kvbench.errors import ConfigError
-from kvbench.roles import Compressor, Flags
+from kvbench.roles import Budget, Compressor, Flags
 
 
 @dataclass
-class QuantSegment(Segment):
+class QuantSegment(GroupedSegment):
     """Packed tokens. Per token: ``kcodes`` ``(N, D*kb/8)``, ``vcodes`` ``(N, D*vb/8)``,
     ``vzero``/``vstep`` ``(N, ceil(D/G))``. Per key group: ``kzero``/``kstep`` ``(M, D)``,
     ``gcount`` ``(M,)`` live tokens; ``glens`` ``(BH,)`` groups per head-row."""
@@ -36,23 +36,15 @@ class QuantSegment(Segment):
     vstep: torch.Tensor = None  # type: ignore[assignment]
     kzero: torch.Tensor = None  # type: ignore[assignment]
     kstep: torch.Tensor = None  # type: ignore[assignment]
-    gcount: torch.Tensor = None  # type: ignore[assignment]
-    glens: torch.Tensor = None  # type: ignore[assignment]
 
     def data_fields(self) -> dict[str, torch.Tensor]:
         return {"kcodes": self.kcodes, "vcodes": self.vcodes, "vzero": self.vzero, "vstep": self.vstep}
 
     def group_fields(self) -> dict[str, torch.Tensor]:
-        return {"kzero": self.kzero, "kstep": self.kstep, "gcount": self.gcount}
-
-    def nbytes(self) -> int:
-        fields = [*self.data_fields().values(), *self.group_fields().values()]
-        return sum(t.numel() * t.element_size() for t in fields)
+        return {"kzero": self.kzero, "kstep": self.kstep}
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        gid = torch.repeat_interleave(
-            torch.arange(self.gcount.numel(), device=self.gcount.device), self.gcount.long()
-        )
+        gid = self.group_ids()
         k = quant.dequantize(
             quant.unpack(self.kcodes, self.key_bits), self.kzero[gid], self.kstep[gid], dtype
         )
@@ -62,35 +54,10 @@ class QuantSegment(Segment):
         v = quant.dequantize(quant.unpack(self.vcodes, self.value_bits)[:, :d], vz, vs, dtype)
         return k, v
 
-    def keep(self, keep: torch.Tensor) -> None:
-        gid = torch.repeat_interleave(
-            torch.arange(self.gcount.numel(), device=keep.device), self.gcount.long()
-        )
-        counts = torch.bincount(gid[keep], minlength=self.gcount.numel())
-        live = counts > 0
-        ghead = ragged.segment_ids(self.glens)
-        self.glens = torch.bincount(ghead[live], minlength=self.glens.numel())
-        self.kzero, self.kstep = self.kzero[live], self.kstep[live]
-        self.gcount = counts[live].to(torch.int16)
-        super().keep(keep)
-
-    def extend(self, other: QuantSegment) -> None:
-        """Append ``other``'s tokens and groups after this segment's, per head-row."""
-        for name in [*self.data_fields(), "pos"]:
-            setattr(
-                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
-            )
-        self.aux = {k: ragged.concat(v, self.lens, other.aux[k], other.lens) for k, v in self.aux.items()}
-        for name in self.group_fields():
-            setattr(
-                self, name, ragged.concat(getattr(self, name), self.glens, getattr(other, name), other.glens)
-            )
-        self.lens, self.glens = self.lens + other.lens, self.glens + other.glens
-
 
 @dataclass
 class QuantizedCompressor(Compressor):
-    """KIVI with ``bits`` (or separate ``key_bits``/``value_bits``) in {2, 4, 8}."""
+    """KIVI with ``bits`` (or separate ``key_bits``/``value_bits``) in {2, 3, 4, 8}."""
 
     name: str = "quantized"
     bits: int = 2
@@ -110,7 +77,10 @@ class QuantizedCompressor(Compressor):
             raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        move = self._leaving_window(store)
+        self.move(store, leaving_window(store, self.budget_cfg, self.group_size), self.key_bits, self.value_bits)
+
+    def move(self, store: LayerStore, move: torch.Tensor, key_bits, value_bits) -> None:
+        """Quantize the fp tokens under the flat mask ``move`` into the segment of these bit widths."""
         if not bool(move.any()):
             return
         fp = store.fp
@@ -119,49 +89,69 @@ class QuantizedCompressor(Compressor):
             fp.v[move],
             fp.pos[move],
             torch.bincount(ragged.segment_ids(fp.lens)[move], minlength=fp.lens.numel()),
+            int(key_bits),
+            int(value_bits),
         )
         seg.aux = {k: v[move] for k, v in fp.aux.items()}
         fp.keep(~move)
-        old = [s for s in store.compressed if isinstance(s, QuantSegment)]
+        old = [
+            s
+            for s in store.compressed
+            if isinstance(s, QuantSegment) and (s.key_bits, s.value_bits) == (seg.key_bits, seg.value_bits)
+        ]
         if old:
             old[0].extend(seg)
         else:
             store.compressed.append(seg)
         store.invalidate()
 
-    def _leaving_window(self, store: LayerStore) -> torch.Tensor:
-        """Flat mask over the fp segment: the oldest whole groups of unprotected tokens per head-row."""
-        fp = store.fp
-        eligible = ~self.budget_cfg.protected(fp.pos, store.seen, store.protect_from)
-        padded, valid = ragged.to_padded(eligible, fp.lens, fill=False)
-        rank = padded.long().cumsum(-1)
-        whole = (padded.sum(-1) // self.group_size) * self.group_size
-        move = padded & (rank <= whole[:, None])
-        return ragged.from_padded(move, valid)
-
     def _quantize(
-        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor
+        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, kb: int, vb: int
     ) -> QuantSegment:
-        g, d = self.group_size, k.shape[-1]
-        kb, vb = int(self.key_bits or self.bits), int(self.value_bits or self.bits)
-        kc, kz, ks = quant.quantize(k.view(-1, g, d), kb, dim=1)  # per channel over G tokens
-        ngv = -(-d // g)
-        vpad = F.pad(v.float(), (0, ngv * g - d), mode="replicate") if ngv * g != d else v.float()
-        vc, vz, vs = quant.quantize(vpad.view(-1, ngv, g), vb, dim=2)  # per token, G channels
-        vc = vc.view(-1, ngv * g)[:, :d]
-        return QuantSegment(
-            lens=lens,
-            pos=pos,
-            key_bits=kb,
-            value_bits=vb,
-            group_size=g,
-            head_dim=d,
-            kcodes=quant.pack(kc.view(-1, d), kb),
-            vcodes=quant.pack(vc.contiguous(), vb),
-            vzero=vz.view(-1, ngv),
-            vstep=vs.view(-1, ngv),
-            kzero=kz.view(-1, d),
-            kstep=ks.view(-1, d),
-            gcount=torch.full((kz.shape[0],), g, dtype=torch.int16, device=k.device),
-            glens=lens // g,
-        )
+        return quantize_tokens(k, v, pos, lens, kb, vb, self.group_size)
+
+
+def leaving_window(
+    store: LayerStore, budget: Budget, group_size: int, eligible: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Flat mask over the fp segment: the oldest whole groups of unprotected tokens per head-row.
+
+    ``eligible`` (flat, over the fp segment) restricts the candidates further.
+    """
+    fp = store.fp
+    ok = ~budget.protected_flat(store, fp)
+    if eligible is not None:
+        ok = ok & eligible
+    padded, valid = ragged.to_padded(ok, fp.lens, fill=False)
+    rank = padded.long().cumsum(-1)
+    whole = (padded.sum(-1) // group_size) * group_size
+    move = padded & (rank <= whole[:, None])
+    return ragged.from_padded(move, valid)
+
+
+def quantize_tokens(
+    k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, kb: int, vb: int, g: int
+) -> QuantSegment:
+    """KIVI quantization of whole groups of ``g`` tokens per head-row (``lens`` multiples of ``g``)."""
+    d = k.shape[-1]
+    kc, kz, ks = quant.quantize(k.view(-1, g, d), kb, dim=1)  # per channel over G tokens
+    ngv = -(-d // g)
+    vpad = F.pad(v.float(), (0, ngv * g - d), mode="replicate") if ngv * g != d else v.float()
+    vc, vz, vs = quant.quantize(vpad.view(-1, ngv, g), vb, dim=2)  # per token, G channels
+    vc = vc.view(-1, ngv * g)[:, :d]
+    return QuantSegment(
+        lens=lens,
+        pos=pos,
+        key_bits=kb,
+        value_bits=vb,
+        group_size=g,
+        head_dim=d,
+        kcodes=quant.pack(kc.view(-1, d), kb),
+        vcodes=quant.pack(vc.contiguous(), vb),
+        vzero=vz.view(-1, ngv),
+        vstep=vs.view(-1, ngv),
+        kzero=kz.view(-1, d),
+        kstep=ks.view(-1, d),
+        gcount=torch.full((kz.shape[0],), g, dtype=torch.int16, device=k.device),
+        glens=lens // g,
+    )

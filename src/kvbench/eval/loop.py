@@ -14,9 +14,9 @@ from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
 
-def new_cache(lm: LoadedModel, stack: Stack, shadow: bool = False) -> KVCache:
+def new_cache(lm: LoadedModel, stack: Stack, shadow: bool = False, batch: int = 1) -> KVCache:
     return KVCache(
-        stack, lm.num_layers, lm.kv_heads, lm.head_dim, 1, lm.dtype, lm.layer_devices, shadow=shadow
+        stack, lm.num_layers, lm.kv_heads, lm.head_dim, batch, lm.dtype, lm.layer_devices, shadow=shadow
     )
 
 
@@ -28,6 +28,24 @@ def forward(lm: LoadedModel, cache: KVCache, ids: list[int] | torch.Tensor) -> t
     pos = torch.arange(start, start + x.shape[1], device=lm.device).view(1, -1)
     out = lm.model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
     return out.logits[0].float()
+
+
+@torch.inference_mode()
+def forward_batch(lm: LoadedModel, cache: KVCache, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """Feed a padded batch ``ids`` ``(B, q)``; ``real`` ``(B, q)`` marks non-padding tokens.
+
+    Each sequence continues at its own true position; padding is neither stored nor counted.
+    Returns logits ``(B, q, V)`` fp32 (rows of padding are meaningless).
+    """
+    ids, real = ids.to(lm.device), real.to(lm.device)
+    seen = cache.stores[0].seen.to(lm.device)
+    pos = (seen[:, None] + real.long().cumsum(-1) - 1).clamp(min=0)
+    cache.real = real
+    try:
+        out = lm.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+    finally:
+        cache.real = None
+    return out.logits.float()
 
 
 def step(lm: LoadedModel, cache: KVCache, ids, times: list[float] | None = None) -> torch.Tensor:

@@ -91,7 +91,7 @@ def run_case(lm: LoadedModel, stack: Stack, hay_ids: list[int], case: Case, cfg)
     head, question = lm.codec.prompt_parts(context, cfg.question.format(city=case.city))
     cache = loop.new_cache(lm, stack)
     for store in cache.stores:
-        store.protect_from = len(head)  # the question and the answer are never evicted
+        store.set_protect_from(len(head))  # the question and the answer are never evicted
     ttft: list[float] = []
     if cfg.query_aware:
         logits = loop.step(lm, cache, head + question, ttft)

@@ -12,6 +12,18 @@ from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Router
 
 
+def always_read(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T)``: sinks, the window before the chunk, protected positions and the chunk itself.
+
+    ``qpos`` ``(B, q)``: the chunk of each sequence starts at its first real query.
+    """
+    view = store.view()
+    real = qpos >= 0
+    first = torch.where(real, qpos, torch.full_like(qpos, torch.iinfo(qpos.dtype).max)).amin(-1)
+    chunk_start = torch.where(real.any(-1), first, store.seen)[:, None, None]
+    return budget.protected(view.pos, chunk_start, store.view_protect_from()) | (view.pos >= chunk_start)
+
+
 def position_blocks(pos: torch.Tensor, routable: torch.Tensor, experts: int) -> torch.Tensor:
     """Expert id of each routable token: ``experts`` contiguous position blocks per head-row.
 
@@ -49,11 +61,7 @@ class BaseRouter(Router):
         self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         view = store.view()
-        chunk_start = int(qpos[0])
-        always = self.budget_cfg.protected(view.pos, chunk_start, store.protect_from) | (
-            view.pos >= chunk_start
-        )
-        routable = view.valid & ~always
+        routable = view.valid & ~always_read(self.budget_cfg, store, qpos)
         eid = position_blocks(view.pos, routable, self.num_experts)
         b, h, t, d = view.k.shape
         onehot = torch.zeros(b, h, t, self.num_experts, device=view.k.device)

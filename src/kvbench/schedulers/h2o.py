@@ -7,30 +7,31 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache.store import LayerStore
-from kvbench.roles import Flags, Scheduler, keep_top
+from kvbench.roles import BindContext, Flags, Scheduler
+from kvbench.select import Allocated, evict_by_score
 
 
 @dataclass
-class H2OScheduler(Scheduler):
+class H2OScheduler(Allocated, Scheduler):
     """Keeps sinks, the window, and the stored tokens with the highest accumulated attention.
 
     Accumulated attention of a token is the sum, over every query that has attended to it
     (prefill and later chunks), of its softmax probability, summed over the query heads of its
-    KV head's group.
+    KV head's group. ``allocation`` splits the budget across layers.
     """
 
     name: str = "h2o"
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
+    def __post_init__(self) -> None:
+        self.check_allocation()
+
+    def bind(self, ctx: BindContext) -> None:
+        super().bind(ctx)
+        self.bind_allocation(ctx)
+
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
-        store.add_aux("h2o", probs.sum(2))
+        store.add_aux("h2o", probs.sum((2, 3)))
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        view, budget = store.view(), self.budget_cfg
-        cap = budget.capacity(store.seen)
-        if int(view.valid.sum(-1).max()) <= cap:
-            return
-        score = store.aux("h2o").masked_fill(
-            budget.protected(view.pos, store.seen, store.protect_from), float("inf")
-        )
-        store.keep(keep_top(score, view.valid, cap))
+        evict_by_score(store, self.budget_cfg, store.aux("h2o"), self.layer_capacity(layer, store))

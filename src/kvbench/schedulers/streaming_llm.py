@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
-from kvbench.roles import Flags, Scheduler, keep_top
+from kvbench.roles import Flags, Scheduler
+from kvbench.select import evict_by_score
 
 
 @dataclass
@@ -30,12 +31,5 @@ class StreamingLLMScheduler(Scheduler):
             )
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        view, budget = store.view(), self.budget_cfg
-        cap = budget.capacity(store.seen)
-        if int(view.valid.sum(-1).max()) <= cap:
-            return
-        sticky = view.pos < budget.sinks
-        if store.protect_from is not None:
-            sticky = sticky | (view.pos >= store.protect_from)
-        score = view.pos.float().masked_fill(sticky, float("inf"))
-        store.keep(keep_top(score, view.valid, cap))
+        view = store.view()
+        evict_by_score(store, self.budget_cfg, view.pos.float(), self.budget_cfg.capacity(store.seen))

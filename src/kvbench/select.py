@@ -1,0 +1,95 @@
+"""Shared pieces of token selection: per-layer capacity, eviction by score, and the scores of
+the last observed queries (SnapKV's observation window).
+
+Every selection is per head-row (one sequence, one KV head): in a padded batch each sequence
+keeps its own budget of its own tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvbench import allocation
+from kvbench.cache.store import LayerStore
+from kvbench.roles import BindContext, Budget, keep_top
+
+
+def evict_by_score(store: LayerStore, budget: Budget, score: torch.Tensor, cap: torch.Tensor) -> None:
+    """Keep the ``cap`` ``(B,)`` (or ``(B, H)``) best-scored tokens per head-row, sinks, the window
+    and protected positions always kept."""
+    view = store.view()
+    counts = view.valid.sum(-1)
+    if not bool((counts > (cap[:, None] if cap.dim() == 1 else cap)).any()):
+        return
+    score = score.masked_fill(budget.protected_view(store), float("inf"))
+    store.keep(keep_top(score, view.valid, cap))
+
+
+@dataclass
+class Allocated:
+    """Mixin: the budget split across layers by ``allocation`` (see :mod:`kvbench.allocation`)."""
+
+    allocation: str = "uniform"
+    beta: float = 20.0  # pyramid: the top layer keeps 1/beta of the mean
+
+    def check_allocation(self, key: str = "allocation") -> None:
+        allocation.check(f"{self.role}.{key}", self.allocation)  # type: ignore[attr-defined]
+        if self.beta <= 1:
+            from kvbench.errors import ConfigError
+
+            raise ConfigError(f"{self.role}.beta={self.beta}: must be > 1")  # type: ignore[attr-defined]
+
+    def bind_allocation(self, ctx: BindContext) -> None:
+        self.weights = allocation.layer_weights(self.allocation, ctx, self.beta, ctx.seed).tolist()
+
+    def layer_capacity(self, layer: int, store: LayerStore) -> torch.Tensor:
+        return self.budget_cfg.capacity(store.seen, self.weights[layer])  # type: ignore[attr-defined]
+
+
+class ObservationWindow:
+    """Mixin: attention received from the last ``obs_window`` queries, kept per token.
+
+    A ring of ``obs_window`` slots per token (slot = query position mod window) holds the
+    probability each recent query gave the token, summed over the KV head's query group, so the
+    score always covers exactly the latest queries, across chunks and evictions.
+    """
+
+    obs_window: int
+    pool: int
+    AUX = "obs"
+
+    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+        w = self.obs_window
+        recent = (qpos >= store.seen[:, None] - w) & (qpos >= 0)  # (B, q)
+        if not bool(recent.any()):
+            return
+        ring = store.aux(self.AUX, w)  # (B, H, T, w)
+        summed = probs.sum(2)  # (B, H, q, T)
+        for i in torch.nonzero(recent.any(0)).flatten().tolist():
+            slot = qpos[:, i] % w  # (B,)
+            rows = recent[:, i]
+            onehot = F.one_hot(slot, w).bool() & rows[:, None]  # (B, w)
+            ring = torch.where(onehot[:, None, None, :], summed[:, :, i, :, None], ring)
+        store.set_aux(self.AUX, ring)
+
+    def window_scores(self, store: LayerStore) -> torch.Tensor:
+        """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV)."""
+        view = store.view()
+        score = store.aux(self.AUX, self.obs_window).sum(-1)
+        return pool_scores(score, view.pos, view.valid, self.pool)
+
+
+def pool_scores(score: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool scores over ``kernel`` neighbouring stored tokens in position order (odd kernel)."""
+    if kernel <= 1:
+        return score
+    key = torch.where(valid, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max))
+    order = key.argsort(-1)
+    s = torch.gather(score, -1, order).masked_fill(~torch.gather(valid, -1, order), float("-inf"))
+    b, h, t = s.shape
+    pooled = F.max_pool1d(s.view(b * h, 1, t), kernel, stride=1, padding=kernel // 2).view(b, h, t)
+    out = torch.empty_like(score).scatter_(-1, order, pooled)
+    return out.masked_fill(~valid, 0.0)
