@@ -54,20 +54,35 @@ def cells(overrides: list[str]) -> list[list[str]]:
     return [list(c) for c in itertools.product(*choices)]
 
 
+def _compose(combo: list[str], hydra_node: bool = False) -> DictConfig:
+    try:
+        return compose("config", overrides=combo, return_hydra_config=hydra_node)
+    except MissingConfigException as err:
+        _fail(_unknown_option(err, combo))
+    except (HydraException, OmegaConfBaseException) as err:
+        cause = f": {str(err.__cause__).splitlines()[0]}" if err.__cause__ else ""
+        _fail(" ".join(str(err).split()) + cause)
+    raise AssertionError("unreachable")
+
+
+def _preset_sweeps(combo: list[str]) -> list[list[str]]:
+    """A preset's own ``hydra.sweeper.params`` (under a multirun) expanded, command line first."""
+    params = _compose(combo, hydra_node=True).hydra.sweeper.get("params") or {}
+    given = {c.partition("=")[0].lstrip("+~") for c in combo}
+    extra = [f"{k}={v}" for k, v in params.items() if k not in given]
+    return [combo + more for more in cells(extra)] if extra else [combo]
+
+
 def prevalidate(argv: list[str]) -> int:
     """Compose and validate every cell the command would run; returns the number of cells."""
     overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
+    multirun = any(a in ("-m", "--multirun") for a in argv)
     combos = cells(overrides)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        if multirun:
+            combos = [full for combo in combos for full in _preset_sweeps(combo)]
         for combo in combos:
-            try:
-                cfg = compose("config", overrides=combo)
-            except MissingConfigException as err:
-                _fail(_unknown_option(err, combo))
-            except (HydraException, OmegaConfBaseException) as err:
-                cause = f": {str(err.__cause__).splitlines()[0]}" if err.__cause__ else ""
-                _fail(" ".join(str(err).split()) + cause)
-            config.validate(cfg)
+            config.validate(_compose(combo))
     return len(combos)
 
 

@@ -1,0 +1,149 @@
+"""Every technique YAML of every role, on a tiny 3-layer model with the 9/3 GQA split.
+
+For each: it runs alone and in a double and a triple stack (or the triple is refused with the
+reason, for read selectors beside a router); its output differs from the full cache when the
+budget is tight, and equals it at budget 1 where that is lossless; a padded batch of two
+sequences of different lengths gives the same logits as running them one by one.
+Each technique's own invariant and byte count are tested in its family's test file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from helpers import tokens
+from kvbench import config, models
+from kvbench.errors import ConfigError
+from kvbench.eval import loop
+from kvbench.roles import BindContext, Budget
+from kvbench.stack import Stack, build_technique
+
+from conftest import tiny_cfg
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+ROLES = ("router", "compressor", "scheduler")
+OPTIONS = [
+    (role, p.stem)
+    for role in ROLES
+    for p in sorted((CONF / role).glob("*.yaml"))
+    if p.stem not in ("none", "chain")
+]
+PARTNERS = {"router": "base", "compressor": "quantized", "scheduler": "h2o"}
+TIGHT = dict(budget=0.25, sinks=2, window=8)
+PREFILL, CHUNKS = 56, [4, 4, 1, 1]
+# Representation compressors are lossy at any budget; routers read a subset at any budget.
+LOSSY_AT_ONE = {"router"}
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return models.load(tiny_cfg("llama", heads=9, num_key_value_heads=3, num_hidden_layers=3), "cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _env(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("KVBENCH_CACHE", str(tmp_path_factory.mktemp("kvcache")))  # calibrations of the tiny model
+    config.register()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        yield
+    mp.undo()
+
+
+def technique(role: str, option: str, **knobs):
+    extra = [f"{role}.{k}={v}" for k, v in knobs.items()]
+    if role == "compressor" and option == "fastv":
+        extra.append("compressor.layer=1")
+    cfg = compose("config", overrides=[f"{role}={option}", *extra])
+    return build_technique(cfg[role], role)
+
+
+def stack_of(lm, parts: dict, **budget) -> Stack:
+    stack = Stack(**parts, budget=Budget(**budget))
+    stack.bind(BindContext.for_model(lm, stack.budget))
+    return stack
+
+
+def run(lm, stack, ids):
+    cache = loop.new_cache(lm, stack)
+    outs = [loop.step(lm, cache, ids[:PREFILL])]
+    at = PREFILL
+    for n in CHUNKS:
+        outs.append(loop.step(lm, cache, ids[at : at + n]))
+        at += n
+    return torch.cat(outs), cache
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return tokens(PREFILL + sum(CHUNKS), seed=3)
+
+
+@pytest.fixture(scope="module")
+def full(lm, ids):
+    return run(lm, stack_of(lm, {}), ids)[0]
+
+
+@pytest.mark.parametrize(("role", "option"), OPTIONS)
+def test_alone_tight_differs_and_budget_one(lm, ids, full, role, option):
+    tight, cache = run(lm, stack_of(lm, {role: technique(role, option)}, **TIGHT), ids)
+    assert torch.isfinite(tight).all()
+    assert not torch.allclose(tight, full, atol=1e-4), f"{role}/{option} did not act at budget 0.25"
+    tech = technique(role, option)
+    if role in LOSSY_AT_ONE or tech.flags.changes_representation:
+        return
+    one, _ = run(lm, stack_of(lm, {role: tech}, budget=1.0, sinks=2, window=8), ids)
+    torch.testing.assert_close(one, full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("role", "option"), OPTIONS)
+def test_double_and_triple(lm, ids, role, option):
+    others = [r for r in ROLES if r != role]
+    double = {role: technique(role, option), others[-1]: technique(others[-1], PARTNERS[others[-1]])}
+    if role == "scheduler":
+        double = {role: technique(role, option), "compressor": technique("compressor", "quantized")}
+    out, _ = run(lm, stack_of(lm, double, **TIGHT), ids)
+    assert torch.isfinite(out).all()
+    triple = {r: technique(r, option if r == role else PARTNERS[r]) for r in ROLES}
+    selectors = [r for r, t in triple.items() if t.flags.selects_reads]
+    if len(selectors) > 1:
+        with pytest.raises(ConfigError, match="select reads"):
+            stack_of(lm, triple, **TIGHT)
+        return
+    out, cache = run(lm, stack_of(lm, triple, **TIGHT), ids)
+    assert torch.isfinite(out).all() and cache.nbytes() > 0
+
+
+@pytest.mark.parametrize(("role", "option"), OPTIONS)
+def test_padded_batch_equals_one_by_one(lm, role, option):
+    a, b = tokens(60, 1), tokens(41, 2)
+    budget = dict(budget=0.4, sinks=2, window=8)
+    solo = []
+    for seq in (a, b):
+        stack = stack_of(lm, {role: technique(role, option)}, **budget)
+        cache = loop.new_cache(lm, stack)
+        outs = [loop.step(lm, cache, seq[: len(seq) - 6])[-1]]
+        for i in range(len(seq) - 6, len(seq), 3):
+            outs.append(loop.step(lm, cache, seq[i : i + 3])[-1])
+        solo.append(torch.stack(outs))
+    stack = stack_of(lm, {role: technique(role, option)}, **budget)
+    cache = loop.new_cache(lm, stack, batch=2)
+    width = len(a) - 6
+    ids = torch.zeros(2, width, dtype=torch.long)
+    real = torch.zeros(2, width, dtype=torch.bool)
+    ids[0], real[0] = torch.tensor(a[:width]), True
+    ids[1, width - (len(b) - 6) :] = torch.tensor(b[: len(b) - 6])
+    real[1, width - (len(b) - 6) :] = True
+    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
+    cache.after_forward()
+    for i in range(0, 6, 3):
+        chunk = torch.tensor([a[len(a) - 6 + i : len(a) - 3 + i], b[len(b) - 6 + i : len(b) - 3 + i]])
+        outs.append(loop.forward_batch(lm, cache, chunk, torch.ones_like(chunk, dtype=torch.bool))[:, -1])
+        cache.after_forward()
+    batched = torch.stack(outs, 1)
+    torch.testing.assert_close(batched[0], solo[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(batched[1], solo[1], atol=1e-4, rtol=1e-4)
