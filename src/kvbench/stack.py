@@ -55,6 +55,11 @@ class Stack:
         return next((t for t in self.pipeline if t.flags.selects_reads), None)
 
     @property
+    def placer(self) -> Technique | None:
+        """The technique that places cache tiers and computes attention per tier (``flexgen``)."""
+        return next((t for t in self.pipeline if t.flags.places_tiers and hasattr(t, "attend_tiers")), None)
+
+    @property
     def order(self) -> int:
         return len(self.techniques)
 

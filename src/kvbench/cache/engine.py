@@ -175,7 +175,11 @@ class KVCache(Cache):
             return mask
 
         mask = None if plain and selector is None else mask_fn(0, q_len)
-        out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling, view.bias)
+        placer = self.stack.placer
+        if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
+            out = placer.attend_tiers(layer, store, query, mask, scaling)  # type: ignore[attr-defined]
+        else:
+            out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling, view.bias)
         for tech in self.stack.query_observers:
             tech.observe_queries(layer, store, query, qpos)
         if self.stack.observers:

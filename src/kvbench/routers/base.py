@@ -1,11 +1,18 @@
 """MoBA-style block routing: contiguous position blocks, each query reads the top-k blocks by
-q · mean(K_block) (arXiv:2502.13189). Sinks, the window and the current chunk are always read."""
+q · mean(K_block) (arXiv:2502.13189). Sinks, the window and the current chunk are always read.
+
+Also the machinery every router shares (:class:`ExpertRouter`): which tokens are routable, expert
+centroids and sizes, per-KV-head scores summed over the query group, the token read mask built
+from the chosen experts, and the measured read figures.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
@@ -40,53 +47,182 @@ def position_blocks(pos: torch.Tensor, routable: torch.Tensor, experts: int) -> 
     return torch.where(routable, eid, torch.full_like(eid, -1))
 
 
+def expert_onehot(eid: torch.Tensor, member: torch.Tensor, experts: int) -> torch.Tensor:
+    """``(B, H, T, E)`` float: 1 where token ``t`` is a ``member`` of expert ``eid``."""
+    return F.one_hot(eid.clamp(min=0), experts).float() * member[..., None].float()
+
+
+def expert_sums(onehot: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Sum of each expert's keys ``(B, H, E, D)``; ``onehot`` ``(B, H, T, E)``, keys ``(B, H, T, D)``."""
+    return onehot.transpose(-1, -2) @ keys.float()
+
+
+def block_means(keys: torch.Tensor, eid: torch.Tensor, member: torch.Tensor, experts: int) -> torch.Tensor:
+    """Mean key of each expert's members ``(B, H, E, D)`` fp32 (zero for an empty expert)."""
+    onehot = expert_onehot(eid, member, experts)
+    return expert_sums(onehot, keys) / onehot.sum(2).clamp(min=1)[..., None]
+
+
+def group_scores(query: torch.Tensor, centroid: torch.Tensor) -> torch.Tensor:
+    """q · centroid per KV head, summed over the query heads of its group.
+
+    Args:
+        query: ``(B, Hq, q, D)``; centroid: ``(B, H, E, D)``.
+
+    Returns:
+        ``(B, H, q, E)`` fp32.
+    """
+    b, h, _, d = centroid.shape
+    summed = query.float().view(b, h, -1, query.shape[2], d).sum(2)  # Σ_g q_g · c = (Σ_g q_g) · c
+    return summed @ centroid.float().transpose(-1, -2)
+
+
+def top_k_choice(score: torch.Tensor, k: int) -> torch.Tensor:
+    """``(..., E)`` bool: the ``k`` best-scored experts; non-finite (empty) experts never chosen."""
+    k = min(k, score.shape[-1])
+    chosen = torch.zeros_like(score, dtype=torch.bool).scatter(-1, score.topk(k, dim=-1).indices, True)
+    return chosen & torch.isfinite(score)
+
+
+def fill_by_preference(
+    order: torch.Tensor, allowed: torch.Tensor, need: torch.Tensor, room: torch.Tensor
+) -> torch.Tensor:
+    """Greedy capacity-limited choice: each item takes its preferred experts that still have room.
+
+    Round ``r`` offers every item still short of ``need`` its ``r``-th preferred expert; an expert
+    accepts offers in item order while it has ``room`` (Switch Transformer's overflow to the next
+    best expert). An item ends short of ``need`` only when every expert left on its list is full.
+
+    Args:
+        order: ``(..., N, E)`` long, experts by preference for each of N items.
+        allowed: ``(..., N, E)`` bool (indexed by expert), experts an item may take.
+        need: ``(..., N)`` long, experts each item wants (0 for items that want none).
+        room: ``(..., E)`` long, items each expert may still accept.
+
+    Returns:
+        ``(..., N, E)`` bool, the experts each item took.
+    """
+    experts = order.shape[-1]
+    chosen = torch.zeros_like(allowed)
+    got = torch.zeros_like(need)
+    room = room.clone()
+    for r in range(experts):
+        pick = order[..., r]
+        want = (got < need) & allowed.gather(-1, pick[..., None]).squeeze(-1)
+        offer = F.one_hot(pick, experts).bool() & want[..., None]
+        accept = offer & (offer.long().cumsum(-2) <= room[..., None, :])
+        chosen |= accept
+        got = got + accept.sum(-1)
+        room = room - accept.sum(-2)
+    return chosen
+
+
 @dataclass
-class BaseRouter(Router):
-    """Splits each layer's stored tokens into ``num_experts`` position blocks; reads ``top_k``."""
+class Routing:
+    """One routed read.
 
-    name: str = "base"
+    Attributes:
+        eid: ``(B, H, T)`` expert of each stored token, -1 where not routed (always read).
+        count: ``(B, H, E)`` routed tokens per expert.
+        chosen: ``(B, H, q, E)`` experts each query reads.
+    """
+
+    eid: torch.Tensor
+    count: torch.Tensor
+    chosen: torch.Tensor
+
+    def mask(self) -> torch.Tensor:
+        """``(B, H, q, T)``: a routed token is read iff its expert is chosen; the rest always."""
+        q = self.chosen.shape[2]
+        idx = self.eid.clamp(min=0)[:, :, None, :].expand(-1, -1, q, -1)
+        return torch.gather(self.chosen, -1, idx) | (self.eid < 0)[:, :, None, :]
+
+
+@dataclass
+class ExpertRouter(Router):
+    """What every router shares: routable tokens, scores, the read mask and the read figures.
+
+    A subclass defines :meth:`experts` (write routing as seen at read time), optionally
+    :meth:`centroids` (default: the mean key of each expert's routed tokens, as MoBA), and
+    :meth:`choose` (read routing).
+    """
+
+    name: str = ""
     num_experts: int = 8
-    top_k: int = 2
     flags = Flags(selects_reads=True)
-    reads: torch.Tensor | None = field(default=None, repr=False)
-    read_tokens: list[float] = field(default_factory=list, repr=False)
+    reads: torch.Tensor | None = field(default=None, init=False, repr=False)
+    read_tokens: list[float] = field(default_factory=list, init=False, repr=False)
+    _last: dict[int, tuple[Any, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
+    def check_experts(self) -> None:
         if self.num_experts < 1:
             raise ConfigError(f"router.num_experts={self.num_experts}: must be >= 1")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")
+
+    def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
+        """``(B, H, T)`` expert of each routable token, -1 where not routed."""
+        raise NotImplementedError
+
+    def centroids(
+        self, layer: int, store: LayerStore, eid: torch.Tensor, routed: torch.Tensor
+    ) -> torch.Tensor:
+        """``(B, H, E, D)`` fp32 centroid of each expert."""
+        return block_means(store.view().k, eid, routed, self.num_experts)
+
+    def choose(
+        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
+        """``(B, H, q, E)`` bool from ``score`` ``(B, H, q, E)`` (-inf for empty experts)."""
+        raise NotImplementedError
 
     def read_mask(
         self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        view = store.view()
-        routable = view.valid & ~always_read(self.budget_cfg, store, qpos)
-        eid = position_blocks(view.pos, routable, self.num_experts)
-        b, h, t, d = view.k.shape
-        onehot = torch.zeros(b, h, t, self.num_experts, device=view.k.device)
-        onehot.scatter_(-1, eid.clamp(min=0)[..., None], routable[..., None].float())
-        count = onehot.sum(2)  # (B, H, E)
-        centroid = torch.einsum("bhte,bhtd->bhed", onehot, view.k.float()) / count.clamp(min=1)[..., None]
-        grouped = query.float().view(b, h, -1, query.shape[2], d)
-        score = torch.einsum("bhgqd,bhed->bhqe", grouped, centroid)
-        score = score.masked_fill(count[:, :, None, :] == 0, float("-inf"))
-        k = min(self.top_k, self.num_experts)
-        chosen = torch.zeros_like(score, dtype=torch.bool).scatter(-1, score.topk(k, dim=-1).indices, True)
-        chosen &= count[:, :, None, :] > 0
-        self._account(chosen, routable, eid)
-        token_read = torch.gather(
-            chosen, -1, eid.clamp(min=0)[:, :, None, :].expand(-1, -1, query.shape[2], -1)
-        )
-        return token_read | ~routable[:, :, None, :]
+        return self.route(layer, store, query, qpos).mask()
 
-    def _account(self, chosen: torch.Tensor, routable: torch.Tensor, eid: torch.Tensor) -> None:
+    def route(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> Routing:
+        """Route a block of queries ``(B, Hq, q, D)``.
+
+        A repeated call for the same block (the engine's KV-hit probe) returns the same routing
+        without counting its reads again or advancing router state.
+        """
+        view = store.view()
+        last = self._last.get(layer)
+        if (
+            last is not None
+            and last[0] is view
+            and torch.equal(last[1], qpos)
+            and torch.equal(last[2], query)
+        ):
+            return last[3]
+        routable = view.valid & ~always_read(self.budget_cfg, store, qpos)
+        eid = self.experts(layer, store, routable)
+        routed = routable & (eid >= 0)
+        eid = torch.where(routed, eid, torch.full_like(eid, -1))
+        count = expert_onehot(eid, routed, self.num_experts).sum(2)
+        score = group_scores(query, self.centroids(layer, store, eid, routed))
+        score = score.masked_fill(count[:, :, None, :] == 0, float("-inf"))
+        chosen = self.choose(layer, store, score, count, qpos) & (count[:, :, None, :] > 0)
+        routing = Routing(eid=eid, count=count, chosen=chosen)
+        self._account(routing, qpos >= 0)
+        self._last[layer] = (view, qpos.clone(), query.clone(), routing)
+        return routing
+
+    def forget(self, layer: int) -> None:
+        """Drop the remembered routing of ``layer`` (router state is about to change)."""
+        self._last.pop(layer, None)
+
+    def write(self, layer: int, store: LayerStore) -> None:
+        self.forget(layer)
+
+    def _account(self, routing: Routing, real: torch.Tensor) -> None:
+        chosen = routing.chosen & real[:, None, :, None]
         per_expert = chosen.sum((0, 1, 2)).float().cpu()
         self.reads = per_expert if self.reads is None else self.reads + per_expert
-        size = torch.zeros(*eid.shape[:2], self.num_experts, device=eid.device)
-        size.scatter_add_(-1, eid.clamp(min=0), routable.float())
-        read = (chosen.float() * size[:, :, None, :]).sum(-1)  # routable tokens read per query
-        self.read_tokens.append(float((read / routable.sum(-1, keepdim=True).clamp(min=1)).mean()))
+        read = (chosen.float() * routing.count[:, :, None, :]).sum(-1)  # routed tokens read per query
+        frac = read / routing.count.sum(-1, keepdim=True).clamp(min=1)
+        weight = real[:, None, :].expand_as(frac).float()
+        if float(weight.sum()):
+            self.read_tokens.append(float((frac * weight).sum() / weight.sum()))
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         if self.reads is None:
@@ -95,5 +231,36 @@ class BaseRouter(Router):
         return {
             "reads_per_expert": self.reads.tolist(),
             "load_imbalance": float(self.reads.max()) / mean if mean else None,
-            "routable_read_fraction": sum(self.read_tokens) / len(self.read_tokens),
+            "routable_read_fraction": sum(self.read_tokens) / len(self.read_tokens)
+            if self.read_tokens
+            else None,
         }
+
+
+class PositionExperts:
+    """Mixin: write = contiguous position blocks over the routed tokens, derived at read time
+    (a token's block follows from its rank, so nothing is stored and ``write`` keeps nothing)."""
+
+    num_experts: int
+
+    def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
+        return position_blocks(store.view().pos, routable, self.num_experts)
+
+
+@dataclass
+class BaseRouter(PositionExperts, ExpertRouter):
+    """Splits each layer's stored tokens into ``num_experts`` position blocks; reads ``top_k``."""
+
+    name: str = "base"
+    num_experts: int = 8
+    top_k: int = 2
+
+    def __post_init__(self) -> None:
+        self.check_experts()
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")
+
+    def choose(
+        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
+        return top_k_choice(score, self.top_k)

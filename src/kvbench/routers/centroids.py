@@ -1,0 +1,152 @@
+"""Write routing into running centroids (online k-means), shared by ``topk_balanced``, ``pikv`` and
+``eplb``.
+
+A token is assigned once, when it becomes routable (it leaves the sinks/window/protected set):
+to the nearest running centroid of its head-row. The assignment is per-token state ``expert``
+(expert id + 1; 0 = not assigned yet) that follows the token through compression and eviction.
+The centroids ``(B, H, E, D)`` fp32 and the running counts ``(B, H, E)`` fp32 live in
+``store.side``, so their bytes are counted.
+
+Seeding: a head-row with no centroid whose first batch holds at least E tokens starts from a few
+Lloyd iterations over that batch (initialised by position blocks); otherwise each expert that has
+never held a token is seeded by one new token (MacQueen's online k-means).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.cache.store import LayerStore
+from kvbench.roles import Budget
+from kvbench.routers.base import block_means, expert_onehot, expert_sums, position_blocks
+
+AUX = "expert"
+CENTROID, COUNT = "router.centroid", "router.count"
+LLOYD_ITERS = 3
+
+
+def held_experts(store: LayerStore, experts: int) -> torch.Tensor:
+    """Stored assignment ``(B, H, T)`` aligned with ``store.view()``: expert id, -1 if none."""
+    return store.aux(AUX).round().long().clamp(0, experts) - 1
+
+
+def sq_dist(keys: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
+    """Squared distance ``(B, H, T, E)`` from keys ``(B, H, T, D)`` to centroids ``(B, H, E, D)``."""
+    cross = keys @ cent.transpose(-1, -2)
+    return keys.square().sum(-1, keepdim=True) - 2 * cross + cent.square().sum(-1)[:, :, None, :]
+
+
+def lloyd(keys: torch.Tensor, pos: torch.Tensor, member: torch.Tensor, experts: int) -> torch.Tensor:
+    """k-means centroids ``(B, H, E, D)`` of the ``member`` keys, from position blocks."""
+    cent = block_means(keys, position_blocks(pos, member, experts), member, experts)
+    for _ in range(LLOYD_ITERS):
+        eid = sq_dist(keys, cent).argmin(-1)
+        onehot = expert_onehot(eid, member, experts)
+        size = onehot.sum(2)
+        mean = expert_sums(onehot, keys) / size.clamp(min=1)[..., None]
+        cent = torch.where(size[..., None] > 0, mean, cent)  # an emptied cluster keeps its centroid
+    return cent
+
+
+def seed(
+    keys: torch.Tensor, pos: torch.Tensor, new: torch.Tensor, cent: torch.Tensor, defined: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Give undefined experts a centroid from the new tokens.
+
+    Args:
+        keys: ``(B, H, T, D)`` fp32; pos, new: ``(B, H, T)``; cent: ``(B, H, E, D)``;
+            defined: ``(B, H, E)`` experts that hold a centroid.
+
+    Returns:
+        ``cent``, ``defined`` and ``seeded`` ``(B, H, T)`` (the expert a new token seeded, or -1).
+    """
+    experts = cent.shape[2]
+    fresh = ~defined.any(-1) & (new.sum(-1) >= experts)  # (B, H)
+    if bool(fresh.any()):
+        cent = torch.where(fresh[..., None, None], lloyd(keys, pos, new & fresh[..., None], experts), cent)
+        defined = defined | fresh[..., None]
+    undefined = ~defined
+    rank = new.long().cumsum(-1) - 1  # order of the new tokens within the row
+    seeding = new & (rank < undefined.sum(-1, keepdim=True))
+    free = (~undefined).long().argsort(dim=-1, stable=True)  # undefined experts first
+    seeded = torch.where(seeding, free.gather(-1, rank.clamp(0, experts - 1)), torch.full_like(rank, -1))
+    onehot = expert_onehot(seeded, seeding, experts)
+    got = onehot.sum(2) > 0
+    cent = torch.where(got[..., None], expert_sums(onehot, keys), cent)
+    return cent, defined | got, seeded
+
+
+class CentroidExperts:
+    """Mixin for an :class:`~kvbench.routers.base.ExpertRouter`: nearest-running-centroid write.
+
+    Subclasses may override :meth:`place` (default: nearest defined centroid) and
+    :meth:`update` (default: running mean over every token ever assigned).
+    """
+
+    num_experts: int
+    budget_cfg: Budget
+
+    def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
+        held = held_experts(store, self.num_experts)
+        return torch.where(routable, held, torch.full_like(held, -1))
+
+    def centroids(
+        self, layer: int, store: LayerStore, eid: torch.Tensor, routed: torch.Tensor
+    ) -> torch.Tensor:
+        return self.state(store)[0]
+
+    def state(self, store: LayerStore) -> tuple[torch.Tensor, torch.Tensor]:
+        """Running centroids ``(B, H, E, D)`` and counts ``(B, H, E)`` (zeros before any write)."""
+        if CENTROID not in store.side:
+            shape = (store.batch, store.kv_heads, self.num_experts)
+            store.side[CENTROID] = torch.zeros(*shape, store.head_dim, device=store.device)
+            store.side[COUNT] = torch.zeros(*shape, device=store.device)
+        return store.side[CENTROID], store.side[COUNT]
+
+    def assign_new(self, store: LayerStore) -> torch.Tensor:
+        """Assign the tokens that became routable; returns the assignment ``(B, H, T)`` (-1: none)."""
+        view = store.view()
+        routable = view.valid & ~self.budget_cfg.protected_view(store)
+        held = held_experts(store, self.num_experts)
+        new = routable & (held < 0)
+        if not bool(new.any()):
+            return torch.where(view.valid, held, torch.full_like(held, -1))
+        keys = view.k.float()
+        cent, count = self.state(store)
+        cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
+        eid = self.place(keys, cent, defined, new, seeded, held, view.valid)
+        cent, count = self.update(cent, count, keys, eid, new, view.pos)
+        store.side[CENTROID], store.side[COUNT] = cent.contiguous(), count.contiguous()
+        held = torch.where(new, eid, held)
+        store.set_aux(AUX, (held + 1).float())
+        return torch.where(view.valid, held, torch.full_like(held, -1))
+
+    def place(
+        self,
+        keys: torch.Tensor,
+        cent: torch.Tensor,
+        defined: torch.Tensor,
+        new: torch.Tensor,
+        seeded: torch.Tensor,
+        held: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """Expert of each new token ``(B, H, T)``: its seed, else the nearest defined centroid."""
+        dist = sq_dist(keys, cent).masked_fill(~defined[:, :, None, :], float("inf"))
+        return torch.where(seeded >= 0, seeded, dist.argmin(-1))
+
+    def update(
+        self,
+        cent: torch.Tensor,
+        count: torch.Tensor,
+        keys: torch.Tensor,
+        eid: torch.Tensor,
+        new: torch.Tensor,
+        pos: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Running mean: ``c ← (n·c + Σ new keys) / (n + m)``."""
+        onehot = expert_onehot(eid, new, self.num_experts)
+        m = onehot.sum(2)
+        total = count + m
+        mean = (cent * count[..., None] + expert_sums(onehot, keys)) / total.clamp(min=1)[..., None]
+        return torch.where(m[..., None] > 0, mean, cent), total

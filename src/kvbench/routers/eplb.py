@@ -1,0 +1,206 @@
+"""Expert-parallel load balancing of a sharded KV cache (DeepSeek EPLB,
+github.com/deepseek-ai/EPLB): nearest-centroid experts placed on ``num_devices`` logical
+devices, the hottest experts replicated into ``replicas`` extra slots so per-device read load
+balances.
+
+Write: as ``topk_balanced`` without capacity (nearest running centroid, online mean). Then, per
+layer, a plan from the read load each expert has received so far: (1) replication: one extra
+slot at a time goes to the expert with the highest load per replica (at most one replica per
+device); (2) packing: slots by decreasing load per replica, each to the least-loaded device that
+has fewer than ⌈slots / devices⌉ slots and no replica of that expert yet. The replicas are real:
+copies of the replicated experts' keys and values (at the cache's dtype, as attention reads them)
+live in ``store.side`` and are counted in the cache's bytes, as are the centroids, the loads and
+the plan. Read: top-k experts by q · centroid; a replicated expert's reads go to its
+least-loaded replica's device (read by read, so they fill the replicas' devices from the
+least-loaded up).
+
+On one machine the devices are logical: attention still reads the primary copy, and the
+per-device figures (reads, max/mean imbalance, with and without replication — the latter by
+the same packing of unreplicated experts) are plan metrics. Differences from DeepSeek EPLB: it
+plans once from a measured load window and packs whole expert groups onto nodes first
+(hierarchical); here the plan is refreshed after every forward chunk from the loads so far, on
+one level, and the loads of a padded batch's sequences are pooled (devices are shared).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.cache.store import LayerStore
+from kvbench.errors import ConfigError
+from kvbench.routers.base import ExpertRouter, top_k_choice
+from kvbench.routers.centroids import CentroidExperts
+
+LOAD, DEVICE_LOAD = "router.load", "router.device_load"
+SLOT_EXPERT, SLOT_DEVICE, BASE_DEVICE = "router.slot_expert", "router.slot_device", "router.base_device"
+REPLICA_K, REPLICA_V = "router.replica_k", "router.replica_v"
+
+
+def replicate(load: list[float], devices: int, replicas: int) -> list[int]:
+    """Copies of each expert: each extra slot to the highest load per copy (≤ ``devices`` copies)."""
+    reps = [1] * len(load)
+    for _ in range(replicas):
+        open_ = [e for e in range(len(load)) if reps[e] < devices and load[e] > 0]
+        if not open_:
+            break
+        best = max(open_, key=lambda e: load[e] / reps[e])
+        reps[best] += 1
+    return reps
+
+
+def eplb_plan(load: torch.Tensor, devices: int, replicas: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replicate the hottest experts, then pack the slots onto devices.
+
+    Args:
+        load: ``(E,)`` reads each expert has received.
+
+    Returns:
+        ``slot_expert`` ``(S,)`` and ``slot_device`` ``(S,)`` long (CPU), slots grouped by expert.
+    """
+    loads = [float(x) for x in load.tolist()]
+    reps = replicate(loads, devices, replicas)
+    slot_expert = [e for e, r in enumerate(reps) for _ in range(r)]
+    per_slot = [loads[e] / reps[e] for e in slot_expert]
+    room = math.ceil(len(slot_expert) / devices)
+    dev_load, dev_slots = [0.0] * devices, [0] * devices
+    holds: list[set[int]] = [set() for _ in range(devices)]
+    slot_device = [0] * len(slot_expert)
+    for s in sorted(range(len(slot_expert)), key=lambda s: -per_slot[s]):
+        e = slot_expert[s]
+        apart = [d for d in range(devices) if e not in holds[d]]
+        fits = [d for d in apart if dev_slots[d] < room] or apart or list(range(devices))
+        d = min(fits, key=lambda d: (dev_load[d], dev_slots[d], d))
+        slot_device[s] = d
+        dev_load[d] += per_slot[s]
+        dev_slots[d] += 1
+        holds[d].add(e)
+    return torch.tensor(slot_expert, dtype=torch.long), torch.tensor(slot_device, dtype=torch.long)
+
+
+def water_fill(loads: torch.Tensor, n: float) -> torch.Tensor:
+    """Split ``n`` reads over devices with ``loads`` ``(r,)``, each read to the least-loaded one."""
+    srt = loads.sort().values
+    r = srt.numel()
+    level = float(srt[0]) + n
+    for j in range(1, r + 1):
+        level = (float(srt[:j].sum()) + n) / j
+        if j == r or level <= float(srt[j]):
+            break
+    add = (level - loads).clamp(min=0).floor()
+    left = int(round(n - float(add.sum())))
+    add[(loads + add).argsort(stable=True)[:left]] += 1
+    return add
+
+
+def device_reads(
+    reads: torch.Tensor, slot_expert: torch.Tensor, slot_device: torch.Tensor, start: torch.Tensor
+) -> torch.Tensor:
+    """Reads ``(D,)`` each device serves for ``reads`` ``(E,)`` per expert under a plan.
+
+    A single-copy expert's reads go to its device; a replicated expert's go, read by read, to its
+    least-loaded replica given the devices' load ``start`` ``(D,)`` plus what this call routed.
+    """
+    reps = torch.bincount(slot_expert, minlength=reads.numel())
+    out = torch.zeros_like(start)
+    single = reps[slot_expert] == 1
+    out.index_add_(0, slot_device[single], reads[slot_expert[single]])
+    replicated = torch.nonzero(reps > 1).flatten()
+    for e in replicated[reads[replicated].argsort(descending=True, stable=True)].tolist():
+        devs = slot_device[slot_expert == e]
+        out[devs] += water_fill(start[devs] + out[devs], float(reads[e]))
+    return out
+
+
+def imbalance(per_device: torch.Tensor) -> float | None:
+    mean = float(per_device.mean())
+    return float(per_device.max()) / mean if mean else None
+
+
+@dataclass
+class EPLBRouter(CentroidExperts, ExpertRouter):
+    """Nearest-centroid experts on logical devices, hot experts replicated (DeepSeek EPLB)."""
+
+    name: str = "eplb"
+    num_experts: int = 8
+    top_k: int = 2
+    num_devices: int = 4
+    replicas: int = 4
+    after: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    before: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.check_experts()
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")
+        if not 1 <= self.num_devices <= self.num_experts:
+            raise ConfigError(
+                f"router.num_devices={self.num_devices}: must be in 1..num_experts ({self.num_experts})"
+            )
+        most = self.num_experts * (self.num_devices - 1)
+        if not 0 <= self.replicas <= most:
+            raise ConfigError(
+                f"router.replicas={self.replicas}: must be in 0..num_experts*(num_devices-1) ({most})"
+            )
+
+    def write(self, layer: int, store: LayerStore) -> None:
+        self.forget(layer)
+        held = self.assign_new(store)
+        self.plan(store)
+        reps = torch.bincount(store.side[SLOT_EXPERT], minlength=self.num_experts)
+        extra = torch.where(held >= 0, reps[held.clamp(min=0)] - 1, torch.zeros_like(held))
+        copy = extra > 0
+        view = store.view()
+        store.side[REPLICA_K] = view.k[copy].repeat_interleave(extra[copy], dim=0)
+        store.side[REPLICA_V] = view.v[copy].repeat_interleave(extra[copy], dim=0)
+
+    def plan(self, store: LayerStore) -> None:
+        """Refresh the placement from the loads so far (created empty on first use)."""
+        if LOAD not in store.side:
+            store.side[LOAD] = torch.zeros(self.num_experts, dtype=torch.float64, device=store.device)
+            store.side[DEVICE_LOAD] = torch.zeros(self.num_devices, dtype=torch.float64, device=store.device)
+        load = store.side[LOAD].cpu()
+        slot_expert, slot_device = eplb_plan(load, self.num_devices, self.replicas)
+        store.side[SLOT_EXPERT], store.side[SLOT_DEVICE] = (
+            slot_expert.to(store.device),
+            slot_device.to(store.device),
+        )
+        store.side[BASE_DEVICE] = eplb_plan(load, self.num_devices, 0)[1].to(store.device)
+
+    def choose(
+        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
+        chosen = top_k_choice(score, self.top_k)
+        if SLOT_EXPERT not in store.side:
+            self.plan(store)
+        reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
+        store.side[LOAD] = store.side[LOAD] + reads
+        side = {k: store.side[k].cpu() for k in (SLOT_EXPERT, SLOT_DEVICE, BASE_DEVICE, DEVICE_LOAD)}
+        after = device_reads(reads.cpu(), side[SLOT_EXPERT], side[SLOT_DEVICE], side[DEVICE_LOAD])
+        before = torch.zeros_like(after).index_add_(0, side[BASE_DEVICE], reads.cpu())
+        store.side[DEVICE_LOAD] = (side[DEVICE_LOAD] + after).to(store.device)
+        zero = torch.zeros_like(after)
+        self.after[layer] = self.after.get(layer, zero) + after
+        self.before[layer] = self.before.get(layer, zero) + before
+        return chosen
+
+    def metrics(self) -> dict[str, float | list[float] | None]:
+        out = super().metrics()
+        if not out or not self.after:
+            return out
+        layers = sorted(self.after)
+
+        def mean_imbalance(per: dict[int, torch.Tensor]) -> float | None:
+            vals = [imbalance(per[i]) for i in layers]
+            vals_f = [v for v in vals if v is not None]
+            return sum(vals_f) / len(vals_f) if vals_f else None
+
+        out["device_reads"] = sum((self.after[i] for i in layers), torch.zeros(self.num_devices)).tolist()
+        out["device_reads_no_replication"] = sum(
+            (self.before[i] for i in layers), torch.zeros(self.num_devices)
+        ).tolist()
+        out["device_load_imbalance"] = mean_imbalance(self.after)
+        out["device_load_imbalance_no_replication"] = mean_imbalance(self.before)
+        return out

@@ -1,0 +1,431 @@
+"""Routers: each runs alone and in stacks, reads everything (= the full cache) at top_k = E, stores
+exactly the bytes counted by hand (K/V plus its side state), reads exactly its chosen experts plus
+the always-read tokens, keeps its own invariant, and gives a padded batch the one-by-one logits."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import make_stack, run_chunks, tokens
+from kvbench.compressors.quantized import QuantizedCompressor
+from kvbench.errors import ConfigError
+from kvbench.eval import loop
+from kvbench.routers.adaptive import AdaptiveRouter, top_p_choice
+from kvbench.routers.base import ExpertRouter, fill_by_preference, position_blocks
+from kvbench.routers.centroids import AUX
+from kvbench.routers.eplb import EPLBRouter, device_reads, eplb_plan, imbalance, water_fill
+from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
+from kvbench.routers.pikv import PREV, PikvRouter
+from kvbench.routers.topk_balanced import TopKBalancedRouter
+from kvbench.schedulers.h2o import H2OScheduler
+
+SIZES = [48, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
+N = sum(SIZES)
+SINKS, WINDOW = 2, 4
+
+# name -> (a router reading a subset, the same router reading every expert)
+ROUTERS = {
+    "topk_balanced": (lambda: TopKBalancedRouter(top_k=2), lambda: TopKBalancedRouter(top_k=8)),
+    "adaptive": (
+        lambda: AdaptiveRouter(top_p=0.5, k_max=4),
+        lambda: AdaptiveRouter(top_p=1.0, k_max=8),
+    ),
+    "pikv": (lambda: PikvRouter(top_k=2), lambda: PikvRouter(top_k=8)),
+    "eplb": (lambda: EPLBRouter(top_k=2), lambda: EPLBRouter(top_k=8)),
+    "hierarchical": (
+        lambda: HierarchicalRouter(num_experts=8, num_groups=4, top_groups=2, top_k=2),
+        lambda: HierarchicalRouter(num_experts=8, num_groups=4, top_groups=4, top_k=8),
+    ),
+}
+NAMES = list(ROUTERS)
+CENTROID_ROUTERS = ("topk_balanced", "pikv", "eplb")
+
+
+def run(lm, router, sizes=SIZES, **stack):
+    budget = dict(sinks=SINKS, window=WINDOW) | stack.pop("budget", {})
+    return run_chunks(lm, make_stack(lm, router=router, **stack, **budget), tokens(sum(sizes)), sizes)
+
+
+@pytest.fixture(scope="module")
+def full(tiny_93):
+    return run_chunks(tiny_93, make_stack(tiny_93), tokens(N), SIZES)
+
+
+def always_read_by_hand(store, chunk_start: int) -> torch.Tensor:
+    """``(B, H, T)`` sinks and the window before the chunk (and the chunk), B = 1, no protection."""
+    pos = store.view().pos
+    return store.view().valid & ((pos < SINKS) | (pos >= chunk_start - WINDOW))
+
+
+def expert_of(router, store, routable: torch.Tensor) -> torch.Tensor:
+    """Each token's expert as the router's write defines it: position blocks or the stored assignment."""
+    if isinstance(router, (AdaptiveRouter, HierarchicalRouter)):
+        return position_blocks(store.view().pos, routable, router.num_experts)
+    held = store.aux(AUX).long() - 1
+    return torch.where(routable, held, torch.full_like(held, -1))
+
+
+# --- runs alone and in stacks; reading everything equals the full cache ----------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_acts_and_reading_every_expert_equals_full(tiny_93, full, name):
+    full_logits, full_cache = full
+    subset, everything = ROUTERS[name]
+    logits, cache = run(tiny_93, subset())
+    assert torch.isfinite(logits).all()
+    assert not torch.allclose(logits[-10:], full_logits[-10:], atol=1e-3), f"{name} did not act"
+    router = cache.stack.router
+    m = router.metrics()
+    assert len(m["reads_per_expert"]) == router.num_experts and m["load_imbalance"] >= 1.0
+    assert 0 < m["routable_read_fraction"] < 1
+    side = sum(side_bytes_by_hand(router, s) for s in cache.stores)
+    assert cache.nbytes() == full_cache.nbytes() + side  # every token kept; side state on top
+    logits, _ = run(tiny_93, everything())
+    torch.testing.assert_close(logits, full_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_double_and_triple_stacks(tiny_93, name):
+    budget = dict(budget=0.5, sinks=SINKS, window=WINDOW)
+    double, _ = run(tiny_93, ROUTERS[name][0](), scheduler=H2OScheduler(), budget=budget)
+    assert torch.isfinite(double).all()
+    triple, cache = run(
+        tiny_93,
+        ROUTERS[name][0](),
+        compressor=QuantizedCompressor(bits=4, group_size=8),
+        scheduler=H2OScheduler(),
+        budget=budget,
+    )
+    assert torch.isfinite(triple).all() and not torch.allclose(triple, double, atol=1e-4)
+    assert all(int(s.row_tokens().max()) == math.ceil(0.5 * N) for s in cache.stores)
+
+
+# --- stored bytes: K/V plus side state, counted by hand ------------------------------------------
+
+
+def side_bytes_by_hand(router, store) -> int:
+    b, h, e, d = store.batch, store.kv_heads, router.num_experts, store.head_dim
+    if isinstance(router, (AdaptiveRouter, HierarchicalRouter)):
+        return 0  # position blocks are derived on the fly: nothing stored
+    total = b * h * e * d * 4 + b * h * e * 4  # fp32 centroids and running counts
+    if isinstance(router, PikvRouter):
+        total += b * h * e  # the experts read at the previous step, one byte each
+    if isinstance(router, EPLBRouter):
+        slots = e + router.replicas  # loads are skewed enough that every extra slot is used
+        total += e * 8 + router.num_devices * 8  # fp64 expert and device loads
+        total += 2 * slots * 8 + e * 8  # slot -> expert, slot -> device, unreplicated placement
+        copies = torch.bincount(store.side["router.slot_expert"], minlength=e) - 1
+        held = store.aux(AUX).long()[store.view().valid] - 1
+        replica_tokens = int(copies[held[held >= 0]].sum())
+        assert replica_tokens > 0
+        total += replica_tokens * d * 2 * 4  # copies of K and V, fp32
+    return total
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_stored_bytes_equal_count_by_hand(tiny_93, name):
+    router = ROUTERS[name][0]()
+    _, cache = run(tiny_93, router, scheduler=H2OScheduler(), budget=dict(budget=0.5))
+    for store in cache.stores:
+        kv = int(store.row_tokens().sum()) * store.head_dim * 2 * 4  # tokens x D x (K, V) x fp32
+        assert store.nbytes() == kv + side_bytes_by_hand(router, store)
+
+
+# --- each query reads exactly its chosen experts plus the always-read tokens ---------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reads_exactly_chosen_experts_plus_always_read(tiny_93, name):
+    router = ROUTERS[name][0]()
+    _, cache = run(tiny_93, router, sizes=SIZES[:3])
+    store = cache.stores[1]
+    q = 3
+    query = torch.randn(1, 9, q, store.head_dim, generator=torch.Generator().manual_seed(0))
+    seen = int(store.seen[0])
+    qpos = torch.arange(seen, seen + q)[None]
+    routing = router.route(1, store, query, qpos)
+    mask = router.read_mask(1, store, query, qpos)
+    always = always_read_by_hand(store, seen)
+    eid = expert_of(router, store, store.view().valid & ~always)
+    assert torch.equal(routing.eid, eid)
+    for h in range(store.kv_heads):
+        for i in range(q):
+            picked = set(torch.nonzero(routing.chosen[0, h, i]).flatten().tolist())
+            expect = [bool(a) or int(x) in picked for a, x in zip(always[0, h], eid[0, h])]
+            assert mask[0, h, i].tolist() == expect
+    count = routing.chosen.sum(-1)
+    nonempty = (routing.count > 0).sum(-1, keepdim=True)
+    if name in ("pikv", "eplb"):
+        assert torch.equal(count, nonempty.clamp(max=2).expand_as(count))
+    elif name == "topk_balanced":
+        assert (count <= 2).all()
+    elif name == "adaptive":
+        assert (count >= 1).all() and (count <= 4).all()
+    else:
+        assert (count == 2).all()
+
+
+# --- topk_balanced: write and read capacities ----------------------------------------------------
+
+
+def test_fill_by_preference_overflows_to_next_best_within_capacity():
+    order = torch.tensor([0, 1, 2, 3]).expand(1, 6, 4)  # six queries, all prefer 0, then 1, ...
+    allowed = torch.ones(1, 6, 4, dtype=torch.bool)
+    need = torch.full((1, 6), 2)
+    room = torch.full((1, 4), 3)  # ceil(1.0 * 2 * 6 / 4)
+    chosen = fill_by_preference(order, allowed, need, room)
+    assert chosen.sum(-2).tolist() == [[3, 3, 3, 3]]
+    assert chosen.sum(-1).tolist() == [[2] * 6]
+    assert chosen[0, :3, :2].all() and chosen[0, 3:, 2:].all()  # the first three took the favourites
+
+
+def test_topk_balanced_never_exceeds_write_or_read_capacity(tiny_93):
+    router = TopKBalancedRouter(num_experts=4, top_k=2, capacity_factor=1.0)
+    reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    choose = router.choose
+
+    def spy(layer, store, score, count, qpos):
+        chosen = choose(layer, store, score, count, qpos)
+        reads.append((chosen, count, qpos))
+        return chosen
+
+    router.choose = spy  # type: ignore[method-assign]
+    stack = make_stack(tiny_93, router=router, sinks=SINKS, window=WINDOW)
+    cache = loop.new_cache(tiny_93, stack)
+    ids, at = tokens(N), 0
+    for n in [40, 8, 8, 8, 1, 1]:
+        loop.step(tiny_93, cache, ids[at : at + n])
+        at += n
+        for store in cache.stores:
+            held = store.aux(AUX).long()[0] - 1  # (H, T)
+            live = torch.stack([(held == e).sum(-1) for e in range(4)], -1)  # (H, E)
+            cap = torch.ceil(1.0 * (held >= 0).sum(-1) / 4)
+            assert (live <= cap[:, None]).all()
+    assert reads and any(int(q.shape[1]) == 8 for _, _, q in reads)
+    for chosen, count, qpos in reads:
+        nonempty = (count > 0).sum(-1)
+        k = nonempty.clamp(max=2)
+        cap = torch.ceil(1.0 * k * (qpos >= 0).sum(-1)[:, None] / nonempty)
+        assert (chosen.sum(2) <= cap[..., None]).all()
+    assert router.metrics()["read_shortfall"] is not None
+
+
+# --- adaptive: top-p mass, k in range ------------------------------------------------------------
+
+
+def test_adaptive_chosen_mass_reaches_p_with_k_in_range():
+    g = torch.Generator().manual_seed(0)
+    score = torch.randn(2, 3, 50, 8, generator=g) * 3
+    score[0, 0, :, 5:] = float("-inf")  # three empty experts
+    p, tau, k_min, k_max = 0.7, 1.5, 2, 5
+    chosen = top_p_choice(score, p, tau, k_min, k_max)
+    prob = torch.softmax((score / tau), -1)
+    k = chosen.sum(-1)
+    n = torch.isfinite(score).sum(-1)
+    assert (k >= torch.minimum(torch.tensor(k_min), n)).all() and (k <= k_max).all()
+    mass = (prob * chosen).sum(-1)
+    assert ((mass >= p - 1e-6) | (k == k_max)).all()
+    best_without_last = (
+        prob.sort(-1, descending=True).values.cumsum(-1).gather(-1, (k - 2).clamp(min=0)[..., None])
+    )
+    assert ((best_without_last[..., 0] < p) | (k <= k_min)).all()  # smallest such set
+    ranked = prob.sort(-1, descending=True).values
+    assert torch.allclose(mass, (ranked * (torch.arange(8) < k[..., None])).sum(-1))  # a prefix by score
+    assert top_p_choice(score, 1.0, tau, 1, 8).sum(-1).equal(n)
+
+
+# --- pikv: the locality bonus --------------------------------------------------------------------
+
+
+def test_pikv_bonus_changes_the_choice_predictably():
+    from kvbench.cache.store import LayerStore
+
+    score = torch.tensor([2.0, 1.6, 0.0, float("-inf")]).view(1, 1, 1, 4)  # logits 1.0, 0.8, 0, empty
+    qpos = torch.tensor([[10]])
+    picks = {}
+    for bonus in (0.0, 0.1, 0.5):
+        store = LayerStore(1, 1, 4, torch.float32, torch.device("cpu"))  # head_dim 4: logit = score / 2
+        store.side[PREV] = torch.tensor([[[False, True, False, True]]])
+        chosen = PikvRouter(num_experts=4, top_k=1, locality_bonus=bonus).choose(0, store, score, None, qpos)
+        picks[bonus] = int(chosen[0, 0, 0].nonzero())
+        assert torch.equal(store.side[PREV], chosen[:, :, 0])  # the next step's bonus goes to this choice
+    assert picks == {0.0: 0, 0.1: 0, 0.5: 1}  # the bonus wins once it exceeds the logit gap 0.2
+
+
+def test_pikv_large_bonus_keeps_reading_the_previous_experts(tiny_93):
+    router = PikvRouter(top_k=2, locality_bonus=1e4)
+    _, cache = run(tiny_93, router, sizes=[48, 8, 1])
+    prev = cache.stores[1].side[PREV].clone()  # experts read by the last query of the last step
+    loop.forward(tiny_93, cache, [5])  # one more decode step, before the write
+    chosen = router._last[1][3].chosen[:, :, -1]
+    assert torch.equal(chosen, prev)
+
+
+# --- eplb: replication balances device load; replica bytes are real ------------------------------
+
+
+def test_eplb_replication_lowers_device_imbalance_on_a_skewed_load():
+    load = torch.tensor([100.0, 10, 10, 10, 5, 5, 5, 5], dtype=torch.float64)
+    devices, replicas = 4, 4
+    base_experts, base_devices = eplb_plan(load, devices, 0)
+    slot_expert, slot_device = eplb_plan(load, devices, replicas)
+    assert torch.equal(base_experts, torch.arange(8)) and slot_expert.numel() == 8 + replicas
+    copies = torch.bincount(slot_expert, minlength=8)
+    assert copies[0] == devices and copies[1] == 2  # the hottest expert first, at most one copy per device
+    for e in range(8):
+        devs = slot_device[slot_expert == e]
+        assert devs.unique().numel() == devs.numel()
+    assert torch.bincount(slot_device, minlength=devices).max() <= math.ceil(12 / devices)
+    zero = torch.zeros(devices, dtype=torch.float64)
+    before = device_reads(load, base_experts, base_devices, zero)
+    after = device_reads(load, slot_expert, slot_device, zero)
+    assert before.sum() == after.sum() == load.sum()
+    assert imbalance(after) < imbalance(before)
+    assert imbalance(before) == pytest.approx(105 / 37.5)
+
+
+def test_water_fill_sends_each_read_to_the_least_loaded_replica():
+    loads = torch.tensor([0.0, 5.0, 10.0], dtype=torch.float64)
+    assert water_fill(loads, 8).tolist() == [7, 1, 0]  # 0→5, then alternate the two lowest
+    assert water_fill(loads, 0).tolist() == [0, 0, 0]
+
+
+def test_eplb_device_figures_conserve_reads(tiny_93):
+    router = EPLBRouter(top_k=2)
+    run(tiny_93, router)
+    m = router.metrics()
+    assert len(m["device_reads"]) == len(m["device_reads_no_replication"]) == 4
+    total = sum(m["reads_per_expert"])
+    assert sum(m["device_reads"]) == sum(m["device_reads_no_replication"]) == total
+    assert m["device_load_imbalance"] >= 1.0 and m["device_load_imbalance_no_replication"] >= 1.0
+
+
+# --- hierarchical: reads only inside the chosen groups -------------------------------------------
+
+
+def test_hierarchical_group_choice_by_hand():
+    score = torch.tensor([5.0, 0.0, 1.0, 1.0, 3.0, 2.5, -9.0, float("-inf")]).view(1, 1, 1, 8)
+    count = torch.tensor([1.0, 3.0, 2.0, 2.0, 2.0, 2.0, 1.0, 0.0]).view(1, 1, 8)
+    # group means: (5 + 0)/4 = 1.25, 1.0, 2.75, -9.0 -> groups 2 and 0; inside, experts 0, 4, 5 lead
+    chosen = group_choice(score, count, groups=4, top_groups=2, k=2)
+    assert torch.nonzero(chosen[0, 0, 0]).flatten().tolist() == [0, 4]
+
+
+def test_hierarchical_reads_only_inside_chosen_groups(tiny_93):
+    router = HierarchicalRouter(num_experts=8, num_groups=4, top_groups=2, top_k=3)
+    _, cache = run(tiny_93, router, sizes=SIZES[:3])
+    store, q = cache.stores[0], 4
+    query = torch.randn(1, 9, q, store.head_dim, generator=torch.Generator().manual_seed(1))
+    seen = int(store.seen[0])
+    qpos = torch.arange(seen, seen + q)[None]
+    routing = router.route(0, store, query, qpos)
+    mask = router.read_mask(0, store, query, qpos)
+    view = store.view()
+    group = torch.where(routing.eid >= 0, routing.eid // 2, -1)  # (1, H, T)
+    grouped = query.view(1, store.kv_heads, 3, q, -1)
+    for h in range(store.kv_heads):
+        means = torch.stack([view.k[0, h][group[0, h] == g].mean(0) for g in range(4)])  # (G, D)
+        gscore = torch.einsum("gqd,ed->qe", grouped[0, h], means)  # (q, G)
+        top = gscore.topk(2, -1).indices
+        for i in range(q):
+            inside = torch.isin(group[0, h], top[i])
+            assert not (mask[0, h, i] & (group[0, h] >= 0) & ~inside).any()
+            assert set(torch.nonzero(routing.chosen[0, h, i]).flatten().tolist()) <= set(
+                (top[i, :, None] * 2 + torch.arange(2)).flatten().tolist()
+            )
+
+
+# --- centroid write: an assignment is made once and follows the token ----------------------------
+
+
+@pytest.mark.parametrize("name", CENTROID_ROUTERS)
+def test_assignment_is_kept_through_eviction(tiny, name):
+    stack = make_stack(
+        tiny, router=ROUTERS[name][0](), scheduler=H2OScheduler(), budget=0.5, sinks=2, window=4
+    )
+    cache = loop.new_cache(tiny, stack)
+    ids, at, seen = tokens(N), 0, {}
+    for n in SIZES:
+        loop.step(tiny, cache, ids[at : at + n])
+        at += n
+        store = cache.stores[0]
+        view, held = store.view(), store.aux(AUX).long() - 1
+        routable = view.valid & ~stack.budget.protected_view(store)
+        assert (held[routable] >= 0).all() and (held[~routable & view.valid] < 0).all()
+        now = {
+            (h, int(p)): int(e)
+            for h in range(store.kv_heads)
+            for p, e in zip(view.pos[0, h], held[0, h])
+            if e >= 0
+        }
+        assert all(seen[key] == e for key, e in now.items() if key in seen)
+        seen.update(now)
+    assert isinstance(stack.router, ExpertRouter) and store.side["router.count"].sum() > 0
+
+
+# --- padded batch equals one-by-one --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_padded_batch_equals_one_by_one(tiny_93, name):
+    lm = tiny_93
+
+    def stack():
+        return make_stack(
+            lm, router=ROUTERS[name][0](), scheduler=H2OScheduler(), budget=0.5, sinks=2, window=8
+        )
+
+    a, b = tokens(60, 1), tokens(37, 2)
+    chunks = [4, 4, 1, 1]
+    solo = []
+    for seq, pre in ((a, 40), (b, 25)):
+        cache = loop.new_cache(lm, stack())
+        outs, at = [loop.step(lm, cache, seq[:pre])[-1]], pre
+        for n in chunks:
+            outs.append(loop.step(lm, cache, seq[at : at + n])[-1])
+            at += n
+        solo.append(torch.stack(outs))
+    cache = loop.new_cache(lm, stack(), batch=2)
+    ids = torch.zeros(2, 40, dtype=torch.long)
+    real = torch.zeros(2, 40, dtype=torch.bool)
+    ids[0], real[0] = torch.tensor(a[:40]), True
+    ids[1, 15:], real[1, 15:] = torch.tensor(b[:25]), True
+    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
+    cache.after_forward()
+    at_a, at_b = 40, 25
+    for n in chunks:
+        chunk = torch.tensor([a[at_a : at_a + n], b[at_b : at_b + n]])
+        outs.append(loop.forward_batch(lm, cache, chunk, torch.ones_like(chunk, dtype=torch.bool))[:, -1])
+        cache.after_forward()
+        at_a, at_b = at_a + n, at_b + n
+    batched = torch.stack(outs, 1)
+    torch.testing.assert_close(batched[0], solo[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(batched[1], solo[1], atol=1e-4, rtol=1e-4)
+
+
+# --- knobs ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "knob"),
+    [
+        (lambda: TopKBalancedRouter(capacity_factor=0.5), "capacity_factor"),
+        (lambda: TopKBalancedRouter(top_k=9), "top_k"),
+        (lambda: AdaptiveRouter(top_p=0.0), "top_p"),
+        (lambda: AdaptiveRouter(k_min=3, k_max=2), "k_max"),
+        (lambda: AdaptiveRouter(temperature=0), "temperature"),
+        (lambda: PikvRouter(centroid_decay=1.0), "centroid_decay"),
+        (lambda: PikvRouter(locality_bonus=-1), "locality_bonus"),
+        (lambda: EPLBRouter(num_devices=9), "num_devices"),
+        (lambda: EPLBRouter(replicas=-1), "replicas"),
+        (lambda: HierarchicalRouter(num_groups=3), "num_groups"),
+        (lambda: HierarchicalRouter(top_groups=1, top_k=5), "top_k"),
+    ],
+)
+def test_bad_knobs_are_refused(make, knob):
+    with pytest.raises(ConfigError, match=rf"^router\.{knob}="):
+        make()
