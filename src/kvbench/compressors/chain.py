@@ -34,19 +34,21 @@ def resolve_stage(stage: Any, index: int) -> DictConfig:
     if isinstance(stage, str):
         name, overrides = stage, {}
     elif isinstance(stage, (dict, DictConfig)):
-        overrides = dict(OmegaConf.to_container(OmegaConf.create(stage)) if isinstance(stage, dict) else OmegaConf.to_container(stage))  # type: ignore[arg-type]
+        given = OmegaConf.create(stage) if isinstance(stage, dict) else stage
+        overrides = dict(OmegaConf.to_container(given))  # type: ignore[arg-type]
         name = overrides.pop("name", None)
     else:
-        raise ConfigError(f"compressor.stages[{index}]={stage!r}: must be a compressor name or a mapping with 'name'")
+        raise ConfigError(
+            f"compressor.stages[{index}]={stage!r}: must be a compressor name or a mapping with 'name'"
+        )
     allowed = available()
     if name not in allowed:
         raise ConfigError(f"compressor.stages[{index}]={name!r}: allowed {', '.join(allowed)}")
     node = OmegaConf.load(CONF_DIR / "compressor" / f"{name}.yaml")
     for key in overrides:
         if key not in node:
-            raise ConfigError(
-                f"compressor.stages[{index}].{key}: {name} has no such knob (knobs: {', '.join(k for k in node if k != '_target_')})"
-            )
+            knobs = ", ".join(str(k) for k in node if k != "_target_")
+            raise ConfigError(f"compressor.stages[{index}].{key}: {name} has no such knob (knobs: {knobs})")
     return OmegaConf.merge(node, overrides)  # type: ignore[return-value]
 
 
@@ -78,8 +80,9 @@ class ChainCompressor(Compressor):
         self.stages = techs
         self.name = "chain[" + ",".join(t.name for t in techs) + "]"
         flags = [t.flags for t in techs]
-        self.flags = Flags(**{k: any(getattr(f, k) for f in flags) for k in Flags.__dataclass_fields__})
-        self.flags = Flags(**{**self.flags.__dict__, "lossless": all(f.lossless for f in flags)})
+        union = {k: any(getattr(f, k) for f in flags) for k in Flags.__dataclass_fields__}
+        union["lossless"] = all(f.lossless for f in flags)  # a chain is lossless only if every stage is
+        self.flags = Flags(**union)  # type: ignore[misc]  # per instance: the union of its stages
 
     def bind(self, ctx: BindContext) -> None:  # stages are bound by the stack, each at its depth
         super().bind(ctx)

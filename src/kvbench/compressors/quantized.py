@@ -77,7 +77,9 @@ class QuantizedCompressor(Compressor):
             raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        self.move(store, leaving_window(store, self.budget_cfg, self.group_size), self.key_bits, self.value_bits)
+        self.move(
+            store, leaving_window(store, self.budget_cfg, self.group_size), self.key_bits, self.value_bits
+        )
 
     def move(self, store: LayerStore, move: torch.Tensor, key_bits, value_bits) -> None:
         """Quantize the fp tokens under the flat mask ``move`` into the segment of these bit widths."""

@@ -1,0 +1,125 @@
+"""ChunkKV: keep whole chunks of consecutive tokens, scored by observation-window attention
+(arXiv:2502.00299).
+
+Per KV head, the unprotected stored tokens are cut into chunks of ``chunk_size`` consecutive
+tokens in position order (the last chunk may be shorter); a chunk's score is the sum of its
+tokens' SnapKV scores (attention from the last ``obs_window`` queries, summed over the query
+group). Chunks are taken best first while they fit whole in the capacity left after sinks, the
+window and protected positions, so the kept unprotected tokens always form whole chunks (up to
+``chunk_size - 1`` slots of the capacity may stay unused).
+
+With ``reuse_layers = k > 1``, layers go in groups of ``k`` (0..k-1, k..2k-1, ...): the first
+layer of a group selects, and the others keep the same positions per KV head (ChunkKV's
+layer-wise index reuse) plus their own protected tokens.
+
+Differences from the paper: the selection runs at every compression point (METHODS.md), not
+once after prefill, and chunks are formed over the stored tokens in position order; sinks are
+kept besides the window; ``pool`` defaults to 1 (the paper sums raw window attention per chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.cache.store import LayerStore
+from kvbench.compressors.snapkv import allocated_capacity, check_window
+from kvbench.errors import ConfigError
+from kvbench.roles import BindContext, Compressor, Flags
+from kvbench.select import Allocated, ObservationWindow
+
+
+def chunk_keep(
+    score: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor, slots: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """Whole chunks of candidates, best summed score first, while they fit in ``slots``.
+
+    Args:
+        score: ``(B, H, T)`` per-token scores.
+        pos: ``(B, H, T)`` positions (chunks follow position order).
+        cand: ``(B, H, T)`` tokens that may be chunked (valid and unprotected).
+        slots: ``(B, H)`` candidate tokens that may be kept.
+        chunk: chunk size.
+
+    Returns:
+        ``(B, H, T)`` bool: the kept candidates.
+    """
+    big = torch.iinfo(pos.dtype).max
+    order = torch.where(cand, pos, torch.full_like(pos, big)).argsort(dim=-1, stable=True)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
+    )
+    cid = torch.where(cand, rank // chunk, torch.zeros_like(rank))  # (B, H, T)
+    n = -(-pos.shape[-1] // chunk)
+    csum = score.new_zeros(*score.shape[:2], n).scatter_add_(-1, cid, score.float() * cand)
+    csize = torch.zeros_like(csum, dtype=torch.long).scatter_add_(-1, cid, cand.long())
+    csum = csum.masked_fill(csize == 0, float("-inf"))
+    best = csum.argsort(dim=-1, descending=True, stable=True)
+    fits = torch.gather(csize, -1, best).cumsum(-1) <= slots[..., None]
+    taken = torch.zeros_like(fits).scatter_(-1, best, fits) & (csize > 0)
+    return cand & torch.gather(taken, -1, cid)
+
+
+@dataclass
+class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
+    """Keeps the best-scored whole chunks of ``chunk_size`` tokens per KV head.
+
+    Args:
+        chunk_size: consecutive stored tokens per chunk.
+        reuse_layers: layers per index-reuse group (1: every layer selects on its own).
+        obs_window: the last queries whose attention scores the tokens.
+        pool: max-pooling kernel of the token scores before summing (odd; 1: none).
+        allocation: how the budget is split across layers (``uniform`` when reusing indices).
+    """
+
+    name: str = "chunkkv"
+    chunk_size: int = 10
+    reuse_layers: int = 1
+    obs_window: int = 16
+    pool: int = 1
+    flags = Flags(needs_attention_scores=True, evicts_tokens=True)
+
+    def __post_init__(self) -> None:
+        self.check_allocation()
+        check_window(self.role, self.obs_window, self.pool)
+        if self.chunk_size < 1:
+            raise ConfigError(f"compressor.chunk_size={self.chunk_size}: must be >= 1")
+        if self.reuse_layers < 1:
+            raise ConfigError(f"compressor.reuse_layers={self.reuse_layers}: must be >= 1 (1: no reuse)")
+        if self.reuse_layers > 1 and self.allocation != "uniform":
+            raise ConfigError(
+                f"compressor.reuse_layers={self.reuse_layers}: needs allocation=uniform "
+                "(reusing layers keep the first layer's positions)"
+            )
+        self.AUX = f"obs{self.obs_window}"
+        self._chosen: torch.Tensor | None = None  # (B, H, P) positions kept by the group's first layer
+
+    def bind(self, ctx: BindContext) -> None:
+        super().bind(ctx)
+        self.bind_allocation(ctx)
+
+    def compress(self, layer: int, store: LayerStore) -> None:
+        view = store.view()
+        protected = self.budget_cfg.protected_view(store) & view.valid
+        chosen = self._chosen
+        if layer % self.reuse_layers and chosen is not None and chosen.shape[:2] == view.pos.shape[:2]:
+            chosen = F.pad(chosen, (0, max(0, store.seen_max - chosen.shape[-1])))
+            keep = protected | (view.valid & torch.gather(chosen, -1, view.pos.clamp(min=0)))
+        else:
+            cap = allocated_capacity(self, layer, store)  # (B,)
+            slots = (cap[:, None] - protected.sum(-1)).clamp(min=0)
+            cand = view.valid & ~protected
+            keep = protected | chunk_keep(self.window_scores(store), view.pos, cand, slots, self.chunk_size)
+            if self.reuse_layers > 1:
+                self._chosen = by_position(keep, view.pos, store.seen_max)
+        if not bool(keep[view.valid].all()):
+            store.keep(keep)
+
+
+def by_position(mask: torch.Tensor, pos: torch.Tensor, width: int) -> torch.Tensor:
+    """``(B, H, width)`` bool: True at the positions where ``mask`` ``(B, H, T)`` is True."""
+    out = torch.zeros(*pos.shape[:2], width + 1, dtype=torch.bool, device=pos.device)
+    idx = torch.where(mask, pos, torch.full_like(pos, width))  # masked-out slots land in a spare column
+    return out.scatter_(-1, idx, True)[..., :width]

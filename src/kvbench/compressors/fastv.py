@@ -1,0 +1,103 @@
+"""FastV: rank context tokens by the attention of the last query at layer K-1 and drop the lowest
+from every layer >= K (arXiv:2403.06764).
+
+At each compression point, the score of a stored position is the attention the last query of the
+forward gave it at layer ``layer - 1``, averaged over every query head (a head that does not
+store the position gives it 0). Every layer from ``layer`` up keeps the same positions in every
+KV head: sinks, the window and protected positions, then the best-ranked positions up to the
+capacity; layers below ``layer`` keep everything, so the stack's budget applies to layers >= K.
+
+Differences from the paper: FastV drops image tokens inside the prefill forward (layers >= K never
+compute them); kvbench drops them from the cache after the forward, at every compression point
+(METHODS.md), for any token. The paper's text ranks by the average attention a token receives;
+its released code, followed here as METHODS.md says, ranks by the last token's attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.cache.store import LayerStore
+from kvbench.errors import ConfigError
+from kvbench.roles import BindContext, Compressor, Flags, keep_top
+
+
+@dataclass
+class FastVCompressor(Compressor):
+    """Keeps, in every layer >= ``layer``, the positions the last query attended to most at ``layer - 1``.
+
+    Args:
+        layer: K, the first layer that drops tokens (1 <= K < number of layers).
+    """
+
+    name: str = "fastv"
+    layer: int = 2
+    flags = Flags(needs_attention_scores=True, evicts_tokens=True)
+
+    def __post_init__(self) -> None:
+        if self.layer < 1:
+            raise ConfigError(f"compressor.layer={self.layer}: must be >= 1 (layer K-1 ranks the tokens)")
+        self._score: torch.Tensor | None = None  # (B, P) head-averaged attention of the last query
+        self._plan: tuple[torch.Tensor, torch.Tensor] | None = None  # (seen at planning, keep (B, P))
+
+    def bind(self, ctx: BindContext) -> None:
+        super().bind(ctx)
+        if self.layer >= ctx.num_layers:
+            raise ConfigError(
+                f"compressor.layer={self.layer}: must be < the model's {ctx.num_layers} layers (and >= 1)"
+            )
+        self._score, self._plan = None, None
+
+    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+        if layer != self.layer - 1:
+            return
+        last = (qpos == store.seen[:, None] - 1) & (qpos >= 0)  # (B, q)
+        rows = last.any(-1)
+        if not bool(rows.any()):
+            return
+        b, h, g, _, t = probs.shape
+        per_head = (probs * last[:, None, None, :, None]).sum((2, 3))  # (B, H, T)
+        pos = store.view().pos
+        width = store.seen_max
+        score = per_head.new_zeros(b, width + 1).scatter_add_(
+            -1, torch.where(pos >= 0, pos, width).reshape(b, -1), per_head.reshape(b, -1)
+        )[:, :width] / (h * g)
+        old = self._score
+        if old is not None and old.shape[0] == b:
+            old = F.pad(old, (0, max(0, width - old.shape[1])))[:, :width]
+            score = torch.where(rows[:, None], score, old)
+        self._score = score
+
+    def compress(self, layer: int, store: LayerStore) -> None:
+        if layer < self.layer:
+            return
+        if layer == self.layer or self._plan is None or not torch.equal(self._plan[0], store.seen):
+            self._plan = (store.seen.clone(), self._keep_positions(store))
+        keep_pos = self._plan[1]
+        view = store.view()
+        width = keep_pos.shape[-1]
+        idx = view.pos.clamp(min=0, max=width - 1).reshape(view.pos.shape[0], -1)
+        keep = view.valid & torch.gather(keep_pos, -1, idx).view_as(view.pos)
+        if not bool(keep[view.valid].all()):
+            store.keep(keep)
+
+    def _keep_positions(self, store: LayerStore) -> torch.Tensor:
+        """``(B, P)`` bool: protected positions plus the best-ranked stored ones, up to the capacity."""
+        view = store.view()
+        b, width = store.batch, store.seen_max
+        idx = torch.where(view.valid, view.pos, width).reshape(b, -1)
+        present = torch.zeros(b, width + 1, dtype=torch.bool, device=store.device)
+        present = present.scatter_(-1, idx, True)[:, :width]  # stored in some head of this layer
+        score = torch.zeros(b, width, device=store.device)
+        if self._score is not None and self._score.shape[0] == b:
+            known = min(width, self._score.shape[1])
+            score[:, :known] = self._score[:, :known]
+        allpos = torch.arange(width, device=store.device)
+        protect_from = None if store.protect_from is None else store.protect_from[:, None]
+        protected = self.budget_cfg.protected(allpos[None, :], store.seen[:, None], protect_from)
+        score = score.masked_fill(protected, float("inf"))
+        cap = self.budget_cfg.capacity(store.seen)
+        return keep_top(score[:, None], present[:, None], cap)[:, 0]

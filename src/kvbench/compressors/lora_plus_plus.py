@@ -1,0 +1,61 @@
+"""kvbench's own ``lora_plus_plus``: ``lora``'s calibrated latents with separate key and value
+ranks, stored as int8 or int4 codes.
+
+Each token leaving the full-precision window is projected on the calibrated per-head bases of
+``lora`` (Palu, arXiv:2407.21118; the same artifact is reused), then each latent vector is
+quantized along its own width with one float16 (zero, step) per token and packed: per token
+``(rk + rv) · bits / 8`` bytes of codes plus 8 bytes of parameters; the bases count once per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.cache.store import LayerStore
+from kvbench.compressors.lowrank import LatentCache, check_rank
+from kvbench.errors import ConfigError
+from kvbench.roles import BindContext, Compressor, Flags
+
+LATENT_BITS = (4, 8)
+
+
+@dataclass
+class LoraPlusPlusCompressor(Compressor):
+    """Calibrated low-rank latents quantized to ``latent_bits``.
+
+    Args:
+        key_rank: latent width of pre-RoPE keys, 1 to head_dim (even for 4 bits).
+        value_rank: latent width of values, 1 to head_dim (even for 4 bits).
+        latent_bits: 8 or 4 bits per latent code.
+        calibration_tokens: tokens of calibration text the bases are fitted on.
+    """
+
+    name: str = "lora_plus_plus"
+    key_rank: int = 16
+    value_rank: int = 32
+    latent_bits: int = 8
+    calibration_tokens: int = 2048
+    flags = Flags(changes_representation=True)
+
+    def __post_init__(self) -> None:
+        if self.latent_bits not in LATENT_BITS:
+            raise ConfigError(f"compressor.latent_bits={self.latent_bits}: allowed 4, 8")
+        for key in ("key_rank", "value_rank"):
+            rank = getattr(self, key)
+            check_rank(f"compressor.{key}", rank)
+            if rank * self.latent_bits % 8:
+                raise ConfigError(f"compressor.{key}={rank}: must be even to pack 4-bit latents")
+        if self.calibration_tokens < 1:
+            raise ConfigError(f"compressor.calibration_tokens={self.calibration_tokens}: must be >= 1")
+
+    def bind(self, ctx: BindContext) -> None:
+        super().bind(ctx)
+        self.cache = LatentCache.bind(
+            ctx, self.name, self.key_rank, self.value_rank, self.calibration_tokens, bits=self.latent_bits
+        )
+
+    def compress(self, layer: int, store: LayerStore) -> None:
+        self.cache.compress(layer, store, self.budget_cfg)
+
+    def metrics(self) -> dict[str, float | list[float] | None]:
+        return self.cache.metrics() if hasattr(self, "cache") else {}

@@ -1,0 +1,263 @@
+"""Shared pieces of the low-rank compressors (``svd``, ``lora``, ``lora_plus_plus``).
+
+Keys are cached after rotary embedding; these compressors factor pre-RoPE keys, as ShadowKV and
+Palu do: each token's rotation is undone at its original position before factoring and applied
+again on read. Values are never rotated.
+
+Here: moving tokens out of the full-precision window into a segment of one's own
+(:func:`move_out`), the calibrated bases of ``lora`` and ``lora_plus_plus``
+(:func:`calibrated_bases`), their latent segment (:class:`LatentSegment`), and a measured
+reconstruction error (:class:`Residual`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbench.cache import quant, ragged
+from kvbench.cache.rotary import Rotary
+from kvbench.cache.store import LayerStore, Segment
+from kvbench.compressors.quantized import leaving_window
+from kvbench.errors import ConfigError
+from kvbench.roles import BindContext, Budget
+
+Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
+
+
+def move_out(store: LayerStore, move: torch.Tensor, build: Build) -> None:
+    """Move the fp tokens under the flat mask ``move`` into the segment ``build`` makes.
+
+    Args:
+        store: the layer's storage.
+        move: ``(N_fp,)`` bool over ``store.fp``.
+        build: ``(k (n, D), v (n, D), pos (n,), lens (BH,)) -> Segment`` for the moved tokens; the
+            result is merged into an existing compressed segment of the same type and ``layout()``.
+    """
+    if not bool(move.any()):
+        return
+    fp = store.fp
+    lens = torch.bincount(ragged.segment_ids(fp.lens)[move], minlength=fp.lens.numel())
+    seg = build(fp.k[move], fp.v[move], fp.pos[move], lens)
+    seg.aux = {name: val[move] for name, val in fp.aux.items()}
+    fp.keep(~move)
+    old = next((s for s in store.compressed if _compatible(s, seg)), None)
+    if old is None:
+        store.compressed.append(seg)
+    else:
+        old.extend(seg)  # type: ignore[attr-defined]
+    store.invalidate()
+
+
+def _compatible(old: Segment, new: Segment) -> bool:
+    return type(old) is type(new) and old.layout() == new.layout()  # type: ignore[attr-defined]
+
+
+def pre_rope(rotary: Rotary, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Undo the rotation of cached keys ``(n, D)`` at their positions ``(n,)``: float32 ``(n, D)``."""
+    return rotary.unrotate(k.float(), pos)
+
+
+def check_rank(
+    key: str, rank: int | None, limit: int | None = None, what: str = "", nullable: bool = False
+) -> None:
+    """Refuse a rank that is not an integer in ``[1, limit]`` (``what`` names the limit; ``None``
+    allowed when ``nullable``)."""
+    if rank is None and nullable:
+        return
+    ok = isinstance(rank, int) and not isinstance(rank, bool) and rank >= 1
+    if not ok or (limit is not None and rank > limit):  # type: ignore[operator]
+        allowed = "a positive integer" if limit is None else f"an integer in [1, {limit}] ({what})"
+        raise ConfigError(f"{key}={rank}: must be {allowed}" + (" or null" if nullable else ""))
+
+
+def calibrated_bases(
+    ctx: BindContext, key_rank: int, value_rank: int, tokens: int
+) -> dict[str, torch.Tensor]:
+    """Per-layer, per-KV-head orthonormal bases of pre-RoPE keys and values, fitted on calibration
+    text once and reused from disk (the record joins ``ctx.calibrations``).
+
+    Returns:
+        ``{"key": (L, H_kv, D, key_rank), "value": (L, H_kv, D, value_rank)}`` on CPU.
+    """
+    from kvbench.calibration import lora_artifact
+
+    tensors, record = lora_artifact(ctx.model, key_rank, value_rank, tokens)
+    if record not in ctx.calibrations:
+        ctx.calibrations.append(record)
+    want = {"key": key_rank, "value": value_rank}
+    for name, rank in want.items():
+        shape = (ctx.num_layers, ctx.kv_heads, ctx.head_dim, rank)
+        if tuple(tensors[name].shape) != shape:
+            got = tuple(tensors[name].shape)
+            raise ConfigError(f"calibration artifact {record['path']}: {name} bases {got}, expected {shape}")
+    return {name: tensors[name] for name in want}
+
+
+def layer_bases(
+    store: LayerStore, bases: dict[str, torch.Tensor], layer: int, prefix: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This layer's key and value bases ``(H_kv, D, r)`` in ``store.side`` (counted in its bytes),
+    placed there in the model dtype on first use."""
+    for name in ("key", "value"):
+        if f"{prefix}.{name}_basis" not in store.side:
+            store.side[f"{prefix}.{name}_basis"] = (
+                bases[name][layer].to(store.device, store.dtype).contiguous()
+            )
+    return store.side[f"{prefix}.key_basis"], store.side[f"{prefix}.value_basis"]
+
+
+@dataclass
+class LatentSegment(Segment):
+    """Tokens as latents on per-head bases: ``K = rotate(klat · kbasisᵀ)``, ``V = vlat · vbasisᵀ``.
+
+    Per token: ``klat`` ``(N, rk)`` and ``vlat`` ``(N, rv)`` in the model dtype, or, with ``bits``,
+    packed codes ``(N, r * bits / 8)`` plus float16 ``kzero``/``kstep``/``vzero``/``vstep``
+    ``(N, 1)``. The bases ``(H_kv, D, r)`` live in ``store.side`` (counted once per layer there).
+    """
+
+    rotary: Any = None
+    kbasis: torch.Tensor = None  # type: ignore[assignment]
+    vbasis: torch.Tensor = None  # type: ignore[assignment]
+    bits: int | None = None
+    klat: torch.Tensor = None  # type: ignore[assignment]
+    vlat: torch.Tensor = None  # type: ignore[assignment]
+    kzero: torch.Tensor | None = None
+    kstep: torch.Tensor | None = None
+    vzero: torch.Tensor | None = None
+    vstep: torch.Tensor | None = None
+
+    FIELDS = ("klat", "vlat", "kzero", "kstep", "vzero", "vstep")
+
+    @classmethod
+    def encode(
+        cls,
+        rotary: Rotary,
+        kbasis: torch.Tensor,
+        vbasis: torch.Tensor,
+        bits: int | None,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        pos: torch.Tensor,
+        lens: torch.Tensor,
+        residuals: tuple[Residual, Residual] | None = None,
+    ) -> LatentSegment:
+        """Project tokens (rotated keys ``k``, values ``v`` ``(n, D)``) onto the bases; ``residuals``
+        (keys, values) accumulate the error of what is stored."""
+        seg = cls(lens=lens, pos=pos, rotary=rotary, kbasis=kbasis, vbasis=vbasis, bits=bits)
+        kpre = pre_rope(rotary, k, pos)
+        kl, vl = seg._project(kpre, kbasis), seg._project(v.float(), vbasis)
+        if bits is None:
+            seg.klat, seg.vlat = kl.to(kbasis.dtype), vl.to(vbasis.dtype)
+        else:
+            kc, seg.kzero, seg.kstep = quant.quantize(kl, bits, dim=-1)  # per token, along the latent
+            vc, seg.vzero, seg.vstep = quant.quantize(vl, bits, dim=-1)
+            seg.klat, seg.vlat = quant.pack(kc, bits), quant.pack(vc, bits)
+        if residuals is not None:
+            kl, vl = seg.latents()
+            residuals[0].add(kpre, seg._expand(kl, kbasis))
+            residuals[1].add(v, seg._expand(vl, vbasis))
+        return seg
+
+    def layout(self) -> tuple[Any, ...]:
+        return (self.bits, self.kbasis.shape, self.vbasis.shape)
+
+    def data_fields(self) -> dict[str, torch.Tensor]:
+        fields = {name: getattr(self, name) for name in self.FIELDS}
+        return {name: t for name, t in fields.items() if t is not None}
+
+    def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 key and value latents ``(N, rk)``, ``(N, rv)`` (dequantized with ``bits``)."""
+        if self.bits is None:
+            return self.klat.float(), self.vlat.float()
+        assert self.kzero is not None and self.kstep is not None
+        assert self.vzero is not None and self.vstep is not None
+        kc, vc = quant.unpack(self.klat, self.bits), quant.unpack(self.vlat, self.bits)
+        return (
+            quant.dequantize(kc, self.kzero, self.kstep, torch.float32),
+            quant.dequantize(vc, self.vzero, self.vstep, torch.float32),
+        )
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        kl, vl = self.latents()
+        k = self.rotary.rotate(self._expand(kl, self.kbasis), self.pos)
+        return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
+
+    def _project(self, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        """``(N, D)`` -> ``(N, r)`` latents on each token's head basis ``(H, D, r)``."""
+        p, valid = ragged.to_padded(x, self.lens)  # (BH, T, D)
+        h = basis.shape[0]
+        out = torch.einsum("bhtd,hdr->bhtr", p.view(-1, h, *p.shape[1:]), basis.float())
+        return ragged.from_padded(out.reshape(p.shape[0], p.shape[1], -1), valid)
+
+    def _expand(self, lat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        """``(N, r)`` latents -> ``(N, D)`` float32 on each token's head basis ``(H, D, r)``."""
+        p, valid = ragged.to_padded(lat, self.lens)  # (BH, T, r)
+        h = basis.shape[0]
+        out = torch.einsum("bhtr,hdr->bhtd", p.view(-1, h, *p.shape[1:]), basis.float())
+        return ragged.from_padded(out.reshape(p.shape[0], p.shape[1], -1), valid)
+
+    def extend(self, other: LatentSegment) -> None:
+        """Append ``other``'s tokens after this segment's, per head-row."""
+        for name in [*self.data_fields(), "pos"]:
+            setattr(
+                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
+            )
+        self.aux = {k: ragged.concat(v, self.lens, other.aux[k], other.lens) for k, v in self.aux.items()}
+        self.lens = self.lens + other.lens
+
+
+@dataclass
+class Residual:
+    """Measured relative squared reconstruction error of what a compressor stored so far."""
+
+    err: float = 0.0
+    norm: float = 0.0
+
+    def add(self, exact: torch.Tensor, rebuilt: torch.Tensor) -> None:
+        self.err += float((rebuilt.float() - exact.float()).pow(2).sum())
+        self.norm += float(exact.float().pow(2).sum())
+
+    def value(self) -> float | None:
+        return self.err / self.norm if self.norm > 0 else None
+
+
+@dataclass
+class LatentCache:
+    """What ``lora`` and ``lora_plus_plus`` share once bound: the rotary, the calibrated bases,
+    the latent width and the measured residuals.
+
+    Every token leaving the full-precision window (sinks and window stay) is stored as latents.
+    """
+
+    prefix: str
+    rotary: Rotary
+    bases: dict[str, torch.Tensor]
+    bits: int | None = None
+
+    def __post_init__(self) -> None:
+        self.residuals = (Residual(), Residual())
+
+    @classmethod
+    def bind(
+        cls, ctx: BindContext, prefix: str, key_rank: int, value_rank: int, tokens: int, bits: int | None
+    ) -> LatentCache:
+        """Check the ranks against the model and load (or fit once) the bases."""
+        rotary = ctx.rotary()
+        check_rank("compressor.key_rank", key_rank, ctx.head_dim, "head_dim")
+        check_rank("compressor.value_rank", value_rank, ctx.head_dim, "head_dim")
+        return cls(prefix, rotary, calibrated_bases(ctx, key_rank, value_rank, tokens), bits)
+
+    def compress(self, layer: int, store: LayerStore, budget: Budget) -> None:
+        def build(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> Segment:
+            kb, vb = layer_bases(store, self.bases, layer, self.prefix)
+            return LatentSegment.encode(self.rotary, kb, vb, self.bits, k, v, pos, lens, self.residuals)
+
+        move_out(store, leaving_window(store, budget, 1), build)
+
+    def metrics(self) -> dict[str, float | list[float] | None]:
+        """Relative squared error of the pre-RoPE keys and of the values stored so far."""
+        return {"key_residual": self.residuals[0].value(), "value_residual": self.residuals[1].value()}

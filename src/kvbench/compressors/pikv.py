@@ -1,0 +1,112 @@
+"""PiKV's hybrid compressor (kvbench's own, METHODS.md): attention-ranked retention, then mixed
+precision KIVI for the retained tokens.
+
+Every token accumulates the attention it receives (summed over queries and the KV head's query
+group, as H2O). At each compression point:
+
+1. each head-row keeps sinks, the window, protected positions and the most important tokens up to
+   the layer's capacity (``allocation`` splits the stack budget across layers); the rest are
+   evicted, wherever they are stored;
+2. the retained tokens leaving the full-precision window move out of it as in KIVI: the oldest
+   whole groups of ``group_size`` unprotected tokens per head-row (the rest wait for the next
+   compression point). Of the moving tokens, the most important are stored at 8 bits (keys and
+   values), in whole groups, as many as bring the head-row's stored 8-bit share of its quantized
+   tokens closest to ``guard``; the others at ``key_bits``/``value_bits``. Both use KIVI's layout
+   (keys per channel over a group, values per token).
+
+A token's precision is decided once, when it leaves the window; later evictions remove tokens of
+either precision by importance, and the next moves correct the share. The guard share is counted
+over the stored quantized tokens, so it needs no state beyond the cache (a padded batch equals
+one-by-one runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.cache import quant, ragged
+from kvbench.cache.store import LayerStore
+from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment, leaving_window
+from kvbench.compressors.snapkv import allocated_capacity
+from kvbench.errors import ConfigError
+from kvbench.roles import BindContext, Compressor, Flags, keep_top
+from kvbench.select import Allocated, evict_by_score
+
+GUARD_BITS = 8
+AUX = "pikv"
+
+
+@dataclass
+class PiKVCompressor(Allocated, Compressor):
+    """Evicts by accumulated attention, then stores the retained tokens at two precisions.
+
+    Args:
+        key_bits: bits of the keys of the unguarded tokens (2, 3, 4 or 8).
+        value_bits: bits of their values.
+        guard: target share (0..1) of the quantized tokens stored at 8 bits.
+        group_size: tokens per quantization group (and per move).
+        allocation: how the budget is split across layers.
+    """
+
+    name: str = "pikv"
+    key_bits: int = 2
+    value_bits: int = 2
+    guard: float = 0.5
+    group_size: int = 32
+    flags = Flags(needs_attention_scores=True, evicts_tokens=True, changes_representation=True)
+
+    def __post_init__(self) -> None:
+        self.check_allocation()
+        for key in ("key_bits", "value_bits"):
+            if getattr(self, key) not in quant.SUPPORTED_BITS:
+                allowed = ", ".join(map(str, quant.SUPPORTED_BITS))
+                raise ConfigError(f"compressor.{key}={getattr(self, key)}: allowed {allowed}")
+        if not 0.0 <= self.guard <= 1.0:
+            raise ConfigError(f"compressor.guard={self.guard}: must be in [0, 1] (share kept at 8 bits)")
+        if self.group_size < 1:
+            raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
+        self._kivi = QuantizedCompressor(bits=GUARD_BITS, group_size=self.group_size)
+        self._moved = [0, 0]  # tokens quantized at 8 bits, at the low widths
+
+    def bind(self, ctx: BindContext) -> None:
+        super().bind(ctx)
+        self.bind_allocation(ctx)
+        self._moved = [0, 0]
+
+    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+        store.add_aux(AUX, probs.sum((2, 3)))
+
+    def compress(self, layer: int, store: LayerStore) -> None:
+        evict_by_score(store, self.budget_cfg, store.aux(AUX), allocated_capacity(self, layer, store))
+        leaving = leaving_window(store, self.budget_cfg, self.group_size)
+        if not bool(leaving.any()):
+            return
+        high = self.guarded(store, leaving)
+        low = leaving & ~high
+        self._moved[0] += int(high.sum())
+        self._moved[1] += int(low.sum())
+        self._kivi.move(store, high, GUARD_BITS, GUARD_BITS)
+        self._kivi.move(store, low[~high], self.key_bits, self.value_bits)
+
+    def guarded(self, store: LayerStore, leaving: torch.Tensor) -> torch.Tensor:
+        """Flat mask over the fp segment: the most important of the ``leaving`` tokens, in whole
+        groups, as many as bring each head-row's stored 8-bit share closest to ``guard``."""
+        fp, g = store.fp, self.group_size
+        stored = {(s.key_bits, s.value_bits): s.lens for s in store.compressed if isinstance(s, QuantSegment)}
+        zero = torch.zeros_like(fp.lens)
+        q8 = stored.get((GUARD_BITS, GUARD_BITS), zero)
+        low_bits = (self.key_bits, self.value_bits)
+        qlow = zero if low_bits == (GUARD_BITS, GUARD_BITS) else stored.get(low_bits, zero)
+        padded, valid = ragged.to_padded(leaving, fp.lens, fill=False)
+        moving = padded.sum(-1)  # (BH,) whole groups
+        want = self.guard * (q8 + qlow + moving).double() - q8.double()
+        k = (torch.floor(want / g + 0.5).long() * g).clamp(min=0)
+        k = torch.minimum(k, moving)
+        imp, _ = ragged.to_padded(fp.aux[AUX], fp.lens)
+        return ragged.from_padded(keep_top(imp[None], padded[None], k[None])[0], valid)
+
+    def metrics(self) -> dict[str, float | list[float] | None]:
+        moved = sum(self._moved)
+        return {"guard_share": self._moved[0] / moved if moved else None}

@@ -1,0 +1,182 @@
+"""ThinK: query-driven pruning of key channels per KV head; kept channels stored only (arXiv:2407.21018).
+
+Channel ``j`` of a KV head scores ``‖Q_obs[:, j]‖₂ · ‖K[:, j]‖₂`` (ThinK's per-channel magnitude
+criterion ``‖Q_obs[:, j] K[:, j]ᵀ‖_F``, which factors into the two norms), where ``Q_obs`` holds the
+last ``obs_window`` rotated queries of the head's query group and ``K`` the stored rotated keys. The
+top ``keep_ratio`` share of channels is kept. Tokens leaving the full-precision window (unprotected
+full-precision tokens, one at a time) move into a :class:`PrunedSegment` that stores only the kept
+key channels and the full values; reads put zeros in the pruned channels, so ``q · k`` uses the kept
+channels only.
+
+The channel set of each head-row (one sequence, one KV head) is chosen once, at the first
+compression point where that head-row has tokens to prune, and stays fixed after: every later
+token leaving the window is pruned to the same channels, and the indices are stored once per
+head-row (``store.side``, counted in bytes).
+
+Differences from the paper: ThinK prunes the prefill keys once and leaves the keys of decoded
+tokens whole; here every token that leaves the window is pruned with the head-row's fixed set, so
+the saving holds as the sequence grows. ThinK selects per attention head; under GQA the cache holds
+one key per KV head, so the query norm here spans every query head of the group.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.cache import ragged
+from kvbench.cache.store import LayerStore, Segment
+from kvbench.compressors.quantized import leaving_window
+from kvbench.errors import ConfigError
+from kvbench.roles import Compressor, Flags
+
+SIDE = "pruning.channels"  # (BH, d_keep) int16 kept key channels per head-row, in store.side
+
+
+@dataclass
+class PrunedSegment(Segment):
+    """Tokens with thinned keys. ``kp`` ``(N, d_keep)`` kept key channels, ``v`` ``(N, D)``.
+
+    ``channels`` ``(BH, d_keep)`` int16 are the kept channel indices of each head-row; the same
+    tensor lives in ``store.side`` and is counted there, once.
+    """
+
+    head_dim: int = 64
+    kp: torch.Tensor = None  # type: ignore[assignment]
+    v: torch.Tensor = None  # type: ignore[assignment]
+    channels: torch.Tensor = None  # type: ignore[assignment]
+
+    def data_fields(self) -> dict[str, torch.Tensor]:
+        return {"kp": self.kp, "v": self.v}
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = ragged.segment_ids(self.lens)
+        k = torch.zeros(self.size, self.head_dim, dtype=dtype, device=self.kp.device)
+        k = k.scatter(1, self.channels[rows].long(), self.kp.to(dtype))
+        return k, self.v.to(dtype)
+
+    def extend(self, other: PrunedSegment) -> None:
+        """Append ``other``'s tokens after this segment's, per head-row."""
+        for name in ("kp", "v", "pos"):
+            setattr(
+                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
+            )
+        names = set(self.aux) | set(other.aux)
+        self.aux = {
+            k: ragged.concat(_aux(self, k, other), self.lens, _aux(other, k, self), other.lens) for k in names
+        }
+        self.lens = self.lens + other.lens
+        self.channels = other.channels
+
+
+def _aux(seg: Segment, name: str, like: Segment) -> torch.Tensor:
+    """``seg.aux[name]``, or zeros shaped like ``like``'s field when ``seg`` lacks it."""
+    if name in seg.aux:
+        return seg.aux[name]
+    ref = like.aux[name]
+    return ref.new_zeros(seg.size, *ref.shape[1:])
+
+
+@dataclass
+class PruningCompressor(Compressor):
+    """ThinK key-channel pruning with ``keep_ratio`` of the channels kept per KV head.
+
+    Args:
+        keep_ratio: share of key channels kept, in (0, 1]; ``ceil(keep_ratio * head_dim)`` channels.
+        obs_window: number of latest queries whose norms drive the channel score.
+    """
+
+    name: str = "pruning"
+    keep_ratio: float = 0.5
+    obs_window: int = 16
+    flags = Flags(changes_representation=True)
+    wants_queries = True
+    # Per cache layer: the window's queries ``(B, Hq, w, D)`` and positions ``(B, w)`` (-1 empty),
+    # and which head-rows ``(BH,)`` have chosen their channels.
+    _queries: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
+    _chosen: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.keep_ratio <= 1.0:
+            raise ConfigError(f"compressor.keep_ratio={self.keep_ratio}: must be in (0, 1]")
+        if self.obs_window < 1:
+            raise ConfigError(f"compressor.obs_window={self.obs_window}: must be >= 1")
+
+    def kept_channels(self, head_dim: int) -> int:
+        return max(1, math.ceil(self.keep_ratio * head_dim - 1e-9))
+
+    def observe_queries(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> None:
+        """Keep the ``obs_window`` latest real queries of each sequence (padding has ``qpos`` -1)."""
+        prev = self._queries.get(store)
+        if prev is not None:
+            query = torch.cat([prev[0], query], dim=2)
+            qpos = torch.cat([prev[1], qpos], dim=1)
+        top = qpos.topk(min(self.obs_window, qpos.shape[1]), dim=-1).indices  # (B, w)
+        b, hq, _, d = query.shape
+        queries = torch.gather(query, 2, top[:, None, :, None].expand(b, hq, -1, d))
+        self._queries[store] = (queries, torch.gather(qpos, 1, top))
+
+    def channel_scores(self, store: LayerStore) -> torch.Tensor:
+        """``(B * H, D)``: ‖Q_obs[:, j]‖ over the group's window queries times ‖K[:, j]‖ over stored keys."""
+        view = store.view()
+        b, h, _, d = view.k.shape
+        keys = view.k.float() * view.valid[..., None]
+        knorm = keys.pow(2).sum(2).sqrt()  # (B, H, D)
+        window = self._queries.get(store)
+        if window is None:  # no query seen (not driven by the engine): keys alone
+            return knorm.reshape(b * h, d)
+        queries, qpos = window
+        q = queries.float() * (qpos >= 0)[:, None, :, None]
+        qnorm = q.view(b, h, -1, q.shape[2], d).pow(2).sum((2, 3)).sqrt()  # (B, H, D)
+        return (qnorm * knorm).reshape(b * h, d)
+
+    def _channels(self, store: LayerStore, need: torch.Tensor) -> torch.Tensor:
+        """Kept channels ``(BH, d_keep)`` int16, chosen now for head-rows in ``need`` without a set."""
+        bh, d = need.numel(), store.head_dim
+        keep = self.kept_channels(d)
+        side = store.side.get(SIDE)
+        if side is None:
+            side = torch.zeros(bh, keep, dtype=torch.int16, device=store.device)
+        chosen = self._chosen.get(store)
+        if chosen is None:
+            chosen = torch.zeros(bh, dtype=torch.bool, device=store.device)
+        new = need & ~chosen
+        if bool(new.any()):
+            top = self.channel_scores(store).topk(keep, dim=-1).indices.sort(-1).values
+            side = torch.where(new[:, None], top.to(torch.int16), side)
+            chosen = chosen | new
+        self._chosen[store] = chosen
+        store.side[SIDE] = side
+        return side
+
+    def compress(self, layer: int, store: LayerStore) -> None:
+        move = leaving_window(store, self.budget_cfg, 1)
+        if not bool(move.any()):
+            return
+        fp = store.fp
+        rows = ragged.segment_ids(fp.lens)[move]
+        lens = torch.bincount(rows, minlength=fp.lens.numel())
+        channels = self._channels(store, lens > 0)
+        seg = PrunedSegment(
+            lens=lens,
+            pos=fp.pos[move],
+            aux={k: v[move] for k, v in fp.aux.items()},
+            head_dim=store.head_dim,
+            kp=torch.gather(fp.k[move], 1, channels[rows].long()),
+            v=fp.v[move],
+            channels=channels,
+        )
+        fp.keep(~move)
+        old = next((s for s in store.compressed if isinstance(s, PrunedSegment)), None)
+        if old is None:
+            store.compressed.append(seg)
+        else:
+            old.extend(seg)
+        store.invalidate()

@@ -1,0 +1,91 @@
+"""SnapKV: keep the tokens the last observation window attends to, pooled, per KV head
+(arXiv:2404.14469); PyramidKV is its preset with a pyramid layer budget (arXiv:2406.02069).
+
+Differences from the papers, all from kvbench's protocol (METHODS.md):
+
+- SnapKV and PyramidKV compress the prompt once, after prefill. Here the selection runs at every
+  compression point (after each forward chunk), so the kept fraction stays at the budget as the
+  sequence grows; the scores are always those of the latest ``obs_window`` queries.
+- The observation window's softmax runs over every stored token (the window included), not only
+  over the prefix; the ranking among the prefix tokens is the paper's up to that normalization.
+- The stack's ``window`` (not ``obs_window``) is what stays protected, and sinks are kept too; both
+  count inside the capacity. Scores of a KV head are summed over its query group (GQA).
+- PyramidKV's schedule (bottom layer ``2 - 1/beta`` times the mean, top layer ``1/beta``) splits the
+  whole per-layer capacity, sinks and window included, and no layer keeps fewer than
+  ``sinks + window`` tokens; the paper splits the budget net of its observation window. As in
+  PyramidKV's code, a sequence that fits the uniform budget (budget 1) keeps every token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.cache.store import LayerStore
+from kvbench.errors import ConfigError
+from kvbench.roles import BindContext, Compressor, Flags
+from kvbench.select import Allocated, ObservationWindow, evict_by_score
+
+
+def allocated_capacity(tech: Allocated, layer: int, store: LayerStore) -> torch.Tensor:
+    """``(B,)`` the layer's capacity under ``tech.allocation``, or every seen token where the uniform
+    capacity already keeps them all (PyramidKV keeps the whole prompt when it fits the budget, so a
+    budget of 1 stays lossless under any allocation)."""
+    cap = tech.layer_capacity(layer, store)
+    fits = tech.budget_cfg.capacity(store.seen) >= store.seen  # type: ignore[attr-defined]
+    return torch.where(fits, store.seen, cap)
+
+
+def check_window(role: str, obs_window: int, pool: int) -> None:
+    """Refuse an empty observation window or an even pooling kernel."""
+    if obs_window < 1:
+        raise ConfigError(f"{role}.obs_window={obs_window}: must be >= 1")
+    if pool < 1 or pool % 2 == 0:
+        raise ConfigError(f"{role}.pool={pool}: must be an odd integer >= 1 (1: no pooling)")
+
+
+@dataclass
+class SnapKVCompressor(Allocated, ObservationWindow, Compressor):
+    """Keeps, per KV head, the stored tokens with the highest pooled observation-window attention.
+
+    Args:
+        obs_window: the last queries whose attention scores the stored tokens.
+        pool: max-pooling kernel over neighbouring stored tokens (odd; 1 disables pooling).
+        allocation: how the budget is split across layers (``uniform``, ``pyramid``, ...).
+        beta: ``pyramid`` only: the top layer keeps ``1 / beta`` of the mean.
+    """
+
+    name: str = "snapkv"
+    obs_window: int = 16
+    pool: int = 7
+    flags = Flags(needs_attention_scores=True, evicts_tokens=True)
+
+    def __post_init__(self) -> None:
+        self.check_allocation()
+        check_window(self.role, self.obs_window, self.pool)
+        self.AUX = f"obs{self.obs_window}"  # stages with the same window share one ring
+
+    def bind(self, ctx: BindContext) -> None:
+        super().bind(ctx)
+        self.bind_allocation(ctx)
+
+    def compress(self, layer: int, store: LayerStore) -> None:
+        cap = allocated_capacity(self, layer, store)
+        evict_by_score(store, self.budget_cfg, self.window_scores(store), cap)
+
+
+@dataclass
+class PyramidKVCompressor(SnapKVCompressor):
+    """SnapKV with PyramidKV's arithmetic layer schedule; any other allocation is refused."""
+
+    name: str = "pyramidkv"
+    allocation: str = "pyramid"
+
+    def __post_init__(self) -> None:
+        if self.allocation != "pyramid":
+            raise ConfigError(
+                f"compressor.allocation={self.allocation}: pyramidkv is snapkv with allocation=pyramid; "
+                "use compressor=snapkv for other allocations"
+            )
+        super().__post_init__()

@@ -1,0 +1,136 @@
+"""ShadowKV's low-rank pre-RoPE key cache: truncated SVD per block of tokens (arXiv:2410.21465).
+
+Tokens leave the full-precision window in blocks of ``block_size`` per KV head (sinks and the
+window stay). Per layer, KV head and block, the pre-RoPE keys ``K`` ``(n, D)`` are factored by a
+truncated SVD, ``K ≈ A·Bᵀ`` with ``A = U_r S_r`` ``(n, r)`` stored per token and ``B = V_r``
+``(D, r)`` per block; values likewise with their own rank, or kept at full precision
+(``value_rank: null``). Reads rebuild ``K = rotate(A·Bᵀ)`` at each token's original position.
+Evicting a token frees its row of ``A``; a block's ``B`` goes with its last token.
+
+Differences from the paper: ShadowKV factors the whole prefill's pre-RoPE keys once, one SVD per
+layer over all heads together, offloads values to the CPU instead of factoring them, and reads a
+sparse set of chunks chosen through landmarks and outliers. kvbench (following METHODS.md) factors
+per KV head, block by block as tokens leave the window, also factors values (separately, at a
+higher rank: they are far less low-rank), and reads every stored token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbench.cache import ragged
+from kvbench.cache.store import GroupedSegment, LayerStore
+from kvbench.compressors.lowrank import Residual, check_rank, move_out, pre_rope
+from kvbench.compressors.quantized import leaving_window
+from kvbench.errors import ConfigError
+from kvbench.roles import BindContext, Compressor, Flags
+
+
+@dataclass
+class SVDSegment(GroupedSegment):
+    """Factored blocks. Per token: ``ka`` ``(N, rk)``, ``va`` ``(N, rv)`` (or full values ``(N, D)``
+    when ``vb`` is None). Per block: ``kb`` ``(M, D, rk)``, ``vb`` ``(M, D, rv)``, ``gcount`` ``(M,)``."""
+
+    rotary: Any = None
+    ka: torch.Tensor = None  # type: ignore[assignment]
+    va: torch.Tensor = None  # type: ignore[assignment]
+    kb: torch.Tensor = None  # type: ignore[assignment]
+    vb: torch.Tensor | None = None
+
+    def layout(self) -> tuple[Any, ...]:
+        return (self.ka.shape[1:], self.va.shape[1:], None if self.vb is None else self.vb.shape[1:])
+
+    def data_fields(self) -> dict[str, torch.Tensor]:
+        return {"ka": self.ka, "va": self.va}
+
+    def group_fields(self) -> dict[str, torch.Tensor]:
+        return {"kb": self.kb} if self.vb is None else {"kb": self.kb, "vb": self.vb}
+
+    def expand(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Per-token factors ``(N, r)`` times their block's ``(M, D, r)``: float32 ``(N, D)``."""
+        p, valid = ragged.to_padded(a.float(), self.gcount.long())  # (M, n, r)
+        return ragged.from_padded(torch.bmm(p, b.float().transpose(1, 2)), valid)
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.rotary.rotate(self.expand(self.ka, self.kb), self.pos)
+        v = self.va if self.vb is None else self.expand(self.va, self.vb)
+        return k.to(dtype), v.to(dtype)
+
+
+def factor_blocks(x: torch.Tensor, block: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Truncated SVD of consecutive blocks of ``block`` rows of ``x`` ``(N, D)``.
+
+    Returns:
+        ``A = U_r S_r`` ``(N, rank)`` and ``B = V_r`` ``(N / block, D, rank)``.
+    """
+    u, s, vh = torch.linalg.svd(x.view(-1, block, x.shape[-1]), full_matrices=False)
+    a = u[..., :rank] * s[:, None, :rank]
+    return a.reshape(-1, rank), vh[:, :rank].transpose(1, 2).contiguous()
+
+
+@dataclass
+class SVDCompressor(Compressor):
+    """Blockwise truncated SVD of pre-RoPE keys (rank ``key_rank``) and values (``value_rank``).
+
+    Args:
+        key_rank: kept singular directions of each key block, at most min(head_dim, block_size).
+        value_rank: the same for values; null keeps values at full precision.
+        block_size: tokens per factored block (per KV head).
+    """
+
+    name: str = "svd"
+    key_rank: int = 16
+    value_rank: int | None = 32
+    block_size: int = 64
+    flags = Flags(changes_representation=True)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"compressor.block_size={self.block_size}: must be >= 1")
+        check_rank("compressor.key_rank", self.key_rank, self.block_size, "block_size")
+        check_rank("compressor.value_rank", self.value_rank, self.block_size, "block_size", nullable=True)
+
+    def bind(self, ctx: BindContext) -> None:
+        super().bind(ctx)
+        self.rotary = ctx.rotary()
+        check_rank("compressor.key_rank", self.key_rank, ctx.head_dim, "head_dim")
+        check_rank("compressor.value_rank", self.value_rank, ctx.head_dim, "head_dim", nullable=True)
+        self.residuals = (Residual(), Residual())
+
+    def compress(self, layer: int, store: LayerStore) -> None:
+        move_out(store, leaving_window(store, self.budget_cfg, self.block_size), self._factor)
+
+    def _factor(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> SVDSegment:
+        n, dtype = self.block_size, k.dtype
+        kpre = pre_rope(self.rotary, k, pos)
+        ka, kb = factor_blocks(kpre, n, self.key_rank)
+        if self.value_rank is None:
+            va, vb = v, None
+        else:
+            va, vb = factor_blocks(v.float(), n, self.value_rank)
+            vb = vb.to(dtype)
+        seg = SVDSegment(
+            lens=lens,
+            pos=pos,
+            rotary=self.rotary,
+            ka=ka.to(dtype),
+            va=va.to(dtype),
+            kb=kb.to(dtype),
+            vb=vb,
+            gcount=torch.full((kb.shape[0],), n, dtype=torch.int16, device=k.device),
+            glens=lens // n,
+        )
+        self.residuals[0].add(kpre, seg.expand(seg.ka, seg.kb))
+        if seg.vb is not None:
+            self.residuals[1].add(v, seg.expand(seg.va, seg.vb))
+        return seg
+
+    def metrics(self) -> dict[str, float | list[float] | None]:
+        """Relative squared error of the pre-RoPE keys and values factored so far (values: None at
+        full precision)."""
+        if not hasattr(self, "residuals"):
+            return {}
+        return {"key_residual": self.residuals[0].value(), "value_residual": self.residuals[1].value()}

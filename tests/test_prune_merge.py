@@ -1,0 +1,413 @@
+"""ThinK key-channel pruning (compressor/pruning) and k-means token merging (compressor/distillation):
+lossless at their identity settings, acting when tight, exact byte counts, their invariants, and
+padded batches equal to one-by-one runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_cfg
+from helpers import make_stack, run_chunks, tokens
+from kvbench import models
+from kvbench.cache import attention as att
+from kvbench.cache.engine import HitProbe
+from kvbench.cache.store import FPSegment, LayerStore
+from kvbench.compressors.chain import ChainCompressor
+from kvbench.compressors.distillation import DistillationCompressor, MergedSegment
+from kvbench.compressors.pruning import SIDE, PrunedSegment, PruningCompressor
+from kvbench.errors import ConfigError
+from kvbench.eval import loop
+from kvbench.roles import BindContext, Budget
+from kvbench.routers.base import BaseRouter
+from kvbench.schedulers.h2o import H2OScheduler
+from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
+
+SIZES = [48, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
+N = sum(SIZES)
+SINKS, WINDOW = 2, 4
+
+
+def full(lm):
+    return run_chunks(lm, make_stack(lm), tokens(N), SIZES)[0]
+
+
+def counted_bytes(cache, lm, d_keep: int = 0) -> int:
+    """Stored bytes counted by hand from the kept tokens and the shapes (float32 model)."""
+    d, h, total = lm.head_dim, lm.kv_heads, 0
+    for store in cache.stores:
+        for seg in store.segments:
+            if isinstance(seg, FPSegment):
+                total += seg.size * 2 * d * 4  # K and V
+            elif isinstance(seg, PrunedSegment):
+                total += seg.size * (d_keep + d) * 4  # kept key channels and whole values
+            elif isinstance(seg, MergedSegment):
+                total += seg.size * (2 * d * 4 + 4)  # centroid K and V, int32 count
+            else:
+                raise AssertionError(type(seg))
+        if SIDE in store.side:
+            total += h * store.batch * d_keep * 2  # int16 kept-channel indices per head-row
+    return total
+
+
+def pruning(**kw):
+    return PruningCompressor(**kw)
+
+
+# --- pruning ---------------------------------------------------------------------------------
+
+
+def test_pruning_lossless_at_keep_ratio_one(tiny_93):
+    stack = make_stack(tiny_93, compressor=pruning(keep_ratio=1.0), sinks=SINKS, window=WINDOW)
+    logits, cache = run_chunks(tiny_93, stack, tokens(N), SIZES)
+    assert torch.allclose(logits, full(tiny_93), atol=1e-5)
+    assert isinstance(cache.stores[0].compressed[0], PrunedSegment)
+
+
+def test_pruning_acts_and_stores_kept_channels_only(tiny_93):
+    lm = tiny_93
+    stack = make_stack(lm, compressor=pruning(keep_ratio=0.5), sinks=SINKS, window=WINDOW)
+    logits, cache = run_chunks(lm, stack, tokens(N), SIZES, shadow=True)
+    assert not torch.allclose(logits[-10:], full(lm)[-10:], atol=1e-3)
+    d, h, keep = lm.head_dim, lm.kv_heads, lm.head_dim // 2
+    pruned = N - SINKS - WINDOW  # every unprotected token left the window
+    for layer, store in enumerate(cache.stores):
+        seg = store.compressed[0]
+        assert isinstance(seg, PrunedSegment) and seg.kp.shape == (pruned * h, keep)
+        assert store.nbytes() == pruned * h * (keep + d) * 4 + (N - pruned) * h * 2 * d * 4 + h * keep * 2
+        # Reads: exact keys on the kept channels, zeros on the others.
+        exact = torch.cat(cache.shadow[layer], dim=2)[0]  # (H, S, D) keys this run produced
+        k, _ = seg.read(torch.float32)
+        chans = store.side[SIDE].long()
+        for row in range(h):
+            rk = k[row * pruned : (row + 1) * pruned]
+            mask = torch.zeros(d, dtype=torch.bool)
+            mask[chans[row]] = True
+            assert torch.equal(rk[:, mask], exact[row, seg.pos[row * pruned : (row + 1) * pruned]][:, mask])
+            assert (rk[:, ~mask] == 0).all()
+    assert cache.nbytes() == counted_bytes(cache, lm, keep)
+
+
+def test_pruning_keeps_top_channels_by_query_key_score(tiny):
+    """Kept channels are the top ‖Q_obs[:, j]‖·‖K[:, j]‖ over the group's last 16 queries; fixed after."""
+    comp = pruning(keep_ratio=0.5, obs_window=16)
+    stack = make_stack(tiny, compressor=comp, sinks=SINKS, window=WINDOW)
+    seen: dict[int, torch.Tensor] = {}
+    spy_target = comp.observe_queries
+
+    def spy(layer, store, query, qpos):
+        seen[layer] = query.clone()
+        spy_target(layer, store, query, qpos)
+
+    comp.observe_queries = spy  # type: ignore[method-assign]
+    ids = tokens(N)
+    cache = loop.new_cache(tiny, stack)
+    loop.forward(tiny, cache, ids[:40])
+    keys = [s.view().k.clone() for s in cache.stores]
+    cache.after_forward()
+    h, d = tiny.kv_heads, tiny.head_dim
+    first = []
+    for layer, store in enumerate(cache.stores):
+        q = seen[layer][0, :, -16:].reshape(h, -1, d)  # (H, g * 16, D): the group's window queries
+        score = q.pow(2).sum(1).sqrt() * keys[layer][0].pow(2).sum(1).sqrt()  # (H, D)
+        chans = store.side[SIDE].long()
+        for row in range(h):
+            kept = torch.zeros(d, dtype=torch.bool)
+            kept[chans[row]] = True
+            assert int(kept.sum()) == d // 2
+            assert score[row][kept].min() >= score[row][~kept].max()
+        first.append(chans.clone())
+    at = 40
+    for n in [8, 8, 1, 1]:
+        loop.step(tiny, cache, ids[at : at + n])
+        at += n
+    for store, chans in zip(cache.stores, first):
+        assert torch.equal(store.side[SIDE].long(), chans)  # chosen once, at the first compression point
+
+
+# --- distillation ----------------------------------------------------------------------------
+
+
+def test_distillation_lossless_at_budget_one(tiny_93):
+    stack = make_stack(tiny_93, compressor=DistillationCompressor(), budget=1.0, sinks=SINKS, window=WINDOW)
+    logits, _ = run_chunks(tiny_93, stack, tokens(N), SIZES)
+    assert torch.allclose(logits, full(tiny_93), atol=1e-5)
+
+
+def test_distillation_acts_counts_bytes_and_absorbs_every_old_token(tiny_93):
+    lm = tiny_93
+    stack = make_stack(lm, compressor=DistillationCompressor(), budget=0.3, sinks=SINKS, window=WINDOW)
+    logits, cache = run_chunks(lm, stack, tokens(N), SIZES, shadow=True)
+    assert not torch.allclose(logits[-10:], full(lm)[-10:], atol=1e-3)
+    cap = math.ceil(0.3 * N)
+    old = list(range(SINKS, N - WINDOW))
+    for layer, store in enumerate(cache.stores):
+        seg = store.compressed[0]
+        assert isinstance(seg, MergedSegment)
+        assert (store.row_tokens() == cap).all()  # exactly the budget of units per head-row
+        assert (seg.lens == cap - SINKS - WINDOW).all()
+        mpos, owner = seg.members()
+        rows = torch.repeat_interleave(torch.arange(lm.kv_heads), seg.lens)[owner]
+        for row in range(lm.kv_heads):
+            assert sorted(mpos[rows == row].tolist()) == old  # counts sum to the absorbed tokens
+        assert int(seg.count.sum()) == len(old) * lm.kv_heads
+        # A unit's position is its latest member's; its key is the mean of its members' keys.
+        latest = torch.full((seg.size,), -1).scatter_reduce(0, owner, mpos, reduce="amax")
+        assert torch.equal(latest, seg.pos)
+        exact = torch.cat(cache.shadow[layer], dim=2)[0]  # (H, S, D) keys this run produced
+        mean = torch.zeros_like(seg.k).index_add_(0, owner, exact[rows, mpos]) / seg.count[:, None]
+        assert torch.allclose(seg.k, mean, atol=1e-5)
+        assert torch.equal(seg.bias(), seg.count.float().log())
+    assert cache.nbytes() == counted_bytes(cache, lm)
+    assert cache.stack.metrics()["compressor/distillation"]["tokens_per_merged_unit"] > 1
+
+
+def _hand_store(h: int, d: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> LayerStore:
+    """A one-sequence store with the same full-precision tokens ``(T, D)`` in every head-row."""
+    store = LayerStore(1, h, d, torch.float32, torch.device("cpu"))
+    t = k.shape[0]
+    store.fp = FPSegment(lens=torch.full((h,), t), pos=pos.repeat(h), k=k.repeat(h, 1), v=v.repeat(h, 1))
+    store.seen = torch.tensor([int(pos.max()) + 1])
+    return store
+
+
+def _merged_pair(c: int = 4, h: int = 2, d: int = 16):
+    """The same cache twice: ``c`` identical tokens stored separately, and as one merged unit."""
+    g = torch.Generator().manual_seed(0)
+    others_k, others_v = torch.randn(5, d, generator=g), torch.randn(5, d, generator=g)
+    twin_k, twin_v = torch.randn(1, d, generator=g), torch.randn(1, d, generator=g)
+    twin_pos, other_pos = torch.tensor([1, 3, 5, 7]), torch.tensor([0, 2, 4, 6, 8])
+    sep = _hand_store(
+        h,
+        d,
+        torch.cat([twin_k.expand(c, d), others_k]),
+        torch.cat([twin_v.expand(c, d), others_v]),
+        torch.cat([twin_pos, other_pos]),
+    )
+    merged = _hand_store(h, d, others_k, others_v, other_pos)
+    merged.seen = sep.seen.clone()
+    merged.compressed = [
+        MergedSegment(
+            lens=torch.ones(h, dtype=torch.long),
+            pos=torch.full((h,), 7),
+            k=twin_k.repeat(h, 1),
+            v=twin_v.repeat(h, 1),
+            count=torch.full((h,), c, dtype=torch.int32),
+            mpos=twin_pos.repeat(h),
+        )
+    ]
+    query = torch.randn(1, 3 * h, 2, d, generator=g)  # GQA: 3 query heads per KV head
+    return sep, merged, query
+
+
+def test_merged_identical_tokens_attend_like_the_separate_tokens():
+    """Proportional attention: one unit of c identical tokens + log(c) == the c tokens."""
+    sep, merged, query = _merged_pair()
+    outs = []
+    for store in (sep, merged):
+        view = store.view()
+        mask = view.valid[:, :, None, :].expand(-1, -1, query.shape[2], -1)
+        outs.append(att.attend(query, view.k, view.v, mask, 0.25, view.bias))
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
+    assert merged.nbytes() == 5 * 2 * 2 * 16 * 4 + 2 * (2 * 16 * 4 + 4)
+
+
+def test_compress_merges_identical_keys_without_changing_attention():
+    """Old tokens in 3 groups of 4 identical keys (values all different), budget 3 units: k-means
+    finds the groups, and proportional attention reproduces the separate tokens exactly."""
+    h, d, group = 2, 16, 4
+    g = torch.Generator().manual_seed(1)
+    distinct = torch.randn(3, d, generator=g) * 4
+    keys = torch.cat(
+        [torch.randn(1, d, generator=g), distinct.repeat_interleave(group, 0), torch.randn(2, d, generator=g)]
+    )
+    values = torch.randn(keys.shape[0], d, generator=g)
+    store = _hand_store(h, d, keys, values, torch.arange(keys.shape[0]))
+    query = torch.randn(1, 3 * h, 5, d, generator=g)
+
+    def attend():
+        view = store.view()
+        mask = view.valid[:, :, None, :].expand(-1, -1, query.shape[2], -1)
+        return att.attend(query, view.k, view.v, mask, 0.25, view.bias)
+
+    before = attend()
+    comp = DistillationCompressor()
+    comp.bind(
+        BindContext(budget=Budget(budget_tokens=6, sinks=1, window=2), num_layers=1)
+    )  # 3 units + 3 protected
+    comp.compress(0, store)
+    seg = store.compressed[0]
+    assert isinstance(seg, MergedSegment) and seg.count.tolist() == [group] * 3 * h
+    assert torch.allclose(seg.k, distinct.repeat(h, 1))
+    assert torch.allclose(attend(), before, atol=1e-6)
+
+
+def test_kv_hit_compares_merged_units_with_summed_member_mass():
+    sep, merged, query = _merged_pair()
+
+    def probs(store):
+        view = store.view()
+        mask = view.valid[:, :, None, :].expand(-1, -1, query.shape[2], -1)
+        return next(att.probs_blocks(query, view.k, lambda a, b: mask[:, :, a:b], 0.25, view.bias))[1]
+
+    p_full = probs(sep)  # columns: positions 1, 3, 5, 7, 0, 2, 4, 6, 8 -> reorder by position
+    order = sep.view().pos[0, 0].argsort()
+    p_full = p_full[..., order]
+    units = merged.units(9)
+    assert (units[0, :, [1, 3, 5, 7]] == units[0, :, 7:8]).all()  # the unit owns every member
+    hit, _ = att.kv_hit(probs(merged), units, p_full, torch.zeros(9, dtype=torch.bool))
+    assert torch.allclose(hit, torch.ones_like(hit), atol=1e-6)
+
+
+def _probe(lm, **parts) -> float:
+    cache = loop.new_cache(lm, make_stack(lm, **parts, sinks=SINKS, window=WINDOW), shadow=True)
+    cache.probe = HitProbe()
+    ids, at = tokens(N), 0
+    for n in SIZES:
+        loop.step(lm, cache, ids[at : at + n])
+        at += n
+    if "compressor" in parts:  # merging absorbs every position into a unit, never drops one
+        assert all(bool((store.units(N) >= 0).all()) for store in cache.stores)
+    hit = cache.probe.result()[0]
+    assert hit is not None
+    return hit
+
+
+def test_distillation_kv_hit_probe(tiny):
+    """Engine probe: lossless at budget 1; when tight, merged units recover more of the full-cache
+    mass than evicting to the same number of units."""
+    assert _probe(tiny, compressor=DistillationCompressor(), budget=1.0) == pytest.approx(1.0, abs=1e-5)
+    merged = _probe(tiny, compressor=DistillationCompressor(), budget=0.3)
+    evicted = _probe(tiny, scheduler=StreamingLLMScheduler(), budget=0.3)
+    assert evicted < merged < 1.0
+
+
+# --- stacks and batches ------------------------------------------------------------------------
+
+
+def _chain():
+    return ChainCompressor(stages=["pruning", "distillation"])
+
+
+STACKS = {  # name: (parts, budget fraction of the last token selection)
+    "pruning+streaming": (lambda: dict(compressor=pruning(), scheduler=StreamingLLMScheduler()), 0.5),
+    "pruning+h2o+base": (lambda: dict(compressor=pruning(), scheduler=H2OScheduler(), router=_router()), 0.5),
+    "distillation+streaming": (
+        lambda: dict(compressor=DistillationCompressor(), scheduler=StreamingLLMScheduler()),
+        0.25,
+    ),
+    "distillation+h2o+base": (
+        lambda: dict(compressor=DistillationCompressor(), scheduler=H2OScheduler(), router=_router()),
+        0.25,
+    ),
+    "chain[pruning,distillation]": (lambda: dict(compressor=_chain()), 0.5),
+    "chain[pruning,distillation]+h2o+base": (
+        lambda: dict(compressor=_chain(), scheduler=H2OScheduler(), router=_router()),
+        0.25,
+    ),
+}
+
+
+def _router():
+    return BaseRouter(num_experts=4, top_k=2)
+
+
+@pytest.mark.parametrize("name", list(STACKS))
+def test_stacks_run_and_count_bytes(tiny_93, name):
+    lm = tiny_93
+    parts, kept = STACKS[name]
+    logits, cache = run_chunks(
+        lm, make_stack(lm, **parts(), budget=0.5, sinks=SINKS, window=WINDOW), tokens(N), SIZES, shadow=True
+    )
+    assert torch.isfinite(logits).all()
+    assert not torch.allclose(logits[-10:], full(lm)[-10:], atol=1e-3)
+    assert cache.nbytes() == counted_bytes(cache, lm, lm.head_dim // 2)
+    for store in cache.stores:  # selections compose multiplicatively: 0.5, then 0.5 again
+        assert int(store.row_tokens().max()) == math.ceil(kept * N)
+        for seg in store.compressed:
+            if isinstance(seg, MergedSegment):  # evicted units take their members with them
+                mpos, owner = seg.members()
+                assert int(seg.count.sum()) == mpos.numel() and torch.equal(
+                    owner.unique(), torch.arange(seg.size)
+                )
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gpt_neox"])
+def test_identity_settings_lossless_across_families(family):
+    """Sliding window (mistral), biases (qwen2), partial rotary (gpt_neox)."""
+    lm = models.load(tiny_cfg(family), "cpu")
+    chain = ChainCompressor(stages=[{"name": "pruning", "keep_ratio": 1.0}, "distillation"])
+    stack = make_stack(lm, compressor=chain, scheduler=H2OScheduler(), budget=1.0, sinks=SINKS, window=WINDOW)
+    logits, cache = run_chunks(lm, stack, tokens(N), SIZES)
+    assert torch.allclose(logits, full(lm), atol=1e-5)
+    assert isinstance(cache.stores[0].compressed[-1], PrunedSegment)
+
+
+def test_chain_lossless_at_identity_settings(tiny_93):
+    chain = ChainCompressor(stages=[{"name": "pruning", "keep_ratio": 1.0}, "distillation"])
+    logits, _ = run_chunks(tiny_93, make_stack(tiny_93, compressor=chain, budget=1.0), tokens(N), SIZES)
+    assert torch.allclose(logits, full(tiny_93), atol=1e-5)
+
+
+BATCHED = {
+    "pruning": lambda: dict(compressor=pruning()),
+    "distillation": lambda: dict(compressor=DistillationCompressor()),
+    "chain+h2o+base": lambda: dict(compressor=_chain(), scheduler=H2OScheduler(), router=_router()),
+}
+
+
+@pytest.mark.parametrize("name", list(BATCHED))
+def test_padded_batch_equals_one_by_one(tiny_93, name):
+    lm = tiny_93
+
+    def mk():
+        return make_stack(lm, **BATCHED[name](), budget=0.5, sinks=SINKS, window=WINDOW)
+
+    a, b, chunks = tokens(60, 1), tokens(37, 2), [4, 4, 1, 1]
+
+    def solo(seq, pre):
+        cache = loop.new_cache(lm, mk())
+        outs, at = [loop.step(lm, cache, seq[:pre])[-1]], pre
+        for n in chunks:
+            outs.append(loop.step(lm, cache, seq[at : at + n])[-1])
+            at += n
+        return torch.stack(outs), cache
+
+    ra, ca = solo(a, 40)
+    rb, cb = solo(b, 25)
+    cache = loop.new_cache(lm, mk(), batch=2)
+    ids = torch.zeros(2, 40, dtype=torch.long)
+    real = torch.zeros(2, 40, dtype=torch.bool)
+    ids[0], real[0] = torch.tensor(a[:40]), True
+    ids[1, 15:], real[1, 15:] = torch.tensor(b[:25]), True
+    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
+    cache.after_forward()
+    at_a, at_b = 40, 25
+    for n in chunks:
+        ids = torch.tensor([a[at_a : at_a + n], b[at_b : at_b + n]])
+        outs.append(loop.forward_batch(lm, cache, ids, torch.ones_like(ids, dtype=torch.bool))[:, -1])
+        cache.after_forward()
+        at_a, at_b = at_a + n, at_b + n
+    out = torch.stack(outs, 1)
+    assert torch.allclose(out[0], ra, atol=1e-5) and torch.allclose(out[1], rb, atol=1e-5)
+    for layer, store in enumerate(cache.stores):
+        rows = store.row_tokens().view(2, -1)
+        assert torch.equal(rows[0], ca.stores[layer].row_tokens())
+        assert torch.equal(rows[1], cb.stores[layer].row_tokens())
+    assert cache.nbytes() == ca.nbytes() + cb.nbytes()
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: PruningCompressor(keep_ratio=0.0), "compressor.keep_ratio=0.0"),
+        (lambda: PruningCompressor(keep_ratio=1.5), "compressor.keep_ratio=1.5"),
+        (lambda: PruningCompressor(obs_window=0), "compressor.obs_window=0"),
+        (lambda: DistillationCompressor(iters=-1), "compressor.iters=-1"),
+    ],
+)
+def test_knobs_are_validated(make, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        make()

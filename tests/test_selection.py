@@ -1,0 +1,418 @@
+"""Token-selection compressors (snapkv, pyramidkv, chunkkv, fastv, random, pikv): they act on the real
+cache, compose in stacks and chains, count bytes exactly, keep batches independent, and keep what
+their papers say, checked against attention recomputed independently with eager attention."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import tiny_cfg
+from helpers import make_stack, run_chunks, tokens
+from kvbench import models
+from kvbench.compressors.chain import ChainCompressor
+from kvbench.compressors.chunkkv import ChunkKVCompressor
+from kvbench.compressors.fastv import FastVCompressor
+from kvbench.compressors.pikv import PiKVCompressor
+from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
+from kvbench.compressors.random_select import RandomCompressor
+from kvbench.compressors.snapkv import PyramidKVCompressor, SnapKVCompressor
+from kvbench.errors import ConfigError
+from kvbench.eval import loop
+from kvbench.routers.base import BaseRouter
+from kvbench.schedulers.h2o import H2OScheduler
+from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
+
+SIZES = [48, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
+N = sum(SIZES)
+TIGHT = dict(budget=0.3, sinks=2, window=4)
+
+SELECTIONS = {
+    "snapkv": lambda: SnapKVCompressor(),
+    "pyramidkv": lambda: PyramidKVCompressor(),
+    "chunkkv": lambda: ChunkKVCompressor(chunk_size=4),
+    "fastv": lambda: FastVCompressor(layer=1),
+    "random": lambda: RandomCompressor(seed=3),
+    "pikv": lambda: PiKVCompressor(group_size=8),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny4():
+    """Four layers, for layer schedules (PyramidKV) and FastV's default K = 2."""
+    return models.load(tiny_cfg("llama", num_hidden_layers=4), "cpu")
+
+
+_FULL: dict[int, torch.Tensor] = {}
+
+
+def full(lm):
+    """Logits of the full cache (computed once per model)."""
+    if id(lm) not in _FULL:
+        _FULL[id(lm)] = run_chunks(lm, make_stack(lm), tokens(N), SIZES)[0]
+    return _FULL[id(lm)]
+
+
+def fp_bytes(lm, tokens_per_layer: int) -> int:
+    """K and V of ``tokens_per_layer`` head-row tokens in float32."""
+    return tokens_per_layer * lm.head_dim * 2 * 4
+
+
+def eager_attention(lm, ids: list[int]) -> list[torch.Tensor]:
+    """Independent reference: per layer ``(H_q, q, T)`` attention of one full forward (eager)."""
+    lm.model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            out = lm.model(input_ids=torch.tensor([ids]), output_attentions=True, use_cache=False)
+    finally:
+        lm.model.set_attn_implementation("kvbench")
+    return [a[0].float() for a in out.attentions]
+
+
+def kept_positions(store, head: int) -> list[int]:
+    view = store.view()
+    return sorted(view.pos[0, head][view.valid[0, head]].tolist())
+
+
+def top_unprotected(score: torch.Tensor, protected: torch.Tensor, k: int) -> list[int]:
+    """Positions (= indices) of the protected ones plus the ``k`` best other scores, ties to the older."""
+    rest = (~protected).nonzero()[:, 0]
+    best = rest[score[rest].argsort(descending=True, stable=True)[:k]]
+    return sorted(protected.nonzero()[:, 0].tolist() + best.tolist())
+
+
+# --- every technique: alone, in double and triple stacks, in a chain --------------------------------
+
+
+@pytest.mark.parametrize("name", SELECTIONS)
+def test_runs_alone_and_changes_logits_when_tight(tiny_93, name):
+    stack = make_stack(tiny_93, compressor=SELECTIONS[name](), **TIGHT)
+    logits, cache = run_chunks(tiny_93, stack, tokens(N), SIZES)
+    assert not torch.allclose(logits[-10:], full(tiny_93)[-10:], atol=1e-3)
+    assert int(cache.stores[-1].row_tokens().max()) <= math.ceil(TIGHT["budget"] * N)
+
+
+@pytest.mark.parametrize("name", SELECTIONS)
+def test_runs_in_double_and_triple_stacks(tiny_93, name):
+    """With a scheduler after it, the scheduler's selection gets budget**2 (METHODS.md)."""
+    lm, make, budget = tiny_93, SELECTIONS[name], dict(budget=0.5, sinks=2, window=4)
+    stacks = [
+        make_stack(lm, compressor=make(), scheduler=H2OScheduler(), **budget),
+        make_stack(
+            lm,
+            router=BaseRouter(num_experts=4),
+            compressor=make(),
+            scheduler=StreamingLLMScheduler(),
+            **budget,
+        ),
+    ]
+    if name != "pikv":  # a selection chained with KIVI, inside a full stack
+        stage = {"name": "fastv", "layer": 1} if name == "fastv" else name
+        chain = ChainCompressor(stages=[stage, {"name": "quantized", "bits": 4, "group_size": 8}])
+        stacks.append(
+            make_stack(lm, router=BaseRouter(), compressor=chain, scheduler=H2OScheduler(), **budget)
+        )
+    for stack in stacks:
+        logits, cache = run_chunks(lm, stack, tokens(N), SIZES)
+        assert torch.isfinite(logits).all()
+        rows = [int(s.row_tokens().max()) for s in cache.stores]
+        if name == "pyramidkv":  # the top layer's own capacity is below the scheduler's
+            assert rows[0] == math.ceil(0.25 * N) and rows[1] < rows[0]
+        else:
+            assert rows == [math.ceil(0.25 * N)] * lm.num_layers
+
+
+@pytest.mark.parametrize("name", [n for n in SELECTIONS if n != "pikv"])
+def test_lossless_at_budget_one(tiny_93, name):
+    stack = make_stack(tiny_93, compressor=SELECTIONS[name](), budget=1.0, sinks=2, window=4)
+    logits, cache = run_chunks(tiny_93, stack, tokens(N), SIZES)
+    assert torch.allclose(logits, full(tiny_93), atol=1e-5)
+    assert all(bool((s.row_tokens() == N).all()) for s in cache.stores)
+
+
+@pytest.mark.parametrize(("guard", "bits"), [(0.0, 2), (1.0, 8)])
+def test_pikv_at_budget_one_is_kivi(tiny_93, guard, bits):
+    """Nothing evicted: guard 0 is KIVI at the low widths, guard 1 is KIVI at 8 bits."""
+    pikv = PiKVCompressor(guard=guard, group_size=8, key_bits=2, value_bits=2)
+    a, ca = run_chunks(
+        tiny_93, make_stack(tiny_93, compressor=pikv, budget=1.0, sinks=2, window=4), tokens(N), SIZES
+    )
+    kivi = QuantizedCompressor(bits=bits, group_size=8)
+    b, cb = run_chunks(
+        tiny_93, make_stack(tiny_93, compressor=kivi, budget=1.0, sinks=2, window=4), tokens(N), SIZES
+    )
+    assert torch.allclose(a, b, atol=1e-5) and ca.nbytes() == cb.nbytes()
+
+
+def test_chain_of_selections_keeps_budget_squared(tiny):
+    chain = ChainCompressor(stages=["chunkkv", "snapkv"])
+    _, cache = run_chunks(
+        tiny, make_stack(tiny, compressor=chain, budget=0.5, sinks=2, window=4), tokens(N), SIZES
+    )
+    kept = math.ceil(0.25 * N)
+    for store in cache.stores:
+        assert (store.row_tokens() == kept).all()
+        assert store.nbytes() == fp_bytes(tiny, kept) * tiny.kv_heads
+
+
+def test_chain_pyramidkv_then_fastv_runs(tiny4):
+    chain = ChainCompressor(stages=["pyramidkv", "fastv"])
+    logits, cache = run_chunks(
+        tiny4, make_stack(tiny4, compressor=chain, budget=0.5, sinks=2, window=4), tokens(N), SIZES
+    )
+    assert torch.isfinite(logits).all()
+    rows = [int(s.row_tokens().max()) for s in cache.stores]
+    assert rows == sorted(rows, reverse=True) and rows[-1] < rows[0]
+
+
+# --- bytes: an independent count ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["snapkv", "random", "fastv"])
+def test_selection_bytes_match_capacity(tiny4, name):
+    lm = tiny4
+    tech = {"snapkv": SnapKVCompressor(), "random": RandomCompressor(), "fastv": FastVCompressor()}[name]
+    _, cache = run_chunks(lm, make_stack(lm, compressor=tech, **TIGHT), tokens(N), SIZES)
+    cap = math.ceil(TIGHT["budget"] * N)
+    per_layer = [N, N, cap, cap] if name == "fastv" else [cap] * 4  # FastV: layers < K keep all
+    assert cache.per_layer_bytes() == [fp_bytes(lm, t) * lm.kv_heads for t in per_layer]
+
+
+def test_chunkkv_bytes_match_kept_tokens(tiny_93):
+    _, cache = run_chunks(
+        tiny_93, make_stack(tiny_93, compressor=ChunkKVCompressor(), **TIGHT), tokens(N), SIZES
+    )
+    for store in cache.stores:
+        assert store.nbytes() == fp_bytes(tiny_93, int(store.view().valid.sum()))
+
+
+def quant_bytes(tokens: int, groups: int, d: int, g: int, kb: int, vb: int) -> int:
+    """KIVI storage by hand: packed codes, fp16 value zero/step per token and channel group, fp16 key
+    zero/step per group and channel, int16 live count per group."""
+    return tokens * d * (kb + vb) // 8 + tokens * math.ceil(d / g) * 4 + groups * (d * 4 + 2)
+
+
+def test_pikv_bytes_match_hand_count(tiny_93):
+    lm = tiny_93
+    pikv = PiKVCompressor(key_bits=3, value_bits=2, guard=0.4, group_size=8)
+    _, cache = run_chunks(
+        lm, make_stack(lm, compressor=pikv, budget=0.5, sinks=2, window=4), tokens(N), SIZES
+    )
+    d = lm.head_dim
+    for store in cache.stores:
+        expect = fp_bytes(lm, store.fp.size)
+        for seg in store.compressed:
+            assert isinstance(seg, QuantSegment) and (seg.key_bits, seg.value_bits) in ((8, 8), (3, 2))
+            assert int(seg.gcount.sum()) == seg.size and bool((seg.gcount > 0).all())
+            expect += quant_bytes(seg.size, seg.gcount.numel(), d, 8, seg.key_bits, seg.value_bits)
+        assert store.nbytes() == expect
+        assert int(store.row_tokens().max()) <= math.ceil(0.5 * N)
+
+
+# --- each technique's own invariant -------------------------------------------------------------------
+
+
+def test_snapkv_keeps_top_pooled_window_attention(tiny):
+    """Kept = sinks + window + the top max-pooled scores of the last 16 queries (eager reference)."""
+    ids, sinks, window, budget = tokens(48), 2, 4, 0.4
+    stack = make_stack(tiny, compressor=SnapKVCompressor(), budget=budget, sinks=sinks, window=window)
+    _, cache = run_chunks(tiny, stack, ids, [48])
+    cap = math.ceil(budget * 48)
+    pos = torch.arange(48)
+    protected = (pos < sinks) | (pos >= 48 - window)
+    for layer, attn in enumerate(eager_attention(tiny, ids)):
+        grouped = attn[:, -16:].sum(1).view(tiny.kv_heads, -1, 48).sum(1)  # (H_kv, T)
+        pooled = torch.stack([F.pad(grouped, (3, 3), value=-1.0)[:, i : i + 48] for i in range(7)]).amax(0)
+        for h in range(tiny.kv_heads):
+            expect = top_unprotected(pooled[h], protected, cap - int(protected.sum()))
+            assert kept_positions(cache.stores[layer], h) == expect
+
+
+def test_pyramidkv_layer_counts_follow_the_schedule(tiny4):
+    """Kept per layer: ceil(budget * w_l * seen), w_l falling arithmetically from 2 - 1/beta to
+    1/beta (never below sinks + window); the mean matches the uniform budget."""
+    budget, beta = 0.5, 20.0
+    stack = make_stack(tiny4, compressor=PyramidKVCompressor(beta=beta), budget=budget, sinks=1, window=1)
+    _, cache = run_chunks(tiny4, stack, tokens(N), SIZES)
+    counts = [int(s.row_tokens()[0]) for s in cache.stores]
+    assert all(bool((s.row_tokens() == c).all()) for s, c in zip(cache.stores, counts))
+    assert cache.per_layer_bytes() == [fp_bytes(tiny4, c) * tiny4.kv_heads for c in counts]
+    top, bottom = 1 / beta, 2 - 1 / beta
+    weights = [bottom - (bottom - top) * i / 3 for i in range(4)]
+    assert counts == [max(math.ceil(budget * w * N), 2) for w in weights]
+    assert counts == sorted(counts, reverse=True) and len(set(counts)) == 4
+    assert abs(sum(counts) / 4 - budget * N) <= 1
+
+
+def test_pyramidkv_refuses_other_allocations():
+    with pytest.raises(ConfigError, match="compressor.allocation=uniform"):
+        PyramidKVCompressor(allocation="uniform")
+
+
+def test_chunkkv_keeps_whole_best_chunks(tiny):
+    """On a store scored at budget 1, the tight selection keeps whole position-order chunks of the
+    unprotected tokens, best summed window score first, filling the capacity to within a chunk."""
+    c = 5
+    _, cache = run_chunks(
+        tiny,
+        make_stack(tiny, compressor=ChunkKVCompressor(chunk_size=c), budget=1.0, sinks=2, window=4),
+        tokens(48),
+        [48],
+    )
+    store = cache.stores[1]
+    pos = store.view().pos[0].clone()  # (H, T), position order
+    score = store.aux("obs16", 16).sum(-1)[0].clone()
+    tight = make_stack(tiny, compressor=ChunkKVCompressor(chunk_size=c), budget=0.4, sinks=2, window=4)
+    tight.compressor.compress(1, store)
+    slots = math.ceil(0.4 * 48) - 6
+    for h in range(tiny.kv_heads):
+        assert pos[h].tolist() == list(range(48))
+        rest = torch.arange(2, 44)  # unprotected positions, in order
+        chunks = [rest[i : i + c] for i in range(0, len(rest), c)]
+        sums = torch.stack([score[h, ch].sum() for ch in chunks])
+        kept, used = [], 0
+        for i in sums.argsort(descending=True, stable=True).tolist():
+            if used + len(chunks[i]) > slots:
+                break
+            kept += chunks[i].tolist()
+            used += len(chunks[i])
+        assert slots - used < c
+        assert kept_positions(store, h) == sorted([0, 1, 44, 45, 46, 47, *kept])
+
+
+def test_chunkkv_reuse_layers_shares_positions(tiny):
+    stack = make_stack(tiny, compressor=ChunkKVCompressor(chunk_size=4, reuse_layers=2), **TIGHT)
+    _, cache = run_chunks(tiny, stack, tokens(N), SIZES)
+    for h in range(tiny.kv_heads):
+        assert kept_positions(cache.stores[0], h) == kept_positions(cache.stores[1], h)
+    with pytest.raises(ConfigError, match="reuse_layers"):
+        ChunkKVCompressor(reuse_layers=2, allocation="pyramid")
+
+
+def test_fastv_drops_the_same_lowest_ranked_positions_from_layer_k(tiny4):
+    """Layers < K keep all; every head of layers >= K keeps sinks + window + the positions the last
+    prefill token attended to most at layer K-1, averaged over all query heads (eager reference)."""
+    ids, budget = tokens(48), 0.4
+    stack = make_stack(tiny4, compressor=FastVCompressor(layer=2), budget=budget, sinks=2, window=4)
+    _, cache = run_chunks(tiny4, stack, ids, [48])
+    rank = eager_attention(tiny4, ids)[1][:, -1].mean(0)  # (T,) last query, all heads of layer 1
+    pos = torch.arange(48)
+    protected = (pos < 2) | (pos >= 44)
+    expect = top_unprotected(rank, protected, math.ceil(budget * 48) - 6)
+    for layer, store in enumerate(cache.stores):
+        for h in range(tiny4.kv_heads):
+            assert kept_positions(store, h) == (list(range(48)) if layer < 2 else expect)
+
+
+def test_fastv_layer_is_checked_at_bind(tiny):
+    with pytest.raises(ConfigError, match="compressor.layer=2: must be < the model's 2 layers"):
+        make_stack(tiny, compressor=FastVCompressor())
+    with pytest.raises(ConfigError, match="compressor.layer=0"):
+        FastVCompressor(layer=0)
+
+
+def test_random_keeps_capacity_and_depends_on_seed(tiny):
+    def kept(seed):
+        stack = make_stack(tiny, compressor=RandomCompressor(seed=seed), **TIGHT)
+        _, cache = run_chunks(tiny, stack, tokens(N), SIZES)
+        return [[kept_positions(s, h) for h in range(tiny.kv_heads)] for s in cache.stores]
+
+    a, b, a2 = kept(0), kept(1), kept(0)
+    cap = math.ceil(TIGHT["budget"] * N)
+    for rows in a:
+        for row in rows:
+            assert len(row) == cap and {0, 1, *range(N - 4, N)} <= set(row)
+    assert a == a2 and a != b
+
+
+def test_pikv_guards_the_most_important_retained_tokens(tiny_93):
+    """After one prefill: the retained tokens are the top accumulated attention (eager reference);
+    the oldest whole groups of the unprotected ones leave the window, and of those the most
+    important round(guard * groups) groups are stored at 8 bits, the rest at the low widths."""
+    lm, ids, g, guard, budget = tiny_93, tokens(48), 8, 0.4, 0.8
+    pikv = PiKVCompressor(key_bits=2, value_bits=4, guard=guard, group_size=g)
+    _, cache = run_chunks(lm, make_stack(lm, compressor=pikv, budget=budget, sinks=2, window=4), ids, [48])
+    pos = torch.arange(48)
+    protected = (pos < 2) | (pos >= 44)
+    cap = math.ceil(budget * 48)
+    for layer, attn in enumerate(eager_attention(lm, ids)):
+        acc = attn.sum(1).view(lm.kv_heads, -1, 48).sum(1)  # (H_kv, T) accumulated attention
+        store = cache.stores[layer]
+        segs = {(s.key_bits, s.value_bits): s for s in store.compressed}  # type: ignore[attr-defined]
+        for h in range(lm.kv_heads):
+            retained = top_unprotected(acc[h], protected, cap - 6)
+            assert kept_positions(store, h) == retained
+            unprotected = [p for p in retained if not protected[p]]
+            leaving = torch.tensor(unprotected[: len(unprotected) // g * g])  # oldest whole groups
+            n_high = math.floor(guard * len(leaving) / g + 0.5) * g
+            high = sorted(leaving[acc[h, leaving].argsort(descending=True, stable=True)[:n_high]].tolist())
+            low = sorted(set(leaving.tolist()) - set(high))
+            assert (len(high), len(low)) == (16, 16)
+            for bits, members in (((8, 8), high), ((2, 4), low)):
+                seg = segs[bits]
+                start = int(seg.lens[:h].sum())
+                assert sorted(seg.pos[start : start + int(seg.lens[h])].tolist()) == members
+    assert pikv.metrics()["guard_share"] == pytest.approx(0.5)
+
+
+def test_pikv_stored_guard_share_stays_at_guard(tiny_93):
+    """Without eviction, each head-row's 8-bit share of its quantized tokens is guard to within half
+    a group, at every compression point."""
+    g, guard = 8, 0.3
+    stack = make_stack(
+        tiny_93, compressor=PiKVCompressor(guard=guard, group_size=g), budget=1.0, sinks=2, window=4
+    )
+    cache = loop.new_cache(tiny_93, stack)
+    ids, at = tokens(N), 0
+    for n in [24, 8, 8, 8, 8, 1, 1]:
+        loop.step(tiny_93, cache, ids[at : at + n])
+        at += n
+        for store in cache.stores:
+            segs = {(s.key_bits, s.value_bits): s.lens for s in store.compressed}  # type: ignore[attr-defined]
+            zero = torch.zeros_like(store.fp.lens)
+            q8, qlow = segs.get((8, 8), zero), segs.get((2, 2), zero)
+            assert bool(((q8 - guard * (q8 + qlow)).abs() <= g / 2).all())
+
+
+# --- a padded batch equals one-by-one runs ------------------------------------------------------------
+
+
+def run_batch(lm, make, seqs, prefill, chunks):
+    """Padded batch of ``seqs`` (left padding at prefill) with the stack after each forward."""
+    cache = loop.new_cache(lm, make(), batch=len(seqs))
+    width = max(prefill)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    real = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, (seq, p) in enumerate(zip(seqs, prefill)):
+        ids[i, width - p :] = torch.tensor(seq[:p])
+        real[i, width - p :] = True
+    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
+    cache.after_forward()
+    at = list(prefill)
+    for n in chunks:
+        ids = torch.tensor([seq[a : a + n] for seq, a in zip(seqs, at)])
+        outs.append(loop.forward_batch(lm, cache, ids, torch.ones_like(ids, dtype=torch.bool))[:, -1])
+        cache.after_forward()
+        at = [a + n for a in at]
+    return torch.stack(outs, 1), cache
+
+
+@pytest.mark.parametrize("name", SELECTIONS)
+def test_padded_batch_equals_one_by_one(tiny_93, name):
+    lm = tiny_93
+    make = lambda: make_stack(lm, compressor=SELECTIONS[name](), budget=0.4, sinks=2, window=4)  # noqa: E731
+    seqs, prefill, chunks = [tokens(50, 1), tokens(35, 2)], [40, 25], [8, 1, 1]
+    batch, bcache = run_batch(lm, make, seqs, prefill, chunks)
+    for i, (seq, p) in enumerate(zip(seqs, prefill)):
+        solo, scache = run_batch(lm, make, [seq], [p], chunks)
+        assert torch.allclose(batch[i], solo[0], atol=1e-5)
+        for bs, ss in zip(bcache.stores, scache.stores):
+            rows = bs.row_tokens().view(2, -1)[i]
+            assert torch.equal(rows, ss.row_tokens())
+            for h in range(lm.kv_heads):
+                view, sview = bs.view(), ss.view()
+                got = sorted(view.pos[i, h][view.valid[i, h]].tolist())
+                assert got == sorted(sview.pos[0, h][sview.valid[0, h]].tolist())
