@@ -1,0 +1,75 @@
+"""LRU: kvbench's own least-recently-used token eviction under the budget (METHODS.md).
+
+A stored token is *used* at a query position when any query head of its KV head's group gives it
+attention of at least ``tau``. Each token carries the last position at which it was used (its
+arrival position until then); beyond the capacity the least recently used tokens are evicted.
+Sinks, the window and protected positions are always kept and count inside the budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.cache.store import LayerStore
+from kvbench.errors import ConfigError
+from kvbench.roles import Flags, Scheduler
+from kvbench.select import evict_by_score
+
+
+def used(probs: torch.Tensor, qpos: torch.Tensor, tau: float) -> torch.Tensor:
+    """Which stored token each real query uses: ``(B, H, q, T)`` bool.
+
+    Args:
+        probs: ``(B, H, g, q, T)`` attention probabilities (padding queries are zero rows).
+        qpos: ``(B, q)`` query positions, -1 for padding.
+        tau: the smallest probability that counts as a use.
+    """
+    return (probs.amax(2) >= tau) & (qpos >= 0)[:, None, :, None]
+
+
+def ranked(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
+    """Rank of each token by ``(primary, secondary)``, both ascending: ``(B, H, T)`` float.
+
+    Ties of the primary key (tokens last used by the same query) go to the more recent arrival.
+    """
+    by_second = secondary.argsort(dim=-1, stable=True)
+    order = by_second.gather(-1, primary.gather(-1, by_second).argsort(dim=-1, stable=True))
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    return rank.float()
+
+
+@dataclass
+class LRUScheduler(Scheduler):
+    """Keeps sinks, the window and the most recently used tokens (per-token state ``lru``).
+
+    Args:
+        tau: attention probability (max over the query heads of the group) that counts as a use.
+    """
+
+    name: str = "lru"
+    tau: float = 0.01
+    flags = Flags(needs_attention_scores=True, evicts_tokens=True)
+    AUX = "lru"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.tau <= 1.0:
+            raise ConfigError(f"scheduler.tau={self.tau}: must be in (0, 1]")
+
+    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+        view = store.view()
+        hit = used(probs, qpos, self.tau)
+        last = torch.where(hit, qpos[:, None, :, None], -1).amax(2)  # (B, H, T), -1 if unused
+        state = torch.maximum(store.aux(self.AUX), view.pos.float())  # arrival position initially
+        store.set_aux(self.AUX, torch.maximum(state, last.float()))
+
+    def last_used(self, store: LayerStore) -> torch.Tensor:
+        """``(B, H, T)`` last position at which each stored token was used (arrival if never)."""
+        return torch.maximum(store.aux(self.AUX), store.view().pos.float())
+
+    def evict(self, layer: int, store: LayerStore) -> None:
+        view = store.view()
+        score = ranked(self.last_used(store), view.pos)
+        evict_by_score(store, self.budget_cfg, score, self.budget_cfg.capacity(store.seen))

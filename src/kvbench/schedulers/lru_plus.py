@@ -1,0 +1,73 @@
+"""LRU+: kvbench's own LRFU eviction, recency and frequency of use in one score (METHODS.md).
+
+A token's score at position ``now`` is ``sum over its uses t of decay ** (now - t)``, a use being
+what :mod:`kvbench.schedulers.lru` calls one (any query head of the group gives it attention of at
+least ``tau``). ``decay = 1`` counts uses (LFU); a small ``decay`` approaches LRU. The score is
+updated per observed block of queries: ``score <- score * decay ** delta + sum of the block's
+uses``, where ``delta`` is how far ``now`` moved (the block's real queries). It is kept as its
+natural logarithm, so that a long context cannot underflow old scores to a tie at zero; a token
+never used has score 0 (log -inf) and ranks by arrival among its peers. Beyond the capacity the
+lowest scores are evicted; sinks, the window and protected positions are always kept.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.cache.store import LayerStore
+from kvbench.errors import ConfigError
+from kvbench.roles import Flags, Scheduler
+from kvbench.schedulers.lru import ranked, used
+from kvbench.select import evict_by_score
+
+
+@dataclass
+class LRUPlusScheduler(Scheduler):
+    """LRFU: keeps sinks, the window and the tokens with the highest decayed use count.
+
+    Per-token state: ``lrfu`` (log score at the sequence's latest query) and ``lrfu_on`` (1 once
+    the token has been observed; a token appended since has no uses yet).
+
+    Args:
+        decay: weight of a use per position of age, in (0, 1].
+        tau: attention probability (max over the query heads of the group) that counts as a use.
+    """
+
+    name: str = "lru_plus"
+    decay: float = 0.9
+    tau: float = 0.01
+    flags = Flags(needs_attention_scores=True, evicts_tokens=True)
+    AUX, SEEN = "lrfu", "lrfu_on"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.decay <= 1.0:
+            raise ConfigError(f"scheduler.decay={self.decay}: must be in (0, 1]")
+        if not 0.0 < self.tau <= 1.0:
+            raise ConfigError(f"scheduler.tau={self.tau}: must be in (0, 1]")
+
+    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+        real = qpos >= 0  # (B, q)
+        if not bool(real.any()):
+            return
+        log_decay = math.log(self.decay)
+        # A block's real queries of one sequence are consecutive positions, the first one right
+        # after the previous reference point: now moves by their count.
+        delta = real.sum(-1).float()  # (B,)
+        now = qpos.amax(-1)  # (B,)
+        age = (now[:, None] - qpos).float() * log_decay  # (B, q) log decay ** (now - t)
+        hit = used(probs, qpos, self.tau)
+        gained = age[:, None, :, None].masked_fill(~hit, float("-inf")).logsumexp(2)  # (B, H, T)
+        old = torch.where(store.aux(self.SEEN) > 0, store.aux(self.AUX), float("-inf"))
+        store.set_aux(self.AUX, torch.logaddexp(old + (delta * log_decay)[:, None, None], gained))
+        store.set_aux(self.SEEN, torch.ones_like(old))
+
+    def log_scores(self, store: LayerStore) -> torch.Tensor:
+        """``(B, H, T)`` log score of every stored token at its sequence's latest query (-inf: unused)."""
+        return torch.where(store.aux(self.SEEN) > 0, store.aux(self.AUX), float("-inf"))
+
+    def evict(self, layer: int, store: LayerStore) -> None:
+        score = ranked(self.log_scores(store), store.view().pos)
+        evict_by_score(store, self.budget_cfg, score, self.budget_cfg.capacity(store.seen))

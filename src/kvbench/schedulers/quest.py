@@ -1,0 +1,231 @@
+"""Quest: query-aware page selection over a cache that keeps every token (arXiv:2406.10774).
+
+Each KV head-row's stored tokens, in position order, form pages of ``page_size`` tokens. Every
+full page carries the per-channel minimum and maximum of its keys (as attention reads them:
+dequantized when a compressor packed them), kept flat in ``store.side`` so ``store.nbytes()``
+counts them. For a query ``q`` the page bound ``Σ_i max(q_i·min_i, q_i·max_i)`` is never below
+``q·k`` for any key of the page. Each query reads the top pages by bound so that the tokens read
+per head-row come to ``ceil(budget × stored tokens)``, rounded to whole pages.
+
+Deviations from the paper, kvbench's choices:
+
+- GQA: Quest is defined per attention head (MHA). Here one KV head-row is read once for its
+  whole query group, so a page's bound is the **maximum over the group's query heads** of their
+  bounds; it stays an upper bound for every query head of the group.
+- The budget is a fraction of the stored tokens of each head-row (``budget_tokens`` gives the
+  paper's absolute token budget); sinks, the window, protected positions, the current chunk and
+  the partial last page are always read and count inside it. The remaining tokens go page by
+  page in bound order; a page is taken when at least half of it fits (rounding to whole pages).
+- Queries of every chunk after the first compression point are selected (the paper selects at
+  decode only; a decode step is one such chunk); earlier queries of a chunk read densely.
+- Page metadata is recomputed from the stored keys after every forward, in :meth:`evict`; the
+  paper updates the last page in place. The pages and bounds are the same.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.cache import ragged
+from kvbench.cache.store import GroupedSegment, LayerStore
+from kvbench.errors import ConfigError
+from kvbench.roles import Flags, Scheduler
+
+KMIN, KMAX = "quest_kmin", "quest_kmax"
+
+
+def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of ``q·k`` over each page, per query head.
+
+    ``Σ_i max(q_i·min_i, q_i·max_i) = q⁺·max + q⁻·min`` (``q⁺``, ``q⁻`` the positive and negative
+    parts), two matmuls instead of a ``(q, pages, D)`` product.
+
+    Args:
+        query: ``(B, Hq, q, D)``.
+        kmin, kmax: ``(B, H, P, D)`` per-channel key minimum and maximum of each page.
+
+    Returns:
+        ``(B, H, g, q, P)`` fp32, ``g = Hq / H`` query heads per KV head.
+    """
+    b, hq, q, d = query.shape
+    h = kmin.shape[1]
+    grouped = query.float().view(b, h, hq // h, q, d)
+    pos, neg = grouped.clamp(min=0), grouped.clamp(max=0)
+    return torch.einsum("bhgqd,bhpd->bhgqp", pos, kmax.float()) + torch.einsum(
+        "bhgqd,bhpd->bhgqp", neg, kmin.float()
+    )
+
+
+def token_bytes(store: LayerStore) -> torch.Tensor:
+    """Stored bytes of every token, aligned with ``store.view()``: ``(B, H, T)`` float64.
+
+    A token costs its per-token data fields; a grouped segment's per-group fields (scales, zero
+    points, live counts) are shared equally by the group's live tokens, so a head-row's sum is
+    exactly its stored bytes.
+    """
+    parts = []
+    for seg in store.segments:
+        per = sum(math.prod(f.shape[1:]) * f.element_size() for f in seg.data_fields().values())
+        flat = torch.full((seg.size,), float(per), dtype=torch.float64, device=store.device)
+        if isinstance(seg, GroupedSegment) and seg.size:
+            group = sum(math.prod(f.shape[1:]) * f.element_size() for f in seg.group_fields().values())
+            group += seg.gcount.element_size()
+            flat = flat + group / seg.gcount.double()[seg.group_ids()]
+        parts.append(ragged.to_padded(flat, seg.lens)[0])
+    return torch.cat(parts, dim=1).view(store.batch, store.kv_heads, -1)
+
+
+def chunk_start(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+    """First position of the current chunk of each sequence ``(B,)`` (``seen`` if it has none)."""
+    real = qpos >= 0
+    first = torch.where(real, qpos, torch.full_like(qpos, torch.iinfo(qpos.dtype).max)).amin(-1)
+    return torch.where(real.any(-1), first, store.seen)
+
+
+@dataclass
+class QuestScheduler(Scheduler):
+    """Keeps every token; each query reads the top pages of its KV head by Quest's bound.
+
+    Args:
+        page_size: tokens per page.
+        dense_layers: the first layers read every token (the paper leaves two dense).
+    """
+
+    name: str = "quest"
+    page_size: int = 16
+    dense_layers: int = 2
+    flags = Flags(selects_reads=True)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ConfigError(f"scheduler.page_size={self.page_size}: must be >= 1")
+        if self.dense_layers < 0:
+            raise ConfigError(f"scheduler.dense_layers={self.dense_layers}: must be >= 0")
+        self._step = [0.0, 0.0]  # bytes read per query in this step: K/V, page metadata
+        self._steps: list[tuple[float, float]] = []
+        self._tokens = [0.0, 0.0, 0.0, 0.0]  # read, visible: dense layers, then selected layers
+        self._meta_bytes: dict[int, int] = {}  # page metadata stored per layer, after the last forward
+        self._last: tuple | None = None
+
+    def evict(self, layer: int, store: LayerStore) -> None:
+        """Nothing is evicted: recompute the min/max keys of every full page of every head-row."""
+        if layer < self.dense_layers:
+            return
+        view = store.view()
+        b, h, t, d = view.k.shape
+        p = self.page_size
+        key = torch.where(view.valid, view.pos, torch.full_like(view.pos, torch.iinfo(view.pos.dtype).max))
+        order = key.argsort(-1)
+        keys = torch.gather(view.k, 2, order[..., None].expand(b, h, t, d))
+        npages = -(-t // p)
+        keys = torch.nn.functional.pad(keys, (0, 0, 0, npages * p - t)).view(b, h, npages, p, d)
+        full = torch.arange(npages, device=keys.device) < (view.valid.sum(-1) // p)[..., None]  # (B, H, P)
+        kmin, kmax = keys.amin(3)[full].contiguous(), keys.amax(3)[full].contiguous()
+        store.side[KMIN], store.side[KMAX] = kmin, kmax  # (M, D): every full page, head-major
+        self._meta_bytes[layer] = (kmin.numel() + kmax.numel()) * kmin.element_size()
+
+    def read_mask(
+        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
+        view = store.view()
+        b, h, t, d = view.k.shape
+        q = query.shape[2]
+        if layer < self.dense_layers:
+            mask = view.valid[:, :, None, :].expand(b, h, q, t)
+            self._account(layer, store, query, qpos, mask, None)
+            return mask
+        start = chunk_start(store, qpos)[:, None, None]
+        page, in_page, n_full = self.layout(view.pos, view.valid & (view.pos < start))
+        if KMIN not in store.side or int(n_full.sum()) != store.side[KMIN].shape[0]:
+            raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
+        protected = self.budget_cfg.protected(view.pos, start, store.view_protect_from())
+        always = view.valid & (protected | ~in_page)  # with the chunk and the partial last page
+        pageable = in_page & ~always
+        width = int(n_full.max()) if n_full.numel() else 0
+        if width == 0:  # no full page yet: only the always-read tokens exist
+            mask = always[:, :, None, :].expand(b, h, q, t)
+            self._account(layer, store, query, qpos, mask, n_full * 0)
+            return mask
+        kmin = ragged.to_padded(store.side[KMIN], n_full.flatten())[0].view(b, h, width, d)
+        kmax = ragged.to_padded(store.side[KMAX], n_full.flatten())[0].view(b, h, width, d)
+        bound = page_bounds(query, kmin, kmax).amax(2)  # (B, H, q, P): max over the query group
+        page_idx = torch.where(pageable, page, torch.full_like(page, width))
+        cost = torch.zeros(b, h, width + 1, dtype=torch.long, device=view.k.device)
+        cost = cost.scatter_add_(-1, page_idx, pageable.long())[..., :width]  # unread tokens per page
+        extra = self.budget_cfg.capacity(view.valid.sum(-1)) - always.sum(-1)  # (B, H)
+        take = self.take_pages(bound, cost, extra)
+        tok = torch.gather(take, -1, page_idx.clamp(max=max(width - 1, 0))[:, :, None, :].expand(b, h, q, t))
+        mask = (tok & pageable[:, :, None, :]) | always[:, :, None, :]
+        self._account(layer, store, query, qpos, mask, n_full * 2 * d * store.side[KMIN].element_size())
+        return mask
+
+    def layout(self, pos: torch.Tensor, prior: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Pages of the tokens stored before the chunk (``prior`` ``(B, H, T)``), in position order.
+
+        Returns:
+            ``page`` ``(B, H, T)`` page of each prior token; ``in_page`` ``(B, H, T)`` True for the
+            tokens of full pages; ``n_full`` ``(B, H)`` full pages per head-row.
+        """
+        key = torch.where(prior, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max))
+        order = key.argsort(-1)
+        ranks = torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
+        rank = torch.empty_like(order).scatter_(-1, order, ranks)
+        n_full = prior.sum(-1) // self.page_size
+        page = rank // self.page_size
+        return page, prior & (page < n_full[..., None]), n_full
+
+    @staticmethod
+    def take_pages(bound: torch.Tensor, cost: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+        """Pages read: the best bounds first, while at least half of the next page fits in ``extra``.
+
+        Args:
+            bound: ``(B, H, q, P)``; cost: ``(B, H, P)`` tokens a page adds (0: not selectable);
+            extra: ``(B, H)`` tokens left in the budget after the always-read ones.
+
+        Returns:
+            ``(B, H, q, P)`` bool.
+        """
+        score = bound.masked_fill(cost[:, :, None, :] == 0, float("-inf"))
+        order = score.argsort(dim=-1, descending=True, stable=True)
+        c = torch.gather(cost[:, :, None, :].expand_as(order), -1, order)
+        before = c.cumsum(-1) - c
+        fits = (2 * before + c < 2 * extra[:, :, None, None]) & (c > 0)
+        return torch.zeros_like(fits).scatter_(-1, order, fits)
+
+    def _account(self, layer, store, query, qpos, mask, meta: torch.Tensor | None) -> None:
+        """Bytes and tokens read by the real queries of this call (repeat calls are not counted)."""
+        key = (id(store), layer, query.data_ptr(), tuple(query.shape), int(store.seen.sum()))
+        if key == self._last:  # the KV-hit probe asks again for the same queries
+            return
+        self._last = key
+        view = store.view()
+        real = qpos >= 0
+        visible = view.valid[:, :, None, :] & (view.pos[:, :, None, :] <= qpos[:, None, :, None])
+        visible = visible & real[:, None, :, None]
+        read = mask & visible
+        nq = max(int(real.sum()), 1)
+        self._step[0] += float(torch.where(read, token_bytes(store)[:, :, None, :], 0.0).sum()) / nq
+        if meta is not None:
+            self._step[1] += float((meta.sum(-1).double() * real.sum(-1)).sum()) / nq
+        sparse = 2 * (meta is not None)
+        self._tokens[sparse] += float(read.sum())
+        self._tokens[sparse + 1] += float(visible.sum())
+        if layer == self.num_layers - 1:  # the engine asks layer by layer: the step is complete
+            self._steps.append((self._step[0] + self._step[1], self._step[1]))
+            self._step = [0.0, 0.0]
+
+    def metrics(self) -> dict[str, float | list[float] | None]:
+        if not self._steps:
+            return {}
+        read, stored = self._tokens[0] + self._tokens[2], self._tokens[1] + self._tokens[3]
+        n = len(self._steps)
+        return {
+            "bytes_read_per_step": sum(s[0] for s in self._steps) / n,
+            "metadata_bytes_read_per_step": sum(s[1] for s in self._steps) / n,
+            "read_fraction": read / stored if stored else None,
+            "sparse_read_fraction": self._tokens[2] / self._tokens[3] if self._tokens[3] else None,
+            "metadata_bytes": float(sum(self._meta_bytes.values())),
+        }

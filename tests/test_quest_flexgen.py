@@ -1,0 +1,333 @@
+"""quest (read selection over pages) and flexgen (tier placement): they act on the real cache,
+count stored bytes exactly, compose with other roles and keep their own invariants."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from helpers import make_stack, run_chunks, tokens
+from kvbench.cache import attention as att
+from kvbench.compressors.quantized import QuantizedCompressor
+from kvbench.errors import ConfigError
+from kvbench.eval import loop
+from kvbench.routers.base import BaseRouter
+from kvbench.schedulers.flexgen import FlexGenScheduler
+from kvbench.schedulers.quest import KMIN, QuestScheduler, page_bounds
+
+SIZES = [96, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
+N = sum(SIZES)
+P = 8  # page size used on the tiny models
+FP_TOKEN = 16 * 2 * 4  # one token's K and V per head: head_dim 16, float32
+
+
+def full(lm, sizes=SIZES):
+    return run_chunks(lm, make_stack(lm), tokens(sum(sizes)), sizes)[0]
+
+
+def quest(**kw):
+    return QuestScheduler(**{"page_size": P, "dense_layers": 1, **kw})
+
+
+def quant():
+    return QuantizedCompressor(bits=4, group_size=8)
+
+
+# --- quest ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compressor", [None, quant], ids=["alone", "with_quantized"])
+def test_quest_acts_at_tight_budget(tiny_93, compressor):
+    lm = tiny_93
+    stack = make_stack(
+        lm, compressor=compressor and compressor(), scheduler=quest(), budget=0.25, sinks=2, window=4
+    )
+    logits, cache = run_chunks(lm, stack, tokens(N), SIZES, shadow=True)
+    assert not torch.allclose(logits[-10:], full(lm)[-10:], atol=1e-3)
+    m = stack.metrics()["scheduler/quest"]
+    assert m["sparse_read_fraction"] < 0.5 < m["read_fraction"] < 1  # layer 0 stays dense
+    assert all(store.stored_tokens() == N * lm.kv_heads for store in cache.stores)  # nothing evicted
+
+
+def test_quest_refused_beside_a_router(tiny_93):
+    with pytest.raises(
+        ConfigError,
+        match=r"router/base \+ scheduler/quest: both select reads; a stack may hold one read selector",
+    ):
+        make_stack(tiny_93, router=BaseRouter(), compressor=quant(), scheduler=quest())
+
+
+@pytest.mark.parametrize("compressor", [None, quant], ids=["alone", "with_quantized"])
+def test_quest_budget_one_reads_everything(tiny_93, compressor):
+    lm = tiny_93
+    ref = make_stack(lm, compressor=compressor and compressor(), sinks=2, window=4)
+    stack = make_stack(
+        lm, compressor=compressor and compressor(), scheduler=quest(), budget=1.0, sinks=2, window=4
+    )
+    logits, _ = run_chunks(lm, stack, tokens(N), SIZES)
+    assert torch.allclose(logits, run_chunks(lm, ref, tokens(N), SIZES)[0], atol=1e-5)
+    assert stack.scheduler.metrics()["read_fraction"] == 1.0
+
+
+def test_quest_dense_layers_read_everything(tiny_93):
+    stack = make_stack(tiny_93, scheduler=quest(dense_layers=2), budget=0.25, sinks=2, window=4)
+    logits, cache = run_chunks(tiny_93, stack, tokens(N), SIZES)
+    assert torch.allclose(logits, full(tiny_93), atol=1e-5)
+    assert all(KMIN not in s.side for s in cache.stores)  # no metadata for dense layers
+
+
+def test_quest_counts_page_metadata_bytes(tiny_93):
+    lm, h, d = tiny_93, tiny_93.kv_heads, tiny_93.head_dim
+    stack = make_stack(lm, scheduler=quest(), budget=0.25, sinks=2, window=4)
+    _, cache = run_chunks(lm, stack, tokens(97), [96, 1])
+    meta = (97 // P) * h * d * 2 * 4  # full pages x heads x (min, max) x D x float32, layer 1 only
+    assert cache.stores[0].nbytes() == 97 * h * FP_TOKEN
+    assert cache.stores[1].nbytes() == 97 * h * FP_TOKEN + meta
+    m = stack.scheduler.metrics()
+    assert m["metadata_bytes"] == meta
+    # the one routed step (query at 96): layer 0 reads all 97 tokens, layer 1 ~ceil(0.25 * 97) per
+    # head (whole pages: within half a page) and every page's min/max of the 96 tokens before it
+    meta_read = (96 // P) * h * d * 2 * 4
+    assert m["metadata_bytes_read_per_step"] == meta_read
+    layer1 = m["bytes_read_per_step"] - meta_read - 97 * h * FP_TOKEN
+    assert layer1 % FP_TOKEN == 0 and abs(layer1 / FP_TOKEN / h - 25) <= P // 2
+
+
+def test_quest_with_quantized_counts_bytes(tiny_93):
+    lm, h, d = tiny_93, tiny_93.kv_heads, tiny_93.head_dim
+    stack = make_stack(lm, compressor=quant(), scheduler=quest(), budget=0.25, sinks=2, window=4)
+    _, cache = run_chunks(lm, stack, tokens(N), SIZES)
+    for layer, store in enumerate(cache.stores):
+        meta = (N // P) * h * d * 2 * 4 if layer else 0
+        fp = store.fp.size * FP_TOKEN
+        assert store.nbytes() == sum(s.nbytes() for s in store.compressed) + fp + meta
+
+
+def test_quest_bytes_read_at_budget_one(tiny_93):
+    """One decode step at budget 1: every stored K/V is read, plus every page's min/max."""
+    lm, h, d = tiny_93, tiny_93.kv_heads, tiny_93.head_dim
+    stack = make_stack(lm, scheduler=quest(), budget=1.0, sinks=2, window=4)
+    run_chunks(lm, stack, tokens(97), [96, 1])
+    m = stack.scheduler.metrics()
+    assert m["bytes_read_per_step"] == 2 * 97 * h * FP_TOKEN + (96 // P) * h * d * 2 * 4
+
+
+def test_quest_bound_is_an_upper_bound():
+    g = torch.Generator().manual_seed(0)
+    b, h, grp, q, t, d, p = 2, 3, 3, 5, 40, 16, 8
+    keys = torch.randn(b, h, t, d, generator=g)
+    query = torch.randn(b, h * grp, q, d, generator=g)
+    pages = keys.view(b, h, t // p, p, d)
+    bound = page_bounds(query, pages.amin(3), pages.amax(3))  # (B, H, g, q, P) per query head
+    logits = torch.einsum("bhgqd,bhtd->bhgqt", query.view(b, h, grp, q, d), keys)
+    true_max = logits.view(b, h, grp, q, t // p, p).amax(-1)
+    assert (bound >= true_max - 1e-5).all()
+    assert (bound.amax(2, keepdim=True) >= true_max - 1e-5).all()  # the group's bound too
+    single = page_bounds(query, keys, keys)  # one-token pages: the bound is exact
+    assert torch.allclose(single, logits, atol=1e-5)
+
+
+class _Recorder(QuestScheduler):
+    """Quest that keeps what each read selection saw and chose."""
+
+    def read_mask(self, layer, store, query, qpos):
+        mask = super().read_mask(layer, store, query, qpos)
+        view = store.view()
+        self.seen_calls = getattr(self, "seen_calls", [])
+        self.seen_calls.append((layer, query.clone(), view.k.clone(), view.pos.clone(), mask.clone()))
+        return mask
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5])
+def test_quest_decode_reads_the_top_bound_pages(tiny, budget):
+    lm, sinks, window = tiny, 2, 4
+    stack = make_stack(
+        lm, scheduler=_Recorder(page_size=P, dense_layers=1), budget=budget, sinks=sinks, window=window
+    )
+    run_chunks(lm, stack, tokens(97), [96, 1])
+    layer, query, k, pos, mask = stack.scheduler.seen_calls[-1]
+    assert layer == 1 and query.shape[2] == 1
+    h, grp = k.shape[1], query.shape[1] // k.shape[1]
+    cap = math.ceil(budget * 97)
+    for head in range(h):
+        order = pos[0, head].argsort()
+        kk, pp, read = k[0, head][order], pos[0, head][order], mask[0, head, 0][order]
+        pages = kk[:96].view(96 // P, P, -1)  # the 96 tokens stored before the step, in position order
+        qh = query[0, head * grp : (head + 1) * grp, 0]  # the group's query heads (g, D)
+        bound = torch.maximum(qh[:, None] * pages.amin(1), qh[:, None] * pages.amax(1)).sum(-1).amax(0)
+        always = (pp < sinks) | (pp >= 96 - window)
+        assert read[always].all()
+        free = ~always[:96].view(-1, P)  # tokens a page adds when chosen
+        page_read = read[:96].view(-1, P)
+        chosen = (page_read | ~free).all(-1) & free.any(-1)
+        assert torch.equal(page_read & free, chosen[:, None] & free)  # whole pages
+        candidates = free.any(-1)
+        if chosen.any() and (candidates & ~chosen).any():
+            assert bound[chosen].min() >= bound[candidates & ~chosen].max()
+        assert abs(int(read.sum()) - cap) <= P // 2
+
+
+def test_quest_padded_batch_matches_one_by_one(tiny_93):
+    def mk():
+        return make_stack(
+            tiny_93,
+            compressor=quant(),
+            scheduler=QuestScheduler(page_size=4, dense_layers=1),
+            budget=0.5,
+            sinks=2,
+            window=4,
+        )
+
+    _batch_matches_solo(tiny_93, mk)
+
+
+# --- flexgen ----------------------------------------------------------------------------------
+
+
+PARTNERS = {  # flexgen alone, in a double and in a triple stack
+    "alone": dict,
+    "double": lambda: {"compressor": quant()},
+    "triple": lambda: {"compressor": quant(), "router": BaseRouter(num_experts=4, top_k=2)},
+}
+
+
+@pytest.mark.parametrize("partners", PARTNERS)
+def test_flexgen_is_lossless_and_splits_the_bytes(tiny_93, partners):
+    sizes, budget, make = [48, 8, 1, 1], {"budget": 0.5, "sinks": 2, "window": 4}, PARTNERS[partners]
+    ref_logits, ref_cache = run_chunks(tiny_93, make_stack(tiny_93, **make(), **budget), tokens(58), sizes)
+    for percent in (0, 30, 100):
+        stack = make_stack(tiny_93, **make(), scheduler=FlexGenScheduler(fast_percent=percent), **budget)
+        logits, cache = run_chunks(tiny_93, stack, tokens(58), sizes)
+        assert torch.equal(logits, ref_logits)  # placement never changes an output
+        assert cache.nbytes() == ref_cache.nbytes()
+        m = stack.metrics()["scheduler/flexgen"]
+        assert m["fast_tier_bytes"] + m["slow_tier_bytes"] == cache.nbytes()
+        assert m["slow_tier_attention_ms"] is None  # CPU-only: no tier timing
+        if percent == 100:
+            assert m["slow_tier_bytes"] == m["bytes_moved_per_step"] == m["bytes_moved_prefill"] == 0
+        if percent == 0:
+            assert m["fast_tier_bytes"] == 0 and m["fast_attention_share"] == 0
+
+
+def test_flexgen_counts_tier_bytes_and_moves(tiny_93):
+    """3 KV heads at 50%: floor(1.5) = 1 fast head-row, 2 slow; independent counts by hand."""
+    lm, grp, d, layers = tiny_93, 3, tiny_93.head_dim, tiny_93.num_layers
+    stack = make_stack(lm, scheduler=FlexGenScheduler(fast_percent=50))
+    sizes = [96, 1, 1]
+    _, cache = run_chunks(lm, stack, tokens(98), sizes)
+    m = stack.scheduler.metrics()
+    assert m["fast_tier_bytes"] == layers * 1 * 98 * FP_TOKEN
+    assert m["slow_tier_bytes"] == layers * 2 * 98 * FP_TOKEN
+    qo = grp * (d + d) * 4  # a slow head's query out and output back, per KV head-row and query
+    assert m["bytes_moved_per_step"] == layers * 2 * (FP_TOKEN + qo)
+    assert m["bytes_moved_per_token"] == layers * 2 * (FP_TOKEN + qo)
+    assert m["bytes_moved_prefill"] == layers * 2 * 96 * (FP_TOKEN + qo)
+    assert m["fast_attention_share"] == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("percent", [0, 34, 50, 100])
+def test_flexgen_split_attention_equals_one_attention(tiny_93, percent):
+    """The engine hook's split attention (fast rows, slow rows on the slow tier) equals one pass."""
+    stack = make_stack(
+        tiny_93, compressor=quant(), scheduler=FlexGenScheduler(fast_percent=percent), sinks=2, window=4
+    )
+    cache = loop.new_cache(tiny_93, stack, batch=2)
+    ids = torch.tensor([tokens(40, 1), tokens(40, 2)])
+    real = torch.ones_like(ids, dtype=torch.bool)
+    real[1, :9] = False
+    loop.forward_batch(tiny_93, cache, ids, real)
+    cache.after_forward()
+    store = cache.stores[1]
+    view = store.view()
+    query = torch.randn(2, 9, 3, tiny_93.head_dim, generator=torch.Generator().manual_seed(0))
+    store.last_qpos = torch.tensor([[37, 38, 39], [28, 29, 30]])
+    mask = att.read_mask(view.pos, view.valid, store.last_qpos, None)
+    ref = att.attend(query, view.k, view.v, mask, 0.25, view.bias)
+    assert torch.allclose(stack.scheduler.attend_tiers(1, store, query, mask, 0.25), ref, atol=1e-6)
+    assert torch.allclose(stack.scheduler.attend_tiers(1, store, query, None, 0.25), ref, atol=1e-6)
+
+
+def test_flexgen_padded_batch_matches_one_by_one(tiny_93):
+    def mk():
+        return make_stack(
+            tiny_93,
+            router=BaseRouter(num_experts=4, top_k=2),
+            compressor=quant(),
+            scheduler=FlexGenScheduler(fast_percent=50),
+            budget=0.5,
+            sinks=2,
+            window=4,
+        )
+
+    stack, cache = _batch_matches_solo(tiny_93, mk)
+    m = stack.scheduler.metrics()
+    assert m["fast_tier_bytes"] + m["slow_tier_bytes"] == cache.nbytes()
+
+
+@pytest.mark.gpu
+def test_flexgen_times_the_slow_tier_on_cuda():
+    from conftest import tiny_cfg
+    from kvbench import models
+
+    lm = models.load(tiny_cfg("llama", heads=9, num_key_value_heads=3), "cuda")
+    stack = make_stack(lm, scheduler=FlexGenScheduler(fast_percent=50))
+    _, cache = run_chunks(lm, stack, tokens(40), [40])
+    store = cache.stores[0]
+    view = store.view()
+    query = torch.randn(1, 9, 1, lm.head_dim, device="cuda")
+    store.last_qpos = torch.tensor([[39]], device="cuda")
+    mask = att.read_mask(view.pos, view.valid, store.last_qpos, None)
+    out = stack.scheduler.attend_tiers(0, store, query, mask, 0.25)
+    assert torch.allclose(out, att.attend(query, view.k, view.v, mask, 0.25), atol=1e-5)
+    stack.scheduler.evict(lm.num_layers - 1, cache.stores[-1])  # closes the step: timings read
+    assert stack.scheduler.metrics()["slow_tier_attention_ms"] is not None
+
+
+def test_knobs_are_validated():
+    with pytest.raises(ConfigError, match="scheduler.page_size=0"):
+        QuestScheduler(page_size=0)
+    with pytest.raises(ConfigError, match="scheduler.dense_layers=-1"):
+        QuestScheduler(dense_layers=-1)
+    with pytest.raises(ConfigError, match="scheduler.fast_percent=101"):
+        FlexGenScheduler(fast_percent=101)
+
+
+# --- padded batch -----------------------------------------------------------------------------
+
+
+def _batch_matches_solo(lm, mk):
+    """Two sequences of different lengths, padded into one batch, give their one-by-one logits."""
+    a, b = tokens(60, 1), tokens(37, 2)
+    chunks = [4, 4, 1, 1]
+
+    def solo(seq, pre):
+        cache = loop.new_cache(lm, mk())
+        outs, at = [loop.step(lm, cache, seq[:pre])[-1]], pre
+        for n in chunks:
+            outs.append(loop.step(lm, cache, seq[at : at + n])[-1])
+            at += n
+        return torch.stack(outs), cache
+
+    ra, ca = solo(a, 40)
+    rb, cb = solo(b, 25)
+    stack = mk()
+    cache = loop.new_cache(lm, stack, batch=2)
+    ids = torch.zeros(2, 40, dtype=torch.long)
+    real = torch.zeros(2, 40, dtype=torch.bool)
+    ids[0], real[0] = torch.tensor(a[:40]), True
+    ids[1, 15:], real[1, 15:] = torch.tensor(b[:25]), True
+    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
+    cache.after_forward()
+    ata, atb = 40, 25
+    for n in chunks:
+        ids = torch.tensor([a[ata : ata + n], b[atb : atb + n]])
+        outs.append(loop.forward_batch(lm, cache, ids, torch.ones_like(ids, dtype=torch.bool))[:, -1])
+        cache.after_forward()
+        ata, atb = ata + n, atb + n
+    out = torch.stack(outs, 1)
+    assert torch.allclose(out[0], ra, atol=1e-5) and torch.allclose(out[1], rb, atol=1e-5)
+    for sb, sa, s1 in zip(cache.stores, ca.stores, cb.stores):
+        assert torch.equal(sb.row_tokens(), torch.cat([sa.row_tokens(), s1.row_tokens()]))
+    return stack, cache
