@@ -40,7 +40,9 @@ def prerope_kv(lm, ids: Sequence[int] | torch.Tensor) -> tuple[torch.Tensor, tor
     return torch.stack([keys[i] for i in order]), torch.stack([values[i] for i in order])
 
 
-def kv_bases(lm, ids: Sequence[int] | torch.Tensor, key_rank: int, value_rank: int) -> dict[str, torch.Tensor]:
+def kv_bases(
+    lm, ids: Sequence[int] | torch.Tensor, key_rank: int, value_rank: int
+) -> dict[str, torch.Tensor]:
     """Orthonormal bases of each layer's and KV head's pre-RoPE keys and values on ``ids`` ``(T,)``.
 
     Args:

@@ -51,7 +51,9 @@ def passkey_samples(lm, n: int, length: int, seed: int = 0) -> list[list[int]]:
 def _sentence_boundary(codec, chunk: list[int], rng: random.Random) -> int:
     """A seeded index ``j`` in the middle 80 % of ``chunk`` whose token ``j - 1`` ends a sentence."""
     lo, hi = len(chunk) // 10, len(chunk) - len(chunk) // 10
-    ends = [j for j in range(max(lo, 1), hi + 1) if codec.decode([chunk[j - 1]]).rstrip().endswith(SENTENCE_ENDS)]
+    ends = [
+        j for j in range(max(lo, 1), hi + 1) if codec.decode([chunk[j - 1]]).rstrip().endswith(SENTENCE_ENDS)
+    ]
     return rng.choice(ends) if ends else len(chunk) // 2
 
 
