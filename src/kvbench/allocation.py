@@ -34,7 +34,11 @@ def layer_weights(kind: str, ctx, beta: float = 20.0, seed: int = 0) -> torch.Te
         w = torch.ones(n, dtype=torch.float64)
     elif kind == "pyramid":
         top = 1.0 / beta
-        w = torch.linspace(2.0 - top, top, n, dtype=torch.float64) if n > 1 else torch.ones(1, dtype=torch.float64)
+        w = (
+            torch.linspace(2.0 - top, top, n, dtype=torch.float64)
+            if n > 1
+            else torch.ones(1, dtype=torch.float64)
+        )
     elif kind == "random":
         g = torch.Generator().manual_seed(seed)
         w = torch.rand(n, generator=g, dtype=torch.float64) + 0.1
@@ -53,7 +57,9 @@ def effective_ranks(ctx) -> torch.Tensor:
     from kvbench.models import model_identity
 
     if ctx.model is None:
-        raise ConfigError("allocation=rankkv needs the model's attention on calibration text (bind with a model)")
+        raise ConfigError(
+            "allocation=rankkv needs the model's attention on calibration text (bind with a model)"
+        )
     lm = ctx.model
     settings = {"tokens": CALIBRATION_TOKENS}
     tensors, record = calibration.get_or_compute(

@@ -218,5 +218,7 @@ def keep_top(scores: torch.Tensor, valid: torch.Tensor, k: int | torch.Tensor) -
     kk = torch.maximum(kk, protected)
     masked = scores.masked_fill(~valid, float("-inf"))
     order = masked.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    )
     return (rank < kk[..., None]) & valid

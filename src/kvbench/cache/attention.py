@@ -40,7 +40,11 @@ def read_mask(
 def additive(mask: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """A boolean ``(B, H, q, T)`` mask as additive logits, with a per-unit ``bias`` ``(B, H, T)``."""
     neg = torch.finfo(dtype).min if dtype != torch.float32 else float("-inf")
-    base = bias[:, :, None, :].to(dtype) if bias is not None else torch.zeros((), dtype=dtype, device=mask.device)
+    base = (
+        bias[:, :, None, :].to(dtype)
+        if bias is not None
+        else torch.zeros((), dtype=dtype, device=mask.device)
+    )
     return torch.where(mask, base, torch.full((), neg, dtype=dtype, device=mask.device))
 
 

@@ -103,7 +103,9 @@ class FPSegment(Segment):
         }
         self.lens = self.lens + new_lens
 
-    def append_ragged(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, new_lens: torch.Tensor) -> None:
+    def append_ragged(
+        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, new_lens: torch.Tensor
+    ) -> None:
         """Append flat head-major tokens (``new_lens`` per head-row), e.g. a padded batch's real ones."""
         self.k = ragged.concat(self.k, self.lens, k, new_lens)
         self.v = ragged.concat(self.v, self.lens, v, new_lens)
@@ -253,7 +255,9 @@ class LayerStore:
             if any(x is not None for x in biases):
                 bias = torch.cat(
                     [
-                        ragged.to_padded(x if x is not None else s.pos.new_zeros(s.size, dtype=torch.float32), s.lens)[0]
+                        ragged.to_padded(
+                            x if x is not None else s.pos.new_zeros(s.size, dtype=torch.float32), s.lens
+                        )[0]
                         for s, x in zip(self.segments, biases)
                     ],
                     dim=1,
