@@ -39,7 +39,7 @@ def kvbench(*args: str, tmp: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["scheduler=h2oo"], "scheduler='h2oo': unknown option (did you mean 'h2o'?); allowed: adakv, duo_attention, flexgen, h2o"),
+        (["scheduler=h2oo"], "scheduler='h2oo': unknown option (did you mean 'h2o'?); allowed: adakv, duo"),
         (["compressor=quantized", "compressor.bits=5"], "compressor.bits=5: allowed 2, 3, 4, 8"),
         (["budget=1.5"], "budget=1.5: must be in (0, 1]"),
         (["dataset=needle", "dataset.depths=[0.5,1.5]"], "needle depths must be in 0..1"),
