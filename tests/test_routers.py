@@ -169,6 +169,28 @@ def test_reads_exactly_chosen_experts_plus_always_read(tiny_93, name):
         assert (count == 2).all()
 
 
+@pytest.mark.parametrize("name", ["base", *NAMES])
+def test_bytes_read_per_step_count_by_hand(tiny_93, name):
+    """One decode step on a float32 cache: every read token costs 2 x head_dim x 4 bytes (K and V)."""
+    from kvbench.routers.base import BaseRouter
+
+    router = BaseRouter(top_k=2) if name == "base" else ROUTERS[name][0]()
+    stack = make_stack(tiny_93, router=router, sinks=SINKS, window=WINDOW)
+    cache = loop.new_cache(tiny_93, stack)
+    ids = tokens(N)
+    loop.step(tiny_93, cache, ids[:48])
+    router.read_bytes.clear()
+    router.read_counts[:] = [0.0, 0.0]
+    loop.step(tiny_93, cache, ids[48:49])
+    store = cache.stores[0]
+    per_token = 2 * store.head_dim * 4
+    m = router.metrics()
+    assert m["bytes_read_per_step"] == pytest.approx(router.read_counts[0] * per_token)
+    stored = sum(int(s.view().valid.sum()) for s in cache.stores)  # every token is visible at decode
+    assert router.read_counts[1] == stored
+    assert 0 < m["read_fraction"] < 1
+
+
 # --- topk_balanced: write and read capacities ----------------------------------------------------
 
 

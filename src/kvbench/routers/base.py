@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvbench.cache.reads import read_per_query
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Router
@@ -152,6 +153,9 @@ class ExpertRouter(Router):
     flags = Flags(selects_reads=True)
     reads: torch.Tensor | None = field(default=None, init=False, repr=False)
     read_tokens: list[float] = field(default_factory=list, init=False, repr=False)
+    # per layer: bytes read per real query at each call; tokens read and visible, summed
+    read_bytes: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
+    read_counts: list[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
     _last: dict[int, tuple[Any, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def check_experts(self) -> None:
@@ -204,6 +208,10 @@ class ExpertRouter(Router):
         chosen = self.choose(layer, store, score, count, qpos) & (count[:, :, None, :] > 0)
         routing = Routing(eid=eid, count=count, chosen=chosen)
         self._account(routing, qpos >= 0)
+        nbytes, n_read, n_visible = read_per_query(store, routing.mask(), qpos)
+        self.read_bytes.setdefault(layer, []).append(nbytes)
+        self.read_counts[0] += n_read
+        self.read_counts[1] += n_visible
         self._last[layer] = (view, qpos.clone(), query.clone(), routing)
         return routing
 
@@ -234,6 +242,9 @@ class ExpertRouter(Router):
             "routable_read_fraction": sum(self.read_tokens) / len(self.read_tokens)
             if self.read_tokens
             else None,
+            # a step is one query through every layer: the layers' mean bytes per query, summed
+            "bytes_read_per_step": sum(sum(b) / len(b) for b in self.read_bytes.values()),
+            "read_fraction": self.read_counts[0] / self.read_counts[1] if self.read_counts[1] else None,
         }
 
 

@@ -24,13 +24,13 @@ Deviations from the paper, kvbench's choices:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.store import GroupedSegment, LayerStore
+from kvbench.cache.reads import read_per_query
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 
@@ -57,25 +57,6 @@ def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> 
     return torch.einsum("bhgqd,bhpd->bhgqp", pos, kmax.float()) + torch.einsum(
         "bhgqd,bhpd->bhgqp", neg, kmin.float()
     )
-
-
-def token_bytes(store: LayerStore) -> torch.Tensor:
-    """Stored bytes of every token, aligned with ``store.view()``: ``(B, H, T)`` float64.
-
-    A token costs its per-token data fields; a grouped segment's per-group fields (scales, zero
-    points, live counts) are shared equally by the group's live tokens, so a head-row's sum is
-    exactly its stored bytes.
-    """
-    parts = []
-    for seg in store.segments:
-        per = sum(math.prod(f.shape[1:]) * f.element_size() for f in seg.data_fields().values())
-        flat = torch.full((seg.size,), float(per), dtype=torch.float64, device=store.device)
-        if isinstance(seg, GroupedSegment) and seg.size:
-            group = sum(math.prod(f.shape[1:]) * f.element_size() for f in seg.group_fields().values())
-            group += seg.gcount.element_size()
-            flat = flat + group / seg.gcount.double()[seg.group_ids()]
-        parts.append(ragged.to_padded(flat, seg.lens)[0])
-    return torch.cat(parts, dim=1).view(store.batch, store.kv_heads, -1)
 
 
 def chunk_start(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
@@ -201,18 +182,14 @@ class QuestScheduler(Scheduler):
         if key == self._last:  # the KV-hit probe asks again for the same queries
             return
         self._last = key
-        view = store.view()
         real = qpos >= 0
-        visible = view.valid[:, :, None, :] & (view.pos[:, :, None, :] <= qpos[:, None, :, None])
-        visible = visible & real[:, None, :, None]
-        read = mask & visible
-        nq = max(int(real.sum()), 1)
-        self._step[0] += float(torch.where(read, token_bytes(store)[:, :, None, :], 0.0).sum()) / nq
+        nbytes, n_read, n_visible = read_per_query(store, mask, qpos)
+        self._step[0] += nbytes
         if meta is not None:
-            self._step[1] += float((meta.sum(-1).double() * real.sum(-1)).sum()) / nq
+            self._step[1] += float((meta.sum(-1).double() * real.sum(-1)).sum()) / max(int(real.sum()), 1)
         sparse = 2 * (meta is not None)
-        self._tokens[sparse] += float(read.sum())
-        self._tokens[sparse + 1] += float(visible.sum())
+        self._tokens[sparse] += n_read
+        self._tokens[sparse + 1] += n_visible
         if layer == self.num_layers - 1:  # the engine asks layer by layer: the step is complete
             self._steps.append((self._step[0] + self._step[1], self._step[1]))
             self._step = [0.0, 0.0]
