@@ -6,9 +6,11 @@ until the measured compression at the end of a 512-token prefill of the evaluate
 matched on the fraction of stored bytes each query reads instead, and ``flexgen`` is lossless
 placement (compression 1x by definition). Then each matched stack runs the perplexity and the
 needle protocols through kvbench's runner (records in ``results/<name>/``), and a markdown table
-is printed from those records: achieved compression, KV hit, fidelity, ΔPPL and needle accuracy.
+is printed from those records (and written to ``results/<name>/CATALOG.md``): achieved
+compression, reads, KV hit, fidelity, ΔPPL and needle accuracy with their intervals.
 
     python scripts/catalog_table.py --target 1.5 --dtype bfloat16
+    python scripts/catalog_table.py --name catalog --table-only   # re-render from the records
 """
 
 from __future__ import annotations
@@ -136,6 +138,68 @@ def tune(base: list[str], role: str, name: str, tuning, lm, ids, target: float, 
     return trials[0][1], trials[0][2]
 
 
+def _fmt(x, spec: str = ".3f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def technique_of(record: dict) -> str:
+    names = [f"{r}/{n}" for r in ("router", "compressor", "scheduler") if (n := record["stack"].get(r))]
+    return names[0] if names else "full cache"
+
+
+def catalog_table(records: list[dict], matched: dict[str, dict]) -> str:
+    """One row per technique: its matched settings, then perplexity and needle figures side by side.
+
+    Compression is 16-bit reference bytes / stored bytes at the end of the prefill (perplexity
+    windows), and at the end of each needle context; reads are the fraction of visible stored tokens
+    a query attends to, and the bytes it reads per decode step summed over layers.
+    """
+    by: dict[str, dict[str, dict]] = {}
+    for r in records:
+        by.setdefault(technique_of(r), {})[r["dataset"]["task"]] = r
+    head = (
+        "| technique | settings | compression (ppl / needle) | reads: fraction, KB/step | KV hit "
+        "| KL | top-1 | PPL | ΔPPL % [95% CI] | needle % [95% CI] (n) |"
+    )
+    lines = [head, "|" + "---|" * 10]
+    for tech in ["full cache", *matched]:
+        ppl, ndl = by.get(tech, {}).get("perplexity"), by.get(tech, {}).get("needle")
+        if ppl is None:
+            continue
+        m = ppl["metrics"]
+        tm = next(iter(m.get("techniques", {}).values()), {})
+        frac = tm.get("read_fraction")
+        kb = tm.get("bytes_read_per_step")
+        drop = m.get("accuracy_drop") or {}
+        nd = ndl["metrics"] if ndl else {}
+        score = nd.get("score") or {}
+        needle = (
+            f"{100 * score['value']:.0f} [{100 * score['ci_low']:.0f}, {100 * score['ci_high']:.0f}] "
+            f"({nd['n_examples']})"
+            if score
+            else "—"
+        )
+        ci = f" [{drop['ci_low']:+.1f}, {drop['ci_high']:+.1f}]" if drop else ""
+        lines.append(
+            f"| {tech} | {' '.join(matched.get(tech, {}).get('overrides', [])[1:]) or '—'} "
+            f"| {_fmt(m['compression_prefill'], '.2f')} / {_fmt(nd.get('compression_prefill'), '.2f')} "
+            f"| {_fmt(frac, '.2f')}, {_fmt(kb / 1024 if kb else None, '.0f')} "
+            f"| {_fmt(m.get('kv_hit'))} | {_fmt(m.get('kl'), '.4f')} | {_fmt(m.get('top1_agreement'))} "
+            f"| {m['score']['value']:.3f} | {_fmt(drop.get('value'), '+.2f')}{ci} | {needle} |"
+        )
+    return "\n".join(lines)
+
+
+def render_saved(name: str) -> str:
+    out = ROOT / "results" / name
+    matched = json.loads((out / "matched.json").read_text())
+    records = [json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.name != "matched.json"]
+    records = [r for r in records if r.get("status") == "done"]
+    table = catalog_table(records, matched)
+    (out / "CATALOG.md").write_text(table + "\n")
+    return table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", type=float, default=1.5, help="compression to match (x, vs 16-bit K/V)")
@@ -144,12 +208,16 @@ def main() -> None:
     ap.add_argument("--name", default="catalog")
     ap.add_argument("--only", default="", help="comma list of role/name to run (default: all)")
     ap.add_argument("--skip-needle", action="store_true")
+    ap.add_argument("--table-only", action="store_true", help="re-render results/<name>/CATALOG.md")
     args = ap.parse_args()
+    if args.table_only:
+        print(render_saved(args.name))
+        return
 
     config.register()
     base = [f"model.dtype={args.dtype}", f"name={args.name}", "window=32", "sinks=4"]
-    ppl = ["dataset=pydoc", "dataset.windows=2", "dataset.chunks_per_window=4", "dataset.decode_steps=4"]
-    needle = ["dataset=needle", "dataset.lengths=[500,700]", "dataset.depths=[0.1,0.5,0.9]"]
+    ppl = ["dataset=pydoc", "dataset.windows=8"]  # 8 windows x 8 chunks x 32 = 2048 scored tokens
+    needle = ["dataset=needle"]  # the default grid: 3 lengths x 5 depths x 2 haystack offsets
     wanted = {w for w in args.only.split(",") if w}
     out = ROOT / "results" / args.name
     out.mkdir(parents=True, exist_ok=True)
@@ -184,6 +252,7 @@ def main() -> None:
             records.append(run.run(base_cfg))
     (out / "matched.json").write_text(json.dumps(matched, indent=2))
     print(render_table([r for r in records if r is not None]))
+    print(render_saved(args.name))
     bad = [
         k
         for k, v in matched.items()

@@ -10,6 +10,7 @@ Each technique's own invariant and byte count are tested in its family's test fi
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,39 @@ def test_padded_batch_equals_one_by_one(lm, role, option):
     batched = torch.stack(outs, 1)
     torch.testing.assert_close(batched[0], solo[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(batched[1], solo[1], atol=1e-4, rtol=1e-4)
+
+
+CHAINS = {
+    "[chunkkv,svd]": "[chunkkv,{name:svd,key_rank:4,value_rank:8,block_size:16}]",
+    "[pyramidkv,fastv]": "[pyramidkv,{name:fastv,layer:1}]",
+    "[lora,distillation]": "[{name:lora,key_rank:4,value_rank:8},distillation]",
+}
+
+
+@pytest.mark.parametrize("chain", sorted(CHAINS))
+def test_chains_compose_from_the_command_line(lm, ids, full, chain):
+    cfg = compose("config", overrides=["compressor=chain", f"compressor.stages={CHAINS[chain]}"])
+    tech = build_technique(cfg.compressor, "compressor")
+    assert tech.name == f"chain{chain}"
+    out, cache = run(lm, stack_of(lm, {"compressor": tech}, **TIGHT), ids)
+    assert torch.isfinite(out).all()
+    assert not torch.allclose(out, full, atol=1e-4)
+    assert cache.nbytes() < cache.reference_bytes() * 2  # fewer bytes than the float32 full cache
+
+
+def test_two_selection_stages_compose_multiplicatively(lm, ids):
+    """pyramidkv then fastv at budget 0.5: fastv, the second selection, keeps at most 0.5² of the
+    seen tokens in its layers (>= 1), fewer than pyramidkv alone; layer 0 is pyramidkv's alone."""
+    loose = dict(budget=0.5, sinks=2, window=4)
+    _, one = run(lm, stack_of(lm, {"compressor": technique("compressor", "pyramidkv")}, **loose), ids)
+    stages = CHAINS["[pyramidkv,fastv]"]
+    chain = build_technique(
+        compose("config", overrides=["compressor=chain", f"compressor.stages={stages}"]).compressor,
+        "compressor",
+    )
+    _, two = run(lm, stack_of(lm, {"compressor": chain}, **loose), ids)
+    seen = len(ids)
+    kept = [two.stores[i].row_tokens() for i in range(3)]
+    assert torch.equal(kept[0], one.stores[0].row_tokens())
+    assert (kept[1] < one.stores[1].row_tokens()).all()
+    assert (kept[1] <= math.ceil(0.5**2 * seen)).all() and (kept[2] <= one.stores[2].row_tokens()).all()
