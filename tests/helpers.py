@@ -28,3 +28,41 @@ def run_chunks(lm, stack, ids, sizes, shadow=False):
 def tokens(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), generator=g).tolist()
+
+
+def padded_batch_vs_solo(lm, make, a=None, b=None, prefills=(40, 25), chunks=(4, 4, 1, 1), atol=1e-4):
+    """Run sequences ``a`` and ``b`` one by one and as one left-padded batch of two, on fresh stacks
+    from ``make()``; assert the batch gives each its one-by-one last-token logits and keeps, per
+    layer, exactly the head-rows each kept alone. Returns (stack, batched cache, solo caches)."""
+    a = tokens(60, 1) if a is None else a
+    b = tokens(37, 2) if b is None else b
+    solo = []
+    for seq, pre in zip((a, b), prefills):
+        cache = loop.new_cache(lm, make())
+        outs, at = [loop.step(lm, cache, seq[:pre])[-1]], pre
+        for n in chunks:
+            outs.append(loop.step(lm, cache, seq[at : at + n])[-1])
+            at += n
+        solo.append((torch.stack(outs), cache))
+    stack = make()
+    cache = loop.new_cache(lm, stack, batch=2)
+    width = max(prefills)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    real = torch.zeros(2, width, dtype=torch.bool)
+    for row, (seq, pre) in enumerate(zip((a, b), prefills)):
+        ids[row, width - pre :], real[row, width - pre :] = torch.tensor(seq[:pre]), True
+    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
+    cache.after_forward()
+    at = list(prefills)
+    for n in chunks:
+        chunk = torch.tensor([a[at[0] : at[0] + n], b[at[1] : at[1] + n]])
+        outs.append(loop.forward_batch(lm, cache, chunk, torch.ones_like(chunk, dtype=torch.bool))[:, -1])
+        cache.after_forward()
+        at = [x + n for x in at]
+    batched = torch.stack(outs, 1)
+    for row in range(2):
+        torch.testing.assert_close(batched[row], solo[row][0], atol=atol, rtol=atol)
+    for layer, store in enumerate(cache.stores):
+        alone = [s[1].stores[layer].row_tokens() for s in solo]
+        assert torch.equal(store.row_tokens(), torch.cat(alone))
+    return stack, cache, [s[1] for s in solo]

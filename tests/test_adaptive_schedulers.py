@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import make_stack, run_chunks, tokens
+from helpers import make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
@@ -116,37 +116,11 @@ def test_stored_bytes_match_a_count_by_hand(tiny_93, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_padded_batch_equals_one_by_one(tiny_93, name):
     lm = tiny_93
-    a, b, chunks = tokens(60, 1), tokens(37, 2), [4, 4, 1, 1]
 
     def stack():
         return make_stack(lm, scheduler=make(name, lm), budget=0.5, sinks=2, window=8)
 
-    def solo(seq, prefill):
-        cache = loop.new_cache(lm, stack())
-        outs, at = [loop.step(lm, cache, seq[:prefill])[-1]], prefill
-        for n in chunks:
-            outs.append(loop.step(lm, cache, seq[at : at + n])[-1])
-            at += n
-        return torch.stack(outs), cache
-
-    (ra, ca), (rb, cb) = solo(a, 40), solo(b, 25)
-    cache = loop.new_cache(lm, stack(), batch=2)
-    ids, real = torch.zeros(2, 40, dtype=torch.long), torch.zeros(2, 40, dtype=torch.bool)
-    ids[0], real[0] = torch.tensor(a[:40]), True
-    ids[1, 15:], real[1, 15:] = torch.tensor(b[:25]), True
-    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
-    cache.after_forward()
-    at_a, at_b = 40, 25
-    for n in chunks:
-        ids = torch.tensor([a[at_a : at_a + n], b[at_b : at_b + n]])
-        outs.append(loop.forward_batch(lm, cache, ids, torch.ones_like(ids, dtype=torch.bool))[:, -1])
-        cache.after_forward()
-        at_a, at_b = at_a + n, at_b + n
-    out = torch.stack(outs, 1)
-    torch.testing.assert_close(out[0], ra, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out[1], rb, atol=1e-4, rtol=1e-4)
-    for both, one, two in zip(cache.stores, ca.stores, cb.stores):
-        assert torch.equal(both.row_tokens(), torch.cat([one.row_tokens(), two.row_tokens()]))
+    padded_batch_vs_solo(lm, stack)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from conftest import tiny_cfg
-from helpers import tokens
+from helpers import padded_batch_vs_solo, tokens
 from kvbench import config, models
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
@@ -134,33 +134,10 @@ def test_double_and_triple(lm, ids, role, option):
 
 @pytest.mark.parametrize(("role", "option"), OPTIONS)
 def test_padded_batch_equals_one_by_one(lm, role, option):
-    a, b = tokens(60, 1), tokens(41, 2)
-    budget = dict(budget=0.4, sinks=2, window=8)
-    solo = []
-    for seq in (a, b):
-        stack = stack_of(lm, {role: technique(role, option)}, **budget)
-        cache = loop.new_cache(lm, stack)
-        outs = [loop.step(lm, cache, seq[: len(seq) - 6])[-1]]
-        for i in range(len(seq) - 6, len(seq), 3):
-            outs.append(loop.step(lm, cache, seq[i : i + 3])[-1])
-        solo.append(torch.stack(outs))
-    stack = stack_of(lm, {role: technique(role, option)}, **budget)
-    cache = loop.new_cache(lm, stack, batch=2)
-    width = len(a) - 6
-    ids = torch.zeros(2, width, dtype=torch.long)
-    real = torch.zeros(2, width, dtype=torch.bool)
-    ids[0], real[0] = torch.tensor(a[:width]), True
-    ids[1, width - (len(b) - 6) :] = torch.tensor(b[: len(b) - 6])
-    real[1, width - (len(b) - 6) :] = True
-    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
-    cache.after_forward()
-    for i in range(0, 6, 3):
-        chunk = torch.tensor([a[len(a) - 6 + i : len(a) - 3 + i], b[len(b) - 6 + i : len(b) - 3 + i]])
-        outs.append(loop.forward_batch(lm, cache, chunk, torch.ones_like(chunk, dtype=torch.bool))[:, -1])
-        cache.after_forward()
-    batched = torch.stack(outs, 1)
-    torch.testing.assert_close(batched[0], solo[0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(batched[1], solo[1], atol=1e-4, rtol=1e-4)
+    def make():
+        return stack_of(lm, {role: technique(role, option)}, budget=0.4, sinks=2, window=8)
+
+    padded_batch_vs_solo(lm, make, tokens(60, 1), tokens(41, 2), prefills=(54, 35), chunks=(3, 3))
 
 
 CHAINS = {

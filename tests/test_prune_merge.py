@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_cfg
-from helpers import make_stack, run_chunks, tokens
+from helpers import make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench import models
 from kvbench.cache import attention as att
 from kvbench.cache.engine import HitProbe
@@ -365,37 +365,7 @@ def test_padded_batch_equals_one_by_one(tiny_93, name):
     def mk():
         return make_stack(lm, **BATCHED[name](), budget=0.5, sinks=SINKS, window=WINDOW)
 
-    a, b, chunks = tokens(60, 1), tokens(37, 2), [4, 4, 1, 1]
-
-    def solo(seq, pre):
-        cache = loop.new_cache(lm, mk())
-        outs, at = [loop.step(lm, cache, seq[:pre])[-1]], pre
-        for n in chunks:
-            outs.append(loop.step(lm, cache, seq[at : at + n])[-1])
-            at += n
-        return torch.stack(outs), cache
-
-    ra, ca = solo(a, 40)
-    rb, cb = solo(b, 25)
-    cache = loop.new_cache(lm, mk(), batch=2)
-    ids = torch.zeros(2, 40, dtype=torch.long)
-    real = torch.zeros(2, 40, dtype=torch.bool)
-    ids[0], real[0] = torch.tensor(a[:40]), True
-    ids[1, 15:], real[1, 15:] = torch.tensor(b[:25]), True
-    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
-    cache.after_forward()
-    at_a, at_b = 40, 25
-    for n in chunks:
-        ids = torch.tensor([a[at_a : at_a + n], b[at_b : at_b + n]])
-        outs.append(loop.forward_batch(lm, cache, ids, torch.ones_like(ids, dtype=torch.bool))[:, -1])
-        cache.after_forward()
-        at_a, at_b = at_a + n, at_b + n
-    out = torch.stack(outs, 1)
-    assert torch.allclose(out[0], ra, atol=1e-5) and torch.allclose(out[1], rb, atol=1e-5)
-    for layer, store in enumerate(cache.stores):
-        rows = store.row_tokens().view(2, -1)
-        assert torch.equal(rows[0], ca.stores[layer].row_tokens())
-        assert torch.equal(rows[1], cb.stores[layer].row_tokens())
+    _, cache, (ca, cb) = padded_batch_vs_solo(lm, mk, atol=1e-5)
     assert cache.nbytes() == ca.nbytes() + cb.nbytes()
 
 

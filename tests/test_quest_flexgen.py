@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from helpers import make_stack, run_chunks, tokens
+from helpers import make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench.cache import attention as att
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
@@ -299,35 +299,5 @@ def test_knobs_are_validated():
 
 def _batch_matches_solo(lm, mk):
     """Two sequences of different lengths, padded into one batch, give their one-by-one logits."""
-    a, b = tokens(60, 1), tokens(37, 2)
-    chunks = [4, 4, 1, 1]
-
-    def solo(seq, pre):
-        cache = loop.new_cache(lm, mk())
-        outs, at = [loop.step(lm, cache, seq[:pre])[-1]], pre
-        for n in chunks:
-            outs.append(loop.step(lm, cache, seq[at : at + n])[-1])
-            at += n
-        return torch.stack(outs), cache
-
-    ra, ca = solo(a, 40)
-    rb, cb = solo(b, 25)
-    stack = mk()
-    cache = loop.new_cache(lm, stack, batch=2)
-    ids = torch.zeros(2, 40, dtype=torch.long)
-    real = torch.zeros(2, 40, dtype=torch.bool)
-    ids[0], real[0] = torch.tensor(a[:40]), True
-    ids[1, 15:], real[1, 15:] = torch.tensor(b[:25]), True
-    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
-    cache.after_forward()
-    ata, atb = 40, 25
-    for n in chunks:
-        ids = torch.tensor([a[ata : ata + n], b[atb : atb + n]])
-        outs.append(loop.forward_batch(lm, cache, ids, torch.ones_like(ids, dtype=torch.bool))[:, -1])
-        cache.after_forward()
-        ata, atb = ata + n, atb + n
-    out = torch.stack(outs, 1)
-    assert torch.allclose(out[0], ra, atol=1e-5) and torch.allclose(out[1], rb, atol=1e-5)
-    for sb, sa, s1 in zip(cache.stores, ca.stores, cb.stores):
-        assert torch.equal(sb.row_tokens(), torch.cat([sa.row_tokens(), s1.row_tokens()]))
+    stack, cache, _ = padded_batch_vs_solo(lm, mk, atol=1e-5)
     return stack, cache

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from helpers import make_stack, run_chunks, tokens
+from helpers import make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
@@ -401,32 +401,7 @@ def test_padded_batch_equals_one_by_one(tiny_93, name):
             lm, router=ROUTERS[name][0](), scheduler=H2OScheduler(), budget=0.5, sinks=2, window=8
         )
 
-    a, b = tokens(60, 1), tokens(37, 2)
-    chunks = [4, 4, 1, 1]
-    solo = []
-    for seq, pre in ((a, 40), (b, 25)):
-        cache = loop.new_cache(lm, stack())
-        outs, at = [loop.step(lm, cache, seq[:pre])[-1]], pre
-        for n in chunks:
-            outs.append(loop.step(lm, cache, seq[at : at + n])[-1])
-            at += n
-        solo.append(torch.stack(outs))
-    cache = loop.new_cache(lm, stack(), batch=2)
-    ids = torch.zeros(2, 40, dtype=torch.long)
-    real = torch.zeros(2, 40, dtype=torch.bool)
-    ids[0], real[0] = torch.tensor(a[:40]), True
-    ids[1, 15:], real[1, 15:] = torch.tensor(b[:25]), True
-    outs = [loop.forward_batch(lm, cache, ids, real)[:, -1]]
-    cache.after_forward()
-    at_a, at_b = 40, 25
-    for n in chunks:
-        chunk = torch.tensor([a[at_a : at_a + n], b[at_b : at_b + n]])
-        outs.append(loop.forward_batch(lm, cache, chunk, torch.ones_like(chunk, dtype=torch.bool))[:, -1])
-        cache.after_forward()
-        at_a, at_b = at_a + n, at_b + n
-    batched = torch.stack(outs, 1)
-    torch.testing.assert_close(batched[0], solo[0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(batched[1], solo[1], atol=1e-4, rtol=1e-4)
+    padded_batch_vs_solo(lm, stack)
 
 
 # --- knobs ---------------------------------------------------------------------------------------
