@@ -35,7 +35,7 @@ from kvbench.roles import BindContext  # noqa: E402
 
 # (role, name, tuning): tuning is ("budget", lo, hi) for a bisection on the stack budget,
 # ("knob", key, [values]) for the closest value of a technique knob, ("reads", key, [values])
-# to match the read fraction, or None (nothing to tune).
+# to match the read fraction, or None (nothing to tune); an optional fourth item holds fixed knobs.
 CATALOG: list[tuple[str, str, tuple | None]] = [
     ("scheduler", "streaming_llm", ("budget", 0.05, 1.0)),
     ("scheduler", "h2o", ("budget", 0.05, 1.0)),
@@ -60,10 +60,10 @@ CATALOG: list[tuple[str, str, tuple | None]] = [
     ("compressor", "pruning", ("knob", "keep_ratio", [0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6])),
     ("router", "base", ("reads", "router.top_k", [4, 5, 6])),
     ("router", "topk_balanced", ("reads", "router.top_k", [4, 5, 6])),
-    ("router", "adaptive", ("reads", "router.top_p", [0.6, 0.7, 0.8, 0.9])),
+    ("router", "adaptive", ("reads", "router.top_p", [0.8, 0.9, 0.95, 0.98], ["router.k_max=8"])),
     ("router", "pikv", ("reads", "router.top_k", [4, 5, 6])),
     ("router", "eplb", ("reads", "router.top_k", [4, 5, 6])),
-    ("router", "hierarchical", ("reads", "router.top_k", [2, 3, 4])),
+    ("router", "hierarchical", ("reads", "router.top_k", [8, 9, 10, 11], ["router.top_groups=3"])),
 ]
 
 
@@ -110,12 +110,17 @@ def tune(base: list[str], role: str, name: str, tuning, lm, ids, target: float, 
     that still compresses at least ``target`` is kept, and the full-precision window (KIVI's
     residual length R, the one window of METHODS.md) is bisected to bring it down to the target.
     """
-    cell = [*base, f"{role}={name}"]
+    cell = [*base, f"{role}={name}", *(tuning[3] if tuning and len(tuning) > 3 else [])]  # fixed knobs
     if tuning is None:
         return cell, measure(compose_cell(cell), lm, ids)
     kind = tuning[0]
     if kind == "budget":
-        return bisect(cell, "budget", tuning[1], tuning[2], lm, ids, target, tol)
+        best = bisect(cell, "budget", tuning[1], tuning[2], lm, ids, target, tol)
+        if best[1][0] > target * (1 + tol / 2):  # it also quantizes (pikv): even budget 1 compresses more
+            window = next(int(o.split("=")[1]) for o in base if o.startswith("window="))
+            over = [*(o for o in cell if not o.startswith("window=")), "budget=1.0"]
+            return bisect(over, "window", window, len(ids) - 64, lm, ids, target, tol, integer=True)
+        return best
     key, values = tuning[1], tuning[2]
     full_key = key if "." in key or key == "budget" else f"{role}.{key}"
     trials = []
@@ -143,8 +148,24 @@ def _fmt(x, spec: str = ".3f") -> str:
 
 
 def technique_of(record: dict) -> str:
-    names = [f"{r}/{n}" for r in ("router", "compressor", "scheduler") if (n := record["stack"].get(r))]
+    names = [
+        f"{r}/{n}"
+        for r in ("router", "compressor", "scheduler")
+        if (n := record["stack"].get(r)) not in (None, "none")
+    ]
     return names[0] if names else "full cache"
+
+
+def settings_match(record: dict, overrides: list[str]) -> bool:
+    """True when every ``key=value`` override holds in the record's resolved config."""
+    for item in overrides:
+        key, value = item.split("=", 1)
+        node = record["config"]
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is None or float(node) != float(value):
+            return False
+    return True
 
 
 def catalog_table(records: list[dict], matched: dict[str, dict]) -> str:
@@ -156,7 +177,10 @@ def catalog_table(records: list[dict], matched: dict[str, dict]) -> str:
     """
     by: dict[str, dict[str, dict]] = {}
     for r in records:
-        by.setdefault(technique_of(r), {})[r["dataset"]["task"]] = r
+        tech = technique_of(r)
+        if tech in matched and not settings_match(r, matched[tech]["overrides"][1:]):
+            continue  # an earlier tuning of the same technique
+        by.setdefault(tech, {})[r["dataset"]["task"]] = r
     head = (
         "| technique | settings | compression (ppl / needle) | reads: fraction, KB/step | KV hit "
         "| KL | top-1 | PPL | ΔPPL % [95% CI] | needle % [95% CI] (n) |"
@@ -221,7 +245,8 @@ def main() -> None:
     wanted = {w for w in args.only.split(",") if w}
     out = ROOT / "results" / args.name
     out.mkdir(parents=True, exist_ok=True)
-    matched: dict[str, dict] = {}
+    saved = ROOT / "results" / args.name / "matched.json"
+    matched: dict[str, dict] = json.loads(saved.read_text()) if saved.exists() else {}  # --only adds
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
         probe_cfg = compose_cell([*base, *ppl])
         lm = models.load(probe_cfg.model, "cpu")
