@@ -60,7 +60,7 @@ CATALOG: list[tuple[str, str, tuple | None]] = [
     ("compressor", "pruning", ("knob", "keep_ratio", [0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6])),
     ("router", "base", ("reads", "router.top_k", [4, 5, 6])),
     ("router", "topk_balanced", ("reads", "router.top_k", [4, 5, 6])),
-    ("router", "adaptive", ("reads", "router.top_p", [0.8, 0.9, 0.95, 0.98], ["router.k_max=8"])),
+    ("router", "adaptive", ("reads", "router.temperature", [1.5, 2, 2.5, 3, 3.5, 4], ["router.k_max=8"])),
     ("router", "pikv", ("reads", "router.top_k", [4, 5, 6])),
     ("router", "eplb", ("reads", "router.top_k", [4, 5, 6])),
     ("router", "hierarchical", ("reads", "router.top_k", [8, 9, 10, 11], ["router.top_groups=3"])),
