@@ -103,6 +103,11 @@ class CentroidExperts:
             store.side[COUNT] = torch.zeros(*shape, device=store.device)
         return store.side[CENTROID], store.side[COUNT]
 
+    def write(self, layer: int, store: LayerStore) -> None:
+        """Write routing: tokens leaving the window join an expert (the routing is stale after)."""
+        self.forget(layer)  # type: ignore[attr-defined]
+        self.assign_new(store)
+
     def assign_new(self, store: LayerStore) -> torch.Tensor:
         """Assign the tokens that became routable; returns the assignment ``(B, H, T)`` (-1: none)."""
         view = store.view()

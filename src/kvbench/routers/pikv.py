@@ -74,10 +74,6 @@ class PikvRouter(CentroidExperts, ExpertRouter):
         if not 0.0 <= self.centroid_decay < 1.0:
             raise ConfigError(f"router.centroid_decay={self.centroid_decay}: must be in [0, 1)")
 
-    def write(self, layer: int, store: LayerStore) -> None:
-        self.forget(layer)
-        self.assign_new(store)
-
     def update(
         self,
         cent: torch.Tensor,

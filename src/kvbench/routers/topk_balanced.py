@@ -49,10 +49,6 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         if not self.capacity_factor >= 1.0:
             raise ConfigError(f"router.capacity_factor={self.capacity_factor}: must be >= 1")
 
-    def write(self, layer: int, store: LayerStore) -> None:
-        self.forget(layer)
-        self.assign_new(store)
-
     def place(
         self,
         keys: torch.Tensor,
