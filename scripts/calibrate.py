@@ -5,7 +5,7 @@ settings finds the artifacts instead of computing them. Prints one line per arti
 path and sha256.
 
     python scripts/calibrate.py [--model smollm2_135m] [--what lora,duo,rankkv] \
-        [--key-rank 32 --value-rank 48] [--steps 50] [--device cpu]
+        [--key-rank 32 --value-rank 32] [--steps 50] [--device cpu] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2_135m", help="a conf/model/<name>.yaml")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default=None, help="the model dtype of the runs to serve (default: the YAML's)")
     p.add_argument("--what", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
     p.add_argument("--key-rank", type=int, default=32)
-    p.add_argument("--value-rank", type=int, default=48)
+    p.add_argument("--value-rank", type=int, default=32)  # conf/compressor/lora.yaml
     p.add_argument("--lora-tokens", type=int, default=LORA_TOKENS)
     p.add_argument("--rank-tokens", type=int, default=CALIBRATION_TOKENS)
     p.add_argument("--sinks", type=int, default=4)
@@ -52,6 +53,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse(argv)
     cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+    if args.dtype:  # artifacts are keyed by the model as loaded, dtype included
+        cfg.dtype = args.dtype
     lm = models.load(cfg, args.device)
     records = []
     for kind in args.what:
