@@ -9,6 +9,7 @@ from the chosen experts, and the measured read figures.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -132,8 +133,11 @@ class Routing:
     count: torch.Tensor
     chosen: torch.Tensor
 
+    @cached_property
     def mask(self) -> torch.Tensor:
-        """``(B, H, q, T)``: a routed token is read iff its expert is chosen; the rest always."""
+        """``(B, H, q, T)``: a routed token is read iff its expert is chosen; the rest always.
+
+        Built once per routing: the read figures and attention both use it."""
         q = self.chosen.shape[2]
         idx = self.eid.clamp(min=0)[:, :, None, :].expand(-1, -1, q, -1)
         return torch.gather(self.chosen, -1, idx) | (self.eid < 0)[:, :, None, :]
@@ -181,7 +185,7 @@ class ExpertRouter(Router):
     def read_mask(
         self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        return self.route(layer, store, query, qpos).mask()
+        return self.route(layer, store, query, qpos).mask
 
     def route(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> Routing:
         """Route a block of queries ``(B, Hq, q, D)``.
@@ -208,7 +212,7 @@ class ExpertRouter(Router):
         chosen = self.choose(layer, store, score, count, qpos) & (count[:, :, None, :] > 0)
         routing = Routing(eid=eid, count=count, chosen=chosen)
         self._account(routing, qpos >= 0)
-        nbytes, n_read, n_visible = read_per_query(store, routing.mask(), qpos)
+        nbytes, n_read, n_visible = read_per_query(store, routing.mask, qpos)
         self.read_bytes.setdefault(layer, []).append(nbytes)
         self.read_counts[0] += n_read
         self.read_counts[1] += n_visible
