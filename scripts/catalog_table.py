@@ -156,6 +156,13 @@ def technique_of(record: dict) -> str:
     return names[0] if names else "full cache"
 
 
+def _same_number(a, b: str) -> bool:
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return False
+
+
 def settings_match(record: dict, overrides: list[str]) -> bool:
     """True when every ``key=value`` override holds in the record's resolved config."""
     for item in overrides:
@@ -163,7 +170,7 @@ def settings_match(record: dict, overrides: list[str]) -> bool:
         node = record["config"]
         for part in key.split("."):
             node = node.get(part) if isinstance(node, dict) else None
-        if node is None or float(node) != float(value):
+        if node is None or str(node) != value and not _same_number(node, value):
             return False
     return True
 
