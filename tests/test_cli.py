@@ -73,7 +73,8 @@ def test_multirun_in_one_process_then_skip_and_report(tmp_path):
     assert both["compression_mean"] > base["compression_mean"]
     assert both["score"]["value"] != base["score"]["value"]
     again = kvbench("-m", *TINY, "scheduler=none,h2o", "compressor=none,quantized", "name=mini", tmp=tmp_path)
-    assert again.stderr.count("is done") == 4
+    assert "4 cells: 4 done, 0 failed earlier, 0 interrupted, 0 to run" in again.stderr
+    assert "summary: 0 done, 4 skipped (already complete), 0 failed" in again.stderr
     rep = subprocess.run(
         [sys.executable, "-m", "kvbench.report", str(tmp_path / "results" / "mini")],
         capture_output=True,

@@ -1,25 +1,28 @@
-"""``python -m kvbench``: one cell, or a Hydra multirun of cells in one process (model loaded once).
+"""``python -m kvbench``: one cell, or a sweep of cells (``-m``) through kvbench's matrix sweeper.
 
-Every cell of the command is composed and validated before Hydra launches anything, so a bad
-value fails with one line naming the key, the value and what is allowed, before any model loads.
+Every cell of the command is composed and validated before anything launches, so a bad value
+fails with one line naming the key, the value and what is allowed, before any model loads.
 """
 
 from __future__ import annotations
 
-import difflib
 import itertools
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import HydraException, MissingConfigException
+from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
 from kvbench import config
 from kvbench.errors import ConfigError, DatasetLoadError
+from kvbench.sweep.plan import compose_error
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 config.register()
@@ -28,18 +31,6 @@ config.register()
 def _fail(message: str) -> None:
     print(f"kvbench: error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def _unknown_option(err: MissingConfigException, overrides: list[str]) -> str:
-    for ov in overrides:
-        group, _, value = ov.partition("=")
-        folder = CONF_DIR / group.lstrip("+~")
-        if folder.is_dir() and not (folder / f"{value}.yaml").exists():
-            options = sorted(p.stem for p in folder.glob("*.yaml"))
-            close = difflib.get_close_matches(value, options, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            return f"{group}={value!r}: unknown option{hint}; allowed: {', '.join(options)}"
-    return str(err).splitlines()[0]
 
 
 def cells(overrides: list[str]) -> list[list[str]]:
@@ -54,49 +45,54 @@ def cells(overrides: list[str]) -> list[list[str]]:
     return [list(c) for c in itertools.product(*choices)]
 
 
-def _compose(combo: list[str], hydra_node: bool = False) -> DictConfig:
+def _compose(combo: list[str]) -> DictConfig:
     try:
-        return compose("config", overrides=combo, return_hydra_config=hydra_node)
-    except MissingConfigException as err:
-        _fail(_unknown_option(err, combo))
+        return compose("config", overrides=combo)
     except (HydraException, OmegaConfBaseException) as err:
-        cause = f": {str(err.__cause__).splitlines()[0]}" if err.__cause__ else ""
-        _fail(" ".join(str(err).split()) + cause)
+        _fail(compose_error(err, combo, CONF_DIR))
     raise AssertionError("unreachable")
 
 
-def _preset_sweeps(combo: list[str]) -> list[list[str]]:
-    """A preset's own ``hydra.sweeper.params`` (under a multirun) expanded, command line first."""
-    params = _compose(combo, hydra_node=True).hydra.sweeper.get("params") or {}
-    given = {c.partition("=")[0].lstrip("+~") for c in combo}
-    extra = [f"{k}={v}" for k, v in params.items() if k not in given]
-    return [combo + more for more in cells(extra)] if extra else [combo]
-
-
 def prevalidate(argv: list[str]) -> int:
-    """Compose and validate every cell the command would run; returns the number of cells."""
+    """Checks the command before Hydra starts; returns the number of cells checked.
+
+    A single run is composed and validated whole. A multirun is composed without its sweeps (an
+    unknown option or a syntax error fails here, in one line); its sweeper then composes,
+    validates and identifies every cell before anything launches.
+    """
     overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
     multirun = any(a in ("-m", "--multirun") for a in argv)
-    combos = cells(overrides)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        if multirun:
-            combos = [full for combo in combos for full in _preset_sweeps(combo)]
-        for combo in combos:
-            config.validate(_compose(combo))
-    return len(combos)
+        if not multirun:
+            for combo in cells(overrides):
+                config.validate(_compose(combo))
+            return len(cells(overrides))
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        _compose([str(ov.input_line) for ov in parsed if not ov.is_sweep_override()])
+    return 0
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="config")
-def _app(cfg: DictConfig) -> None:
+def _app(cfg: DictConfig) -> dict[str, Any] | None:
+    """One cell. In a multirun it returns the cell's outcome to the sweeper instead of printing."""
     from kvbench import logger, run
     from kvbench.report.tables import render_table
 
     try:
-        record = run.run(cfg)
+        outcome = run.execute(cfg)
     except (ConfigError, DatasetLoadError) as err:
         _fail(str(err))
-    logger.log(cfg, record)
+    record = outcome.record
+    if outcome.ran:
+        logger.log(cfg, record)
+    summary = {k: record.get(k) for k in ("cell_id", "status", "error")} | {"ran": outcome.ran}
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return summary
+    if record.get("status") != "done":
+        print(f"kvbench: cell {record.get('cell_id')} failed: {record.get('error')}", file=sys.stderr)
+        sys.exit(1)
     print(render_table([record]))
+    return None
 
 
 def main() -> None:

@@ -27,9 +27,12 @@ class Schema:
     compressor: Any = None
     scheduler: Any = None
     logger: Any = None
+    launcher: Any = None
     name: str = "default"
     results_dir: str = "results"
     force: bool = False
+    retry_failed: bool = False
+    timeout_s: float | None = None
     device: str = "auto"
     seed: int = 0
     threads: int | None = None
@@ -40,7 +43,18 @@ class Schema:
 
 
 def register() -> None:
+    """Registers the schema, and kvbench's Hydra plugins by hand.
+
+    Hydra finds plugins by walking the ``hydra_plugins`` folders on disk, which misses a package
+    installed in editable mode (``pip install -e``); registering them directly works for both.
+    """
+    from hydra.core.plugins import Plugins
+
+    import hydra_plugins.kvbench_plugins as own
+
     ConfigStore.instance().store(name="schema", node=Schema)
+    for plugin in (own.MatrixSweeper, own.SlurmLauncher, own.LocalLauncher):
+        Plugins.instance().register(plugin)
 
 
 def validate_protocol(ds: DictConfig) -> None:
@@ -70,4 +84,6 @@ def validate(cfg: DictConfig) -> Stack:
     models.validate(cfg.model)
     if cfg.logger is not None and cfg.logger.name not in ("none", "wandb"):
         raise ConfigError(f"logger={cfg.logger.name!r}: allowed none, wandb")
+    if cfg.get("timeout_s") is not None and float(cfg.timeout_s) <= 0:
+        raise ConfigError(f"timeout_s={cfg.timeout_s}: must be > 0 seconds, or null for no limit")
     return stack

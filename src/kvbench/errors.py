@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class DatasetLoadError(RuntimeError):
     """A dataset could not be loaded. The message names the dataset; there is no fallback."""
+
+
+class IllegalStack(ConfigError):
+    """A combination of techniques the capability flags make meaningless (a sweep drops it)."""

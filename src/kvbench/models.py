@@ -7,6 +7,8 @@ keyed by the GGUF file's sha256.
 
 from __future__ import annotations
 
+import functools
+import gc
 import hashlib
 import importlib.util
 import os
@@ -76,6 +78,13 @@ def gguf_path(cfg: DictConfig) -> Path:
 
 
 def file_sha256(path: Path) -> str:
+    """The file's sha256, computed once per (path, size, mtime) in this process."""
+    stat = Path(path).stat()
+    return _sha256_cached(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_cached(path: str, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for block in iter(lambda: fh.read(1 << 22), b""):
@@ -104,6 +113,10 @@ def load(cfg: DictConfig, device: str = "auto") -> LoadedModel:
     """Load (or reuse from this process) the model of ``cfg``."""
     key = repr(sorted(model_identity(cfg).items())) + device
     if key not in _LOADED:
+        _LOADED.clear()  # one model at a time: a sweep orders its cells so that each loads once
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         _LOADED[key] = _load(cfg, resolve_device(device))
     return _LOADED[key]
 

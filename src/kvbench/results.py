@@ -21,7 +21,7 @@ CELL_ID_LENGTH = 16
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
 
-def _json_leaves(value: Any, where: str) -> Iterator[tuple[str, Any]]:
+def json_leaves(value: Any, where: str) -> Iterator[tuple[str, Any]]:
     """Yields ``(key path, scalar)`` for every leaf of a JSON value.
 
     Args:
@@ -36,10 +36,10 @@ def _json_leaves(value: Any, where: str) -> Iterator[tuple[str, Any]]:
         for key, item in value.items():
             if not isinstance(key, str):
                 raise TypeError(f"{where or '<root>'}: key {key!r} is a {type(key).__name__}, not a str")
-            yield from _json_leaves(item, f"{where}.{key}" if where else key)
+            yield from json_leaves(item, f"{where}.{key}" if where else key)
     elif isinstance(value, list):
         for index, item in enumerate(value):
-            yield from _json_leaves(item, f"{where}[{index}]")
+            yield from json_leaves(item, f"{where}[{index}]")
     elif isinstance(value, _JSON_SCALARS):
         yield where, value
     else:
@@ -56,7 +56,7 @@ def _check_json(value: Any) -> None:
         TypeError: A key or value is not a JSON type.
         ValueError: A float is NaN or infinite (unmeasured values must already be None).
     """
-    for where, leaf in _json_leaves(value, ""):
+    for where, leaf in json_leaves(value, ""):
         if isinstance(leaf, float) and not math.isfinite(leaf):
             raise ValueError(f"{where or '<root>'} is {leaf!r}: write an unmeasured value as None (null)")
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import json
+import math
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -15,11 +19,22 @@ from omegaconf import DictConfig, OmegaConf
 
 import kvbench
 from kvbench import baseline as baselines
-from kvbench import config, models, results
+from kvbench import config, limits, models, results
 from kvbench.data import corpus
 from kvbench.eval import measure, needle, perplexity
 from kvbench.roles import BindContext
 from kvbench.stack import Stack, stack_identity
+from kvbench.sweep import state
+
+_TEXTS: dict[str, str] = {}
+
+
+def _file_stamp(path: str | None) -> str:
+    try:
+        stat = Path(str(path)).expanduser().stat() if path else None
+    except OSError:
+        return ""
+    return f"{stat.st_size}:{stat.st_mtime_ns}" if stat else ""
 
 
 def _container(node: DictConfig) -> dict[str, Any]:
@@ -56,35 +71,135 @@ def device_info(device: torch.device) -> dict[str, Any]:
     }
 
 
-def run(cfg: DictConfig) -> dict[str, Any]:
-    """Run one cell and return its record (or the existing record when the cell is done)."""
+@dataclass
+class CellPlan:
+    """A cell before it runs: its validated stack, its data, its identity and where its record goes."""
+
+    stack: Stack
+    text: str
+    source: dict[str, Any]
+    ident: dict[str, Any]
+    cell_id: str
+    path: Path
+
+
+@dataclass
+class Outcome:
+    """What running a cell did: its record, and whether it ran now (False: an existing record)."""
+
+    record: dict[str, Any]
+    ran: bool
+
+
+def plan(cfg: DictConfig) -> CellPlan:
+    """Validate a cell and compute its identity and record path; loads the text, never the model."""
     stack = config.validate(cfg)  # before anything loads
-    text = corpus.load_text(cfg.dataset)
+    key = json.dumps(_container(cfg.dataset), sort_keys=True) + _file_stamp(cfg.dataset.get("path"))
+    if key not in _TEXTS:  # a sweep plans many cells of one dataset
+        _TEXTS.clear()
+        _TEXTS[key] = corpus.load_text(cfg.dataset)
+    text = _TEXTS[key]
     source = corpus.describe_source(cfg.dataset, text)
     ident = identity(cfg, stack, source["sha256"])
     cell_id = results.cell_hash(ident)
-    path = results.record_path(Path(cfg.results_dir).resolve(), cfg.name, cell_id)
-    if results.is_done(path) and not cfg.force:
-        print(f"kvbench: cell {cell_id} is done ({path}); force=true redoes it", file=sys.stderr)
-        return results.read_record(path) or {}
+    return CellPlan(
+        stack,
+        text,
+        source,
+        ident,
+        cell_id,
+        results.record_path(Path(cfg.results_dir).resolve(), cfg.name, cell_id),
+    )
+
+
+def needs_run(record: dict[str, Any] | None, cfg: DictConfig) -> bool:
+    """A cell runs unless it has a complete record: done, or failed (then ``retry_failed`` reruns it)."""
+    if record is None or cfg.force:
+        return True
+    status = record.get("status")
+    return status not in ("done", "failed") or (status == "failed" and bool(cfg.get("retry_failed")))
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    """Run one cell and return its record (or the existing record when the cell is complete)."""
+    return execute(cfg).record
+
+
+def execute(cfg: DictConfig, cell: CellPlan | None = None) -> Outcome:
+    """Run one cell in isolation: whatever goes wrong inside it becomes a ``failed`` record.
+
+    An exception, running out of memory, a NaN or infinite metric or ``timeout_s`` (checked
+    between chunks) ends the cell with status ``failed`` and a one-line reason; the caller goes on.
+    A cell found started :data:`~kvbench.sweep.state.MAX_STARTS` times without finishing (its
+    process was killed) is recorded ``failed: killed`` instead of being tried again.
+    """
+    cell = cell or plan(cfg)
+    existing = results.read_record(cell.path)
+    if not needs_run(existing, cfg):
+        assert existing is not None
+        status = existing.get("status")
+        hint = "retry_failed=true retries it" if status == "failed" else "force=true redoes it"
+        print(f"kvbench: cell {cell.cell_id} is {status} ({cell.path}); {hint}", file=sys.stderr)
+        return Outcome(existing, ran=False)
+    if existing is not None and existing.get("status") == "failed":
+        state.clear(cell.path)  # a retry starts its count afresh
+    record = _skeleton(cfg, cell.stack, cell.ident, cell.cell_id, cell.source)
+    before = state.begin(cell.path)
+    if len(before) >= state.MAX_STARTS:
+        record.update(status="failed", error=state.killed_reason(before), failure="killed")
+        return Outcome(_finish(cell.path, record), ran=True)
     if cfg.threads:
         torch.set_num_threads(int(cfg.threads))
     torch.manual_seed(cfg.seed)
-    record = _skeleton(cfg, stack, ident, cell_id, source)
     start = time.perf_counter()
     try:
-        lm = models.load(cfg.model, cfg.device)
-        record["timings"]["load_s"] = time.perf_counter() - start
-        record["model"].update(lm.info)
-        record["device"] = device_info(lm.device)
-        _evaluate(cfg, lm, stack, text, ident, record)
+        with limits.deadline(cfg.get("timeout_s")):
+            lm = models.load(cfg.model, cfg.device)
+            record["timings"]["load_s"] = time.perf_counter() - start
+            record["model"].update(lm.info)
+            record["device"] = device_info(lm.device)
+            _evaluate(cfg, lm, cell.stack, cell.text, cell.ident, record)
+            _check_finite(record["metrics"])
     except Exception as err:
-        record.update(status="failed", error=f"{type(err).__name__}: {err}")
-        results.write_record(path, record)
-        raise
+        kind, reason = classify(err)
+        record.update(status="failed", error=reason, failure=kind, metrics={})
+        _release_memory(kind)
     record["timings"]["total_s"] = time.perf_counter() - start
+    return Outcome(_finish(cell.path, record), ran=True)
+
+
+def _finish(path: Path, record: dict[str, Any]) -> dict[str, Any]:
     results.write_record(path, record)
+    state.clear(path)
     return record
+
+
+def classify(err: BaseException) -> tuple[str, str]:
+    """A failure's kind (``timeout``, ``nonfinite``, ``oom``, ``error``) and a one-line reason."""
+    message = " ".join(str(err).split()) or type(err).__name__
+    if isinstance(err, limits.CellTimeout):
+        return "timeout", message
+    if isinstance(err, limits.NonFiniteMetric):
+        return "nonfinite", message
+    lowered = message.lower()
+    if isinstance(err, MemoryError | torch.OutOfMemoryError) or any(
+        s in lowered for s in ("out of memory", "can't allocate memory", "cannot allocate memory")
+    ):
+        return "oom", f"out of memory: {type(err).__name__}: {message}"[:500]
+    return "error", f"{type(err).__name__}: {message}"[:500]
+
+
+def _check_finite(metrics: dict[str, Any]) -> None:
+    """Raises :class:`~kvbench.limits.NonFiniteMetric` naming the first NaN or infinite metric."""
+    for where, leaf in results.json_leaves(metrics, "metrics"):
+        if isinstance(leaf, float) and not math.isfinite(leaf):
+            raise limits.NonFiniteMetric(f"non-finite metric: {where} is {leaf!r}")
+
+
+def _release_memory(kind: str) -> None:
+    gc.collect()
+    if kind == "oom" and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _evaluate(cfg, lm, stack, text, ident, record) -> None:
@@ -126,6 +241,7 @@ def _skeleton(cfg, stack, ident, cell_id, source) -> dict[str, Any]:
         "cell_id": cell_id,
         "status": "running",
         "error": None,
+        "failure": None,
         "stack": {**stack.names(), "order": stack.order},
         "config": container,
         "identity": ident,

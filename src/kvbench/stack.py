@@ -10,7 +10,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.cache.store import LayerStore
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, IllegalStack
 from kvbench.roles import BindContext, Budget, Compressor, Router, Scheduler, Technique
 
 ROLES = ("router", "compressor", "scheduler")
@@ -109,15 +109,15 @@ def check_legal(techniques: list[Technique]) -> None:
         parts.extend(getattr(tech, "stages", None) or [tech])
     readers = [f"{t.role}/{t.name}" for t in parts if t.flags.selects_reads]
     if len(readers) > 1:
-        raise ConfigError(
+        raise IllegalStack(
             f"stack {' + '.join(readers)}: both select reads; a stack may hold one read selector"
         )
     tiers = [f"{t.role}/{t.name}" for t in parts if t.flags.places_tiers]
     if len(tiers) > 1:
-        raise ConfigError(f"stack {' + '.join(tiers)}: both place cache tiers; a stack may hold one placer")
+        raise IllegalStack(f"stack {' + '.join(tiers)}: both place cache tiers; a stack may hold one placer")
     reps = [f"{t.role}/{t.name}" for t in parts if t.flags.changes_representation]
     if len(reps) > 1:
-        raise ConfigError(
+        raise IllegalStack(
             f"stack {' + '.join(reps)}: both change the representation of the tokens leaving the "
             "full-precision window; a stack may hold one"
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kvbench import limits
 from kvbench.cache.engine import KVCache
 from kvbench.eval import measure
 from kvbench.models import LoadedModel
@@ -49,7 +50,11 @@ def forward_batch(lm: LoadedModel, cache: KVCache, ids: torch.Tensor, real: torc
 
 
 def step(lm: LoadedModel, cache: KVCache, ids, times: list[float] | None = None) -> torch.Tensor:
-    """One forward chunk followed by the stack (compressor, scheduler, router writes); optionally timed."""
+    """One forward chunk followed by the stack (compressor, scheduler, router writes); optionally timed.
+
+    The cell's deadline (``timeout_s``) is checked before the chunk, outside any timed region.
+    """
+    limits.check()
     if times is None:
         logits = forward(lm, cache, ids)
         cache.after_forward()

@@ -129,7 +129,10 @@ def evaluate(
         raise ConfigError(
             f"dataset {cfg.name!r}: haystack has {len(hay_ids)} tokens, the grid needs {longest}"
         )
-    cases = [run_case(lm, stack, hay_ids, c, cfg) for c in tqdm(grid(cfg), desc="needle cases", leave=False)]
+    cases = [
+        run_case(lm, stack, hay_ids, c, cfg)
+        for c in tqdm(grid(cfg), desc="needle cases", leave=False, disable=None)
+    ]
     return summarize(cases, baseline), cases
 
 

@@ -114,7 +114,7 @@ def evaluate(
     """All windows of one cell; returns (metrics, per-window results)."""
     probe = HitProbe() if stack.order else None
     results = []
-    for w, window in enumerate(tqdm(windows(ids, cfg), desc="perplexity windows", leave=False)):
+    for w, window in enumerate(tqdm(windows(ids, cfg), desc="perplexity windows", leave=False, disable=None)):
         ref = baseline[w].logprobs if baseline is not None else None
         results.append(score_window(lm, stack, window, cfg, ref, probe, keep_logprobs))
     return summarize(results, baseline, probe), results

@@ -11,8 +11,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvbench.report.tables import render_report
+from kvbench.report.tables import render_matrix_report, render_report
 from kvbench.results import load_records, write_text_atomic
+from kvbench.sweep.plan import read_manifest
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -38,14 +39,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not directory.is_dir():
         print(f"kvbench-report: {directory} is not a directory", file=sys.stderr)
         return 2
-    records = load_records(directory)
-    if not records:
+    text = report_text(directory)
+    if text is None:
         print(f"kvbench-report: no result records (*.json) under {directory}", file=sys.stderr)
         return 2
-    text = render_report(records, directory.resolve().name)
     write_text_atomic(args.out or directory / "REPORT.md", text)
     sys.stdout.write(text)
     return 0
+
+
+def report_text(directory: Path) -> str | None:
+    """The report of a results folder: in the matrix's shape where a sweep left ``sweep.plan``."""
+    records = load_records(directory)
+    if not records:
+        return None
+    manifest = read_manifest(directory)
+    if manifest is not None:
+        return render_matrix_report(records, manifest, directory.resolve().name)
+    return render_report(records, directory.resolve().name)
+
+
+def write_report(directory: Path) -> Path | None:
+    """Writes ``DIR/REPORT.md``; returns its path, or None when the folder holds no records."""
+    text = report_text(directory)
+    if text is None:
+        return None
+    path = Path(directory) / "REPORT.md"
+    write_text_atomic(path, text)
+    return path
 
 
 if __name__ == "__main__":

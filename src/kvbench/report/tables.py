@@ -100,6 +100,10 @@ def format_drop(drop: dict | None) -> str:
 
 def _role(record: dict, role: str) -> str:
     name = _get(record, "stack", role)
+    if name == "chain":  # show what it chains: chain[chunkkv,svd]
+        stages = _get(record, "config", role, "stages") or []
+        names = [str(s.get("name")) if isinstance(s, dict) else str(s) for s in stages]
+        return f"chain[{','.join(names)}]"
     return DASH if name in (None, "none") else str(name)
 
 
@@ -289,6 +293,113 @@ def render_report(records: Sequence[dict], title: str) -> str:
     failed = [r for r in records if r.get("status") != "done"]
     if not groups:
         parts.append("No completed cells.")
+    if failed:
+        parts.append(render_failed(failed))
+    return "\n\n".join(parts) + "\n"
+
+
+MATRIX_SECTIONS = (
+    ("baseline", "Baseline"),
+    ("single", "Single technique"),
+    ("double", "Double"),
+    ("triple", "Triple"),
+    ("variant", "System variants"),
+)
+_PAIR_TITLES = {
+    ("router", "compressor"): "Router + Compressor",
+    ("router", "scheduler"): "Router + Scheduler",
+    ("compressor", "scheduler"): "Compressor + Scheduler",
+}
+
+
+def _label_roles(label: str) -> dict[str, str]:
+    """``router/eplb + compressor/chain[a,b] (knobs)`` as ``{"router": "eplb", ...}``."""
+    stack = label.split(" (", 1)[0]
+    return {r: n for r, _, n in (p.strip().partition("/") for p in stack.split(" + ")) if r in ROLES}
+
+
+def _placeholder_row(label: str, status: str) -> list[str]:
+    roles = _label_roles(label)
+    return [roles.get(r, DASH) for r in ROLES] + [status] + [DASH] * 8
+
+
+def _matrix_rows(entries: Sequence[tuple[dict, dict | None]], variant: bool) -> list[list[str]]:
+    rows = []
+    for row, record in entries:
+        if record is not None and record.get("status") == "done":
+            cells = format_row(record)
+        else:
+            cells = _placeholder_row(row["label"], "failed" if record is not None else "not run")
+        rows.append([row["label"], *cells] if variant else cells)
+    return rows
+
+
+def render_matrix_group(entries: Sequence[tuple[dict, dict | None]], dropped: Sequence[dict]) -> str:
+    """One model and dataset in the matrix's shape: a table per section, doubles by role pair.
+
+    Args:
+        entries: ``(row, record)`` pairs in the sweep's order; ``row`` is ``{"section", "label"}``
+            from ``sweep.plan``; ``record`` is None for a cell that has not run.
+        dropped: The sweep's illegal combinations, ``{"section", "label", "reason"}``.
+    """
+    done = [r for _, r in entries if r is not None and r.get("status") == "done"]
+    model = _distinct(done, "model", "name") if done else DASH
+    dataset = _distinct(done, "dataset", "name") if done else DASH
+    parts = [f"## {model} · {dataset} ({_distinct(done, 'dataset', 'task')})"]
+    score_name = _first(done, "metrics", "score", "name")
+    header = table_header(score_name, _first(done, "metrics", "accuracy_drop", "name"))
+    for section, title in MATRIX_SECTIONS:
+        rows = [(row, rec) for row, rec in entries if row["section"] == section]
+        if not rows:
+            continue
+        parts.append(f"### {title} ({len(rows)})")
+        if section == "variant":
+            parts.append(markdown_table(["Variant", *header], _matrix_rows(rows, True), "l" + _ALIGN))
+        elif section == "double":
+            for roles, pair_title in _PAIR_TITLES.items():
+                pair = [(row, rec) for row, rec in rows if tuple(_label_roles(row["label"])) == roles]
+                if pair:
+                    parts.append(f"#### {pair_title} ({len(pair)})")
+                    parts.append(markdown_table(header, _matrix_rows(pair, False), _ALIGN))
+            other = [(row, rec) for row, rec in rows if tuple(_label_roles(row["label"])) not in _PAIR_TITLES]
+            if other:
+                parts.append(markdown_table(header, _matrix_rows(other, False), _ALIGN))
+        else:
+            parts.append(markdown_table(header, _matrix_rows(rows, False), _ALIGN))
+    if dropped:
+        lines = [f"- {d['section']} {d['label']}: {d['reason']}" for d in dropped]
+        parts.append("### Dropped as illegal\n\n" + "\n".join(lines))
+    if done:
+        parts.append(render_footer(done))
+    return "\n\n".join(parts)
+
+
+def render_matrix_report(records: Sequence[dict], manifest: dict, title: str) -> str:
+    """Renders a swept folder in its matrix's shape (``sweep.plan``), then the other records.
+
+    Args:
+        records: The folder's records.
+        manifest: The sweep's plan: ``cells`` (cell id, rows, model, dataset) and ``dropped``.
+        title: Shown as ``# kvbench report: <title>``.
+
+    Returns:
+        The markdown document, ending with one newline.
+    """
+    by_id = {str(r.get("cell_id")): r for r in records}
+    groups: dict[tuple[str, str], list[tuple[dict, dict | None]]] = defaultdict(list)
+    listed = set()
+    for cell in manifest.get("cells", []):
+        listed.add(str(cell.get("cell_id")))
+        for row in cell.get("rows", []):
+            key = (str(cell.get("model")), str(cell.get("dataset")))
+            groups[key].append((row, by_id.get(str(cell.get("cell_id")))))
+    parts = [f"# kvbench report: {title}"]
+    parts += [render_matrix_group(groups[k], manifest.get("dropped", [])) for k in groups]
+    rest = [r for r in records if str(r.get("cell_id")) not in listed]
+    if any(r.get("status") == "done" for r in rest):
+        body = render_report(rest, title).split("\n", 1)[1].strip()  # without its title line
+        parts.append("## Other cells in this folder (not in the last sweep)\n\n" + body)
+    failed = [r for r in records if r.get("status") != "done" and str(r.get("cell_id")) in listed]
     if failed:
         parts.append(render_failed(failed))
     return "\n\n".join(parts) + "\n"
