@@ -342,7 +342,8 @@ def render_matrix_group(entries: Sequence[tuple[dict, dict | None]], dropped: Se
             from ``sweep.plan``; ``record`` is None for a cell that has not run.
         dropped: The sweep's illegal combinations, ``{"section", "label", "reason"}``.
     """
-    done = [r for _, r in entries if r is not None and r.get("status") == "done"]
+    unique = {id(r): r for _, r in entries if r is not None and r.get("status") == "done"}
+    done = list(unique.values())  # a record shown in two rows counts once
     model = _distinct(done, "model", "name") if done else DASH
     dataset = _distinct(done, "dataset", "name") if done else DASH
     parts = [f"## {model} · {dataset} ({_distinct(done, 'dataset', 'task')})"]
