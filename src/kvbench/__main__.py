@@ -72,7 +72,7 @@ def prevalidate(argv: list[str]) -> int:
     return 0
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(cfg: DictConfig) -> dict[str, Any] | None:
     """One cell. In a multirun it returns the cell's outcome to the sweeper instead of printing."""
     from kvbench import logger, run

@@ -106,6 +106,12 @@ class MatrixSweeper(Sweeper):
         # A cell's own overrides may set force/retry_failed too; the command line's decide here.
         todo = plan.to_run(retry, force)
         self._announce(plan, todo)
+        if self.conf.get("dry_run"):
+            for cell in plan.cells:
+                rows = "; ".join(f"{r['section']}: {r['label']}" for r in cell.rows)
+                print(f"{cell.cell_id}  {cell.status:<11}  {cell.model} · {cell.dataset}  {rows}")
+            _say("dry run: nothing launched, nothing written")
+            return []
         write_manifests(plan, sys.argv[1:])
         outcomes = self._launch(todo) if todo else []
         return self._summarize(plan, todo, outcomes)
