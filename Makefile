@@ -1,12 +1,13 @@
 # kvbench: the two commands of the README.
 #   make demo   sets up .venv and runs `python -m kvbench` on the embedded defaults
 #   make test   sets up .venv and runs lint, types and the test suite (what .ci/run calls)
+#   make matrix the PiKV-shaped matrix on the embedded model (60 cells, about 13 minutes on 2 cores)
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-setup
 
-.PHONY: setup demo test lint sweep bench clean
+.PHONY: setup demo test lint sweep matrix bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "needs $(PY) on PATH"; exit 1; }
@@ -35,6 +36,9 @@ lint: setup
 sweep: setup
 	$(BIN)/python -m kvbench -m scheduler=none,streaming_llm,h2o compressor=none,quantized dataset=pydoc name=spine_sweep
 	$(BIN)/python -m kvbench.report results/spine_sweep
+
+matrix: setup
+	$(BIN)/python -m kvbench -m experiment=pikv_matrix
 
 bench: setup
 	$(BIN)/python scripts/bench_overhead.py

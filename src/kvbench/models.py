@@ -12,6 +12,7 @@ import gc
 import hashlib
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,8 @@ def _load(cfg: DictConfig, device: torch.device) -> LoadedModel:
     from kvbench.eval.codec import ByteCodec, HFCodec
 
     engine.register()
+    if not sys.stderr.isatty():  # transformers' own bars would fill a sweep's log, one per cell
+        transformers.utils.logging.disable_progress_bar()
     dtype = DTYPES[cfg.dtype]
     codec: ByteCodec | HFCodec
     if cfg.source == "tiny":
