@@ -252,3 +252,31 @@ def test_matrix_report_renders_sections_pairs_variants_and_gaps():
     assert "| —      | svd        | h2o       |     failed |" in text
     assert "cells: b, p1, s1\n" in text  # a record shown in two rows counts once
     assert "router/base + scheduler/quest: both select reads" in text
+
+
+def test_swept_settings_label_the_rows_and_product_sweeps_keep_the_usual_report(tmp_path):
+    plan = _plan(
+        "model=tiny_random", "hydra.sweeper.order=1", "scheduler=h2o", "budget=0.25,0.5", tmp=tmp_path
+    )
+    labels = [row["label"] for cell in plan.cells for row in cell.rows]
+    assert labels == [
+        "full cache (budget=0.25)",
+        "full cache (budget=0.5)",  # the full cache ignores the budget: one cell, two rows
+        "scheduler/h2o (budget=0.25)",
+        "scheduler/h2o (budget=0.5)",
+    ]
+    assert plan.is_matrix and plan.merged == 1
+    assert not _plan("model=tiny_random", "scheduler=h2o,lru", tmp=tmp_path).is_matrix
+    record = {"cell_id": "a", "status": "done", "stack": {"scheduler": "h2o"}, "model": {"name": "m"}}
+    manifest = {
+        "cells": [
+            {
+                "cell_id": "a",
+                "model": "m",
+                "dataset": "d",
+                "rows": [{"section": "single", "label": labels[2]}],
+            }
+        ]
+    }
+    text = render_matrix_report([record], manifest, "t")
+    assert "| Settings    | Router |" in text and "| budget=0.25 | —      |" in text

@@ -323,15 +323,29 @@ def _placeholder_row(label: str, status: str) -> list[str]:
     return [roles.get(r, DASH) for r in ROLES] + [status] + [DASH] * 8
 
 
-def _matrix_rows(entries: Sequence[tuple[dict, dict | None]], variant: bool) -> list[list[str]]:
+def _settings(label: str) -> str:
+    """The settings part of a row label, ``... (compressor.bits=2, budget=0.1)``, or the dash."""
+    return label.split(" (", 1)[1].rstrip(")") if " (" in label else DASH
+
+
+def _matrix_rows(entries: Sequence[tuple[dict, dict | None]], first: str | None) -> list[list[str]]:
+    """Rows of a matrix table; ``first`` adds a leading column: the ``label`` or its ``settings``."""
     rows = []
     for row, record in entries:
         if record is not None and record.get("status") == "done":
             cells = format_row(record)
         else:
             cells = _placeholder_row(row["label"], "failed" if record is not None else "not run")
-        rows.append([row["label"], *cells] if variant else cells)
+        lead = {"label": [row["label"]], "settings": [_settings(row["label"])]}.get(first or "", [])
+        rows.append([*lead, *cells])
     return rows
+
+
+def _matrix_table(header: list[str], entries: Sequence[tuple[dict, dict | None]]) -> str:
+    """A matrix table, with a Settings column when some row was swept over a setting."""
+    if any(" (" in row["label"] for row, _ in entries):
+        return markdown_table(["Settings", *header], _matrix_rows(entries, "settings"), "l" + _ALIGN)
+    return markdown_table(header, _matrix_rows(entries, None), _ALIGN)
 
 
 def render_matrix_group(entries: Sequence[tuple[dict, dict | None]], dropped: Sequence[dict]) -> str:
@@ -355,18 +369,18 @@ def render_matrix_group(entries: Sequence[tuple[dict, dict | None]], dropped: Se
             continue
         parts.append(f"### {title} ({len(rows)})")
         if section == "variant":
-            parts.append(markdown_table(["Variant", *header], _matrix_rows(rows, True), "l" + _ALIGN))
+            parts.append(markdown_table(["Variant", *header], _matrix_rows(rows, "label"), "l" + _ALIGN))
         elif section == "double":
             for roles, pair_title in _PAIR_TITLES.items():
                 pair = [(row, rec) for row, rec in rows if tuple(_label_roles(row["label"])) == roles]
                 if pair:
                     parts.append(f"#### {pair_title} ({len(pair)})")
-                    parts.append(markdown_table(header, _matrix_rows(pair, False), _ALIGN))
+                    parts.append(_matrix_table(header, pair))
             other = [(row, rec) for row, rec in rows if tuple(_label_roles(row["label"])) not in _PAIR_TITLES]
             if other:
-                parts.append(markdown_table(header, _matrix_rows(other, False), _ALIGN))
+                parts.append(_matrix_table(header, other))
         else:
-            parts.append(markdown_table(header, _matrix_rows(rows, False), _ALIGN))
+            parts.append(_matrix_table(header, rows))
     if dropped:
         lines = [f"- {d['section']} {d['label']}: {d['reason']}" for d in dropped]
         parts.append("### Dropped as illegal\n\n" + "\n".join(lines))

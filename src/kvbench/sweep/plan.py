@@ -69,6 +69,7 @@ class SweepPlan:
     cells: list[PlannedCell] = field(default_factory=list)
     dropped: list[Dropped] = field(default_factory=list)
     merged: int = 0
+    is_matrix: bool = False  # a technique matrix (its shape is written for the report), not a product
 
     def to_run(self, retry_failed: bool, force: bool) -> list[PlannedCell]:
         """Cells without a complete record (failed ones too with ``retry_failed``), in launch order."""
@@ -168,11 +169,22 @@ def _role_knob_applies(knob: str, stack: StackCell) -> bool:
     return f"{role}=none" not in stack.overrides
 
 
-def _row(stack: StackCell, cfg: DictConfig, order: int) -> dict[str, str]:
+def _row(stack: StackCell, cfg: DictConfig, order: int, combo: list[str]) -> dict[str, str]:
+    """Where the report shows a cell: its section, and a label with the swept settings it has.
+
+    ``model`` and ``dataset`` are left out of the label: the report groups by them.
+    """
     if stack.section:
-        return {"section": stack.section, "label": stack.label}
-    overrides = [f"{r}={(cfg.get(r) or {}).get('name', 'none')}" for r in ROLES]
-    return {"section": ORDER_SECTION.get(order, "baseline"), "label": stack_label(overrides)}
+        section, label = stack.section, stack.label
+    else:
+        section = ORDER_SECTION.get(order, "baseline")
+        label = stack_label([f"{r}={(cfg.get(r) or {}).get('name', 'none')}" for r in ROLES])
+    swept = [o for o in combo if o.partition("=")[0] not in ("model", "dataset", *ROLES)]
+    if swept:
+        stack_part, _, knobs = label.partition(" (")
+        knobs = knobs.rstrip(")")
+        label = f"{stack_part} ({', '.join([k for k in (knobs,) if k] + swept)})"
+    return {"section": section, "label": label}
 
 
 def build(
@@ -201,7 +213,7 @@ def build(
     fixed, dims, knobs = split_arguments(arguments, spec, params)
     stacks = stack_cells(spec, conf_dir)
     combos = [list(c) for c in itertools.product(*dims)]
-    plan = SweepPlan()
+    plan = SweepPlan(is_matrix=spec.is_matrix)
     by_id: dict[str, PlannedCell] = {}
     total = len(stacks) * len(combos)
     for n, (stack, combo) in enumerate(itertools.product(stacks, combos)):
@@ -219,7 +231,7 @@ def build(
             if drop not in plan.dropped:
                 plan.dropped.append(drop)
             continue
-        row = _row(stack, cfg, cell.stack.order)
+        row = _row(stack, cfg, cell.stack.order, combo)
         if cell.cell_id in by_id:
             plan.merged += 1
             if row not in by_id[cell.cell_id].rows:

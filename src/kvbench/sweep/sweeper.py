@@ -112,7 +112,8 @@ class MatrixSweeper(Sweeper):
                 print(f"{cell.cell_id}  {cell.status:<11}  {cell.model} · {cell.dataset}  {rows}")
             _say("dry run: nothing launched, nothing written")
             return []
-        write_manifests(plan, sys.argv[1:])
+        if plan.is_matrix:  # a product sweep keeps the report's usual shape
+            write_manifests(plan, sys.argv[1:])
         outcomes = self._launch(todo) if todo else []
         return self._summarize(plan, todo, outcomes)
 
