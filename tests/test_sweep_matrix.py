@@ -10,7 +10,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from kvbench import config
 from kvbench.errors import ConfigError
-from kvbench.report.tables import render_matrix_report
+from kvbench.report.matrix import render_matrix_report
 from kvbench.sweep import matrix
 from kvbench.sweep.launcher import groups_of
 from kvbench.sweep.plan import build
@@ -144,7 +144,7 @@ def test_pikv_matrix_has_the_shape_of_pikv_tables(tmp_path):
         {"section": "variant", "label": "variant_g_baseline"},
     ]
     assert plan.merged == 4 and len(plan.cells) == len(rows) - 4 == 60
-    assert plan.counts() == {"done": 0, "failed": 0, "interrupted": 0, "todo": 60}
+    assert plan.counts() == {"done": 0, "failed": 0, "interrupted": 0, "pending": 60}
 
 
 def test_cells_of_one_model_run_together(tmp_path):

@@ -11,7 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvbench.report.tables import render_matrix_report, render_report
+from kvbench.report.matrix import render_matrix_report
+from kvbench.report.tables import render_report
 from kvbench.results import load_records, write_text_atomic
 from kvbench.sweep.plan import read_manifest
 

@@ -44,7 +44,7 @@ class PlannedCell:
     model: str
     dataset: str
     model_key: str
-    status: str  # todo | interrupted | done | failed
+    status: str  # pending | interrupted | done | failed
     error: str | None = None
 
     def manifest(self) -> dict[str, Any]:
@@ -73,11 +73,11 @@ class SweepPlan:
 
     def to_run(self, retry_failed: bool, force: bool) -> list[PlannedCell]:
         """Cells without a complete record (failed ones too with ``retry_failed``), in launch order."""
-        run = {"todo", "interrupted"} | ({"failed"} if retry_failed else set())
+        run = {"pending", "interrupted"} | ({"failed"} if retry_failed else set())
         return [c for c in self.cells if force or c.status in run]
 
     def counts(self) -> dict[str, int]:
-        out = {"done": 0, "failed": 0, "interrupted": 0, "todo": 0}
+        out = {"done": 0, "failed": 0, "interrupted": 0, "pending": 0}
         for cell in self.cells:
             out[cell.status] += 1
         return out
@@ -238,9 +238,9 @@ def build(
                 by_id[cell.cell_id].rows.append(row)
             continue
         record = results.read_record(cell.path)
-        status = str(record.get("status")) if record else "todo"
+        status = str(record.get("status")) if record else "pending"
         if status not in ("done", "failed"):
-            status = "interrupted" if state.starts(cell.path) else "todo"
+            status = "interrupted" if state.starts(cell.path) else "pending"
         launch = [o for o in overrides if not o.startswith("results_dir=")]
         launch.append(f"results_dir={Path(cfg.results_dir).resolve()}")
         by_id[cell.cell_id] = PlannedCell(

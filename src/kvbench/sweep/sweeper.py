@@ -104,8 +104,8 @@ class MatrixSweeper(Sweeper):
         retry = bool(base.get("retry_failed"))
         force = bool(base.get("force"))
         # A cell's own overrides may set force/retry_failed too; the command line's decide here.
-        todo = plan.to_run(retry, force)
-        self._announce(plan, todo)
+        pending = plan.to_run(retry, force)
+        self._announce(plan, pending)
         if self.conf.get("dry_run"):
             for cell in plan.cells:
                 rows = "; ".join(f"{r['section']}: {r['label']}" for r in cell.rows)
@@ -114,10 +114,10 @@ class MatrixSweeper(Sweeper):
             return []
         if plan.is_matrix:  # a product sweep keeps the report's usual shape
             write_manifests(plan, sys.argv[1:])
-        outcomes = self._launch(todo) if todo else []
-        return self._summarize(plan, todo, outcomes)
+        outcomes = self._launch(pending) if pending else []
+        return self._summarize(plan, pending, outcomes)
 
-    def _announce(self, plan: SweepPlan, todo: list[PlannedCell]) -> None:
+    def _announce(self, plan: SweepPlan, pending: list[PlannedCell]) -> None:
         counts = plan.counts()
         extra = []
         if plan.dropped:
@@ -128,28 +128,28 @@ class MatrixSweeper(Sweeper):
             f"{len(plan.cells)} cells"
             + (f" ({', '.join(extra)})" if extra else "")
             + f": {counts['done']} done, {counts['failed']} failed earlier, "
-            f"{counts['interrupted']} interrupted, {len(todo)} to run"
+            f"{counts['interrupted']} interrupted, {len(pending)} to run"
         )
         for drop in plan.dropped:
             _say(f"  dropped {drop.section} {drop.label}: {drop.reason}")
-        models = list(dict.fromkeys(c.model for c in todo))
+        models = list(dict.fromkeys(c.model for c in pending))
         if len(models) > 1:
             _say(f"  ordered by model so that each loads once per worker: {', '.join(models)}")
 
-    def _launch(self, todo: list[PlannedCell]) -> list[dict[str, Any]]:
+    def _launch(self, pending: list[PlannedCell]) -> list[dict[str, Any]]:
         """Runs the cells; in-process launchers one at a time (a progress bar), others as one batch."""
-        overrides = [c.overrides for c in todo]
-        labels = [c.rows[0]["label"] or c.cell_id for c in todo]
+        overrides = [c.overrides for c in pending]
+        labels = [c.rows[0]["label"] or c.cell_id for c in pending]
         if hasattr(self.launcher, "set_cells"):  # kvbench's grouped submitit launcher: its own bar
-            self.launcher.set_cells(labels, [c.model_key for c in todo])
+            self.launcher.set_cells(labels, [c.model_key for c in pending])
         if type(self.launcher).__name__ != "BasicLauncher":
             returns = self.launcher.launch(overrides, initial_job_idx=0)
-            return [outcome_of(r, c) for r, c in zip(returns, todo)]
+            return [outcome_of(r, c) for r, c in zip(returns, pending)]
         outcomes = []
         # One launch per cell (for the bar): Hydra's per-launch log lines would repeat each cell.
         logging.getLogger("hydra._internal.core_plugins.basic_launcher").setLevel(logging.WARNING)
-        bar = tqdm(total=len(todo), desc="sweep", unit="cell", disable=None, dynamic_ncols=True)
-        for idx, (cell, label) in enumerate(zip(todo, labels)):
+        bar = tqdm(total=len(pending), desc="sweep", unit="cell", disable=None, dynamic_ncols=True)
+        for idx, (cell, label) in enumerate(zip(pending, labels)):
             bar.set_postfix_str(label[:60])
             (job_return,) = self.launcher.launch([cell.overrides], initial_job_idx=idx)
             outcomes.append(outcome_of(job_return, cell))
@@ -157,8 +157,10 @@ class MatrixSweeper(Sweeper):
         bar.close()
         return outcomes
 
-    def _summarize(self, plan: SweepPlan, todo: list[PlannedCell], outcomes: Sequence[dict[str, Any]]) -> Any:
-        ran = {c.cell_id for c in todo}
+    def _summarize(
+        self, plan: SweepPlan, pending: list[PlannedCell], outcomes: Sequence[dict[str, Any]]
+    ) -> Any:
+        ran = {c.cell_id for c in pending}
         by_id = {o.get("cell_id"): o for o in outcomes}
         done = failed = skipped = 0
         failures = []
