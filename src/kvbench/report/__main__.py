@@ -7,10 +7,12 @@ Reads the records under DIR only (no model, no config files), writes ``DIR/REPOR
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvbench.report import plots
 from kvbench.report.matrix import render_matrix_report
 from kvbench.report.tables import render_report
 from kvbench.results import load_records, write_text_atomic
@@ -40,12 +42,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not directory.is_dir():
         print(f"kvbench-report: {directory} is not a directory", file=sys.stderr)
         return 2
-    text = report_text(directory)
-    if text is None:
+    path = write_report(directory, args.out)
+    if path is None:
         print(f"kvbench-report: no result records (*.json) under {directory}", file=sys.stderr)
         return 2
-    write_text_atomic(args.out or directory / "REPORT.md", text)
-    sys.stdout.write(text)
+    sys.stdout.write(path.read_text(encoding="utf-8"))
     return 0
 
 
@@ -60,12 +61,48 @@ def report_text(directory: Path) -> str | None:
     return render_report(records, directory.resolve().name)
 
 
-def write_report(directory: Path) -> Path | None:
-    """Writes ``DIR/REPORT.md``; returns its path, or None when the folder holds no records."""
+def write_plots(directory: Path, where: Path) -> list[Path]:
+    """Writes the report's PNG plots into ``where``: score against compression per model and
+    dataset, and a needle heatmap per needle cell. Returns the files written."""
+    records = [r for r in load_records(directory) if r.get("status") == "done"]
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        key = (str((r.get("model") or {}).get("name")), str((r.get("dataset") or {}).get("name")))
+        groups.setdefault(key, []).append(r)
+    written = []
+    for (model, dataset), group in sorted(groups.items()):
+        written += _save(plots.pareto(group), where / f"pareto-{model}-{dataset}.png")
+    for r in records:
+        written += _save(plots.needle_heatmap(r), where / f"needle-{r['cell_id']}.png")
+    return written
+
+
+def _save(figure, path: Path) -> list[Path]:
+    if figure is None:
+        return []
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    figure.savefig(tmp, dpi=120)
+    plots.plt.close(figure)
+    os.replace(tmp, path)
+    return [path]
+
+
+def write_report(directory: Path, out: Path | None = None) -> Path | None:
+    """Writes ``DIR/REPORT.md`` (or ``out``) and its plots beside it; None when there are no records."""
     text = report_text(directory)
     if text is None:
         return None
-    path = Path(directory) / "REPORT.md"
+    path = out or Path(directory) / "REPORT.md"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images = write_plots(directory, path.parent)
+    if images:
+        links = "\n".join(f"![{p.stem}]({p.name})" for p in images if p.name.startswith("pareto-"))
+        heatmaps = [p for p in images if p.name.startswith("needle-")]
+        if heatmaps:
+            links += "\n\nNeedle heatmaps (context length x depth), one per cell: " + ", ".join(
+                f"[{p.stem.removeprefix('needle-')}]({p.name})" for p in heatmaps
+            )
+        text = text.rstrip("\n") + "\n\n## Plots\n\n" + links.strip() + "\n"
     write_text_atomic(path, text)
     return path
 

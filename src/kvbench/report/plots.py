@@ -1,0 +1,128 @@
+"""Plots of result records (matplotlib, no display): needle heatmaps and the score-compression view.
+
+Pure functions of records, like the tables: each returns a matplotlib Figure, or None when the
+records do not have the axes the plot needs. Callers save or log it and close it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+ROLES = ("router", "compressor", "scheduler")
+
+
+def stack_name(record: dict) -> str:
+    """Role-qualified stack name, e.g. ``compressor/quantized + scheduler/h2o``; ``full cache``."""
+    stack = record.get("stack") or {}
+    parts = [f"{r}/{stack[r]}" for r in ROLES if stack.get(r) not in (None, "none")]
+    return " + ".join(parts) or "full cache"
+
+
+def needle_grid(record: dict) -> tuple[list[int], list[float], list[list[float | None]]] | None:
+    """Accuracy per (context length, depth), averaged over haystack offsets; None if not a needle cell."""
+    examples = record.get("examples") or []
+    if not examples or "depth" not in examples[0] or "length" not in examples[0]:
+        return None
+    hits: dict[tuple[int, float], list[float]] = defaultdict(list)
+    for case in examples:
+        hits[(int(case["length"]), float(case["depth"]))].append(float(case["correct"]))
+    lengths = sorted({k[0] for k in hits})
+    depths = sorted({k[1] for k in hits})
+    grid = [
+        [sum(hits[(n, d)]) / len(hits[(n, d)]) if (n, d) in hits else None for n in lengths] for d in depths
+    ]
+    return lengths, depths, grid
+
+
+def needle_heatmap(record: dict) -> Figure | None:
+    """Needle accuracy as a depth x context-length heatmap (cells annotated), or None."""
+    found = needle_grid(record)
+    if found is None:
+        return None
+    lengths, depths, grid = found
+    values = [[float("nan") if v is None else v for v in row] for row in grid]
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.5 * len(depths)))
+    image = ax.imshow(values, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("needle depth")
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            if v is not None:
+                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
+    n = len(record.get("examples") or [])
+    ax.set_title(f"{stack_name(record)}\nneedle accuracy, n={n}", fontsize=9)
+    fig.colorbar(image, ax=ax, fraction=0.05)
+    fig.tight_layout()
+    return fig
+
+
+def _compression(record: dict) -> float | None:
+    metrics = record.get("metrics") or {}
+    value = metrics.get("compression_mean")
+    return value if value is not None else metrics.get("compression_prefill")
+
+
+def pareto_front(points: Sequence[tuple[float, float]], higher_is_better: bool) -> list[int]:
+    """Indices of the points no other point beats on both compression (higher) and score."""
+    front = []
+    for i, (c, s) in enumerate(points):
+        beaten = any(
+            c2 >= c and (s2 >= s if higher_is_better else s2 <= s) and (c2, s2) != (c, s)
+            for j, (c2, s2) in enumerate(points)
+            if j != i
+        )
+        if not beaten:
+            front.append(i)
+    return front
+
+
+def pareto(records: Sequence[dict]) -> Figure | None:
+    """Score against achieved compression for every done stack of one model and dataset.
+
+    The frontier is drawn, the full cache is a star and ``random`` stacks (the sanity floor) are
+    crosses. None when fewer than two stacks have both numbers.
+    """
+    done = [
+        r
+        for r in records
+        if r.get("status") == "done"
+        and _compression(r) is not None
+        and ((r.get("metrics") or {}).get("score") or {}).get("value") is not None
+    ]
+    if len(done) < 2:
+        return None
+    score: dict[str, Any] = done[0]["metrics"]["score"]
+    higher = bool(score.get("higher_is_better"))
+    points = [(float(_compression(r) or 0.0), float(r["metrics"]["score"]["value"])) for r in done]
+    front = set(pareto_front(points, higher))
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    for i, (r, (c, s)) in enumerate(zip(done, points)):
+        name = stack_name(r)
+        if name == "full cache":
+            ax.scatter([c], [s], marker="*", s=160, color="black", zorder=3, label="full cache")
+        elif "/random" in name:
+            ax.scatter([c], [s], marker="x", s=60, color="tab:red", zorder=3)
+        else:
+            ax.scatter([c], [s], s=28, color="tab:blue" if i in front else "tab:gray", zorder=2)
+        if i in front or name == "full cache" or "/random" in name:
+            ax.annotate(name, (c, s), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ordered = sorted(front, key=lambda i: points[i][0])
+    ax.plot([points[i][0] for i in ordered], [points[i][1] for i in ordered], color="tab:blue", lw=1)
+    ax.set_xlabel("compression × (16-bit reference bytes / stored bytes)")
+    ax.set_ylabel(f"{score.get('name')} ({'higher' if higher else 'lower'} is better)")
+    model = (done[0].get("model") or {}).get("name")
+    dataset = (done[0].get("dataset") or {}).get("name")
+    ax.set_title(f"{model} · {dataset}: {len(done)} stacks, frontier in blue, random as ×", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,67 @@
+"""Report plots: the score-compression frontier and needle heatmaps, written next to REPORT.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvbench.report import plots
+from kvbench.report.__main__ import write_report
+from kvbench.results import write_record
+
+
+def _record(cell_id: str, scheduler: str, ppl: float, compression: float, **extra) -> dict:
+    return {
+        "cell_id": cell_id,
+        "experiment": "p",
+        "status": "done",
+        "stack": {
+            "router": "none",
+            "compressor": "none",
+            "scheduler": scheduler,
+            "order": int(scheduler != "none"),
+        },
+        "model": {"name": "m", "dtype": "float32"},
+        "dataset": {"name": "d", "task": "perplexity", "sha256": "ab"},
+        "metrics": {
+            "score": {"name": "perplexity", "value": ppl, "higher_is_better": False},
+            "compression_mean": compression,
+        },
+        "device": {"type": "cpu"},
+        **extra,
+    }
+
+
+def test_frontier_keeps_the_points_nothing_beats():
+    points = [(1.0, 10.0), (2.0, 11.0), (2.0, 12.0), (4.0, 13.0), (3.0, 14.0)]
+    assert plots.pareto_front(points, higher_is_better=False) == [0, 1, 3]
+    assert plots.pareto_front([(1.0, 0.9), (2.0, 0.5), (2.0, 0.8)], higher_is_better=True) == [0, 2]
+
+
+def test_report_writes_a_pareto_plot_and_needle_heatmaps(tmp_path: Path):
+    cases = [
+        {"length": n, "depth": d, "offset": o, "correct": float((n + o) % 3 != 0)}
+        for n in (300, 500)
+        for d in (0.1, 0.5, 0.9)
+        for o in (0, 1)
+    ]
+    records = [
+        _record("a", "none", 10.0, 1.0),
+        _record("b", "h2o", 10.5, 2.0),
+        _record("c", "lru", 11.0, 1.8),
+        _record("d", "snapkv", 12.0, 2.0),
+        {**_record("e", "none", 1.0, 1.0), "dataset": {"name": "n", "task": "needle"}, "examples": cases},
+    ]
+    for r in records:
+        write_record(tmp_path / f"{r['cell_id']}.json", r)
+    path = write_report(tmp_path)
+    assert path is not None
+    text = path.read_text()
+    pareto = tmp_path / "pareto-m-d.png"
+    heatmap = tmp_path / "needle-e.png"
+    assert pareto.stat().st_size > 10_000 and heatmap.stat().st_size > 10_000
+    assert pareto.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![pareto-m-d](pareto-m-d.png)" in text and "[e](needle-e.png)" in text
+    lengths, depths, grid = plots.needle_grid(records[-1])
+    assert lengths == [300, 500] and depths == [0.1, 0.5, 0.9]
+    assert grid[0] == [0.5, 0.5]  # 300 fails at offset 0 (300 % 3 == 0), 500 at offset 1 (501)
+    assert plots.pareto(records[:1]) is None  # one stack: nothing to compare
