@@ -182,9 +182,38 @@ class MatrixSweeper(Sweeper):
             _say(f"  failed ({when}) {cell.rows[0]['label'] or cell.cell_id} [{cell.cell_id}]: {reason}")
         for folder in sorted({c.path.parent for c in plan.cells}):
             self._report(folder)
+            self._log_sweep(folder, [c for c in plan.cells if c.path.parent == folder])
         if failed:
             sys.exit(1)
         return outcomes
+
+    def _log_sweep(self, folder: Path, cells: list[PlannedCell]) -> None:
+        """The sweep's summary run on W&B (``logger=wandb``): the matrix as one table, the report."""
+        from kvbench import logger
+
+        assert self.config is not None
+        if not logger.enabled(self.config):
+            return
+        rows = []
+        for cell in cells:
+            record = read_record(cell.path) or {}
+            metrics = record.get("metrics") or {}
+            for row in cell.rows:
+                rows.append(
+                    {
+                        **row,
+                        "cell_id": cell.cell_id,
+                        "model": cell.model,
+                        "dataset": cell.dataset,
+                        "status": record.get("status", "not run"),
+                        "score": (metrics.get("score") or {}).get("value"),
+                        "accuracy_drop": (metrics.get("accuracy_drop") or {}).get("value"),
+                        "compression": metrics.get("compression_mean"),
+                        "kv_mem_mb_peak": metrics.get("kv_mem_mb_peak"),
+                        "error": record.get("error"),
+                    }
+                )
+        logger.log_sweep(self.config, folder, rows)
 
     @staticmethod
     def _report(folder: Path) -> None:
