@@ -72,6 +72,7 @@ def _records() -> list[dict]:
             delta_nll=None,
             compression_prefill=1.0,
             compression_mean=1.0,
+            kv_mem_mb_prefill=4.1 * 1.23,  # consistent bytes: compression x stored MB = reference MB
             kv_mem_mb_peak=6.0,
             kv_hit=1.0,
         ),
@@ -85,6 +86,7 @@ def _records() -> list[dict]:
             accuracy_drop={"name": "delta_ppl_pct", "value": -0.5, "ci_low": -1.25, "ci_high": 0.0},
             compression_mean=None,
             compression_prefill=2.0,
+            kv_mem_mb_prefill=4.1 * 1.23 / 2.0,
         ),
         _record("d000000000000001", "none", "quantized", "h2o", compression_mean=7.456),
         _record(

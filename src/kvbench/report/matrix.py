@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
+from kvbench.report import sanity
 from kvbench.report.tables import (
     _ALIGN,
     DASH,
@@ -124,6 +125,8 @@ def render_matrix_report(records: Sequence[dict], manifest: dict, title: str) ->
     Returns:
         The markdown document, ending with one newline.
     """
+    checked = sanity.render(records)
+    records = sanity.annotate(records)
     by_id = {str(r.get("cell_id")): r for r in records}
     groups: dict[tuple[str, str], list[tuple[dict, dict | None]]] = defaultdict(list)
     listed = set()
@@ -138,6 +141,8 @@ def render_matrix_report(records: Sequence[dict], manifest: dict, title: str) ->
     if any(r.get("status") == "done" for r in rest):
         body = render_report(rest, title).split("\n", 1)[1].strip()  # without its title line
         parts.append("## Other cells in this folder (not in the last sweep)\n\n" + body)
+    if checked:
+        parts.append(checked)
     failed = [r for r in records if r.get("status") != "done" and str(r.get("cell_id")) in listed]
     if failed:
         parts.append(render_failed(failed))

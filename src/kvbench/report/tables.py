@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 DASH = "—"
+REFUSED = "refused"  # a number the sanity checks refuse (the report says why)
 ROLES = ("router", "compressor", "scheduler")
 SECTION_TITLES = {0: "Baseline", 1: "Single technique", 2: "Double", 3: "Triple"}
 PERCENT_SCORES = frozenset({"needle_accuracy"})
@@ -121,11 +122,15 @@ def format_row(record: dict) -> list[str]:
     if compression is None:
         compression = metrics.get("compression_prefill")
     n_examples = metrics.get("n_examples")
+    refused = record.get("_refused") or {}  # set by kvbench.report.sanity.annotate
+    score = REFUSED if "score" in refused else format_score(metrics.get("score"))
+    if record.get("_flag"):
+        score += " ⚑"
     return [
         *(_role(record, role) for role in ROLES),
-        format_score(metrics.get("score")),
-        format_drop(metrics.get("accuracy_drop")),
-        _fixed(compression, 2, suffix="×"),
+        score,
+        REFUSED if "accuracy_drop" in refused else format_drop(metrics.get("accuracy_drop")),
+        REFUSED if "compression" in refused else _fixed(compression, 2, suffix="×"),
         _fixed(metrics.get("ttft_s"), 3),
         _fixed(metrics.get("tpot_s"), 1, scale=1000.0),
         _fixed(metrics.get("kv_mem_mb_peak"), 2),
@@ -283,6 +288,10 @@ def render_report(records: Sequence[dict], title: str) -> str:
     Returns:
         The markdown document, ending with one newline.
     """
+    from kvbench.report import sanity
+
+    checked = sanity.render(records)
+    records = sanity.annotate(records)
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for record in records:
         if record.get("status") == "done":
@@ -293,6 +302,8 @@ def render_report(records: Sequence[dict], title: str) -> str:
     failed = [r for r in records if r.get("status") != "done"]
     if not groups:
         parts.append("No completed cells.")
+    if checked:
+        parts.append(checked)
     if failed:
         parts.append(render_failed(failed))
     return "\n\n".join(parts) + "\n"
