@@ -39,7 +39,14 @@ def test_frontier_keeps_the_points_nothing_beats():
 
 def test_report_writes_a_pareto_plot_and_needle_heatmaps(tmp_path: Path):
     cases = [
-        {"length": n, "depth": d, "offset": o, "correct": float((n + o) % 3 != 0)}
+        {
+            "length": n,
+            "depth": d,
+            "offset": o,
+            "correct": float((n + o) % 3 != 0),
+            "context_tokens": n + 20,
+            "bytes_prefill": 4096 * n,
+        }
         for n in (300, 500)
         for d in (0.1, 0.5, 0.9)
         for o in (0, 1)
@@ -58,7 +65,10 @@ def test_report_writes_a_pareto_plot_and_needle_heatmaps(tmp_path: Path):
     text = path.read_text()
     pareto = tmp_path / "pareto-m-d.png"
     heatmap = tmp_path / "needle-e.png"
-    assert pareto.stat().st_size > 10_000 and heatmap.stat().st_size > 10_000
+    memory = tmp_path / "memory-m-n.png"
+    assert (
+        pareto.stat().st_size > 10_000 and heatmap.stat().st_size > 10_000 and memory.stat().st_size > 10_000
+    )
     assert pareto.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![pareto-m-d](pareto-m-d.png)" in text and "[e](needle-e.png)" in text
     lengths, depths, grid = plots.needle_grid(records[-1])

@@ -185,10 +185,18 @@ def test_cli_writes_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     _write_all(runs, _records())
     assert main([str(runs)]) == 0
     written = (runs / "REPORT.md").read_text(encoding="utf-8")
-    plots = "\n## Plots\n\n![pareto-smollm2_135m-pydoc](pareto-smollm2_135m-pydoc.png)\n"
+    plots = (
+        "\n## Plots\n\n![pareto-smollm2_135m-pydoc](pareto-smollm2_135m-pydoc.png)\n"
+        "![throughput-smollm2_135m-pydoc](throughput-smollm2_135m-pydoc.png)\n"
+    )
     assert written == (GOLDEN / "report_basic.md").read_text(encoding="utf-8") + plots
     assert capsys.readouterr().out == written
-    assert sorted(p.name for p in runs.iterdir()) == ["REPORT.md", "default", "pareto-smollm2_135m-pydoc.png"]
+    assert sorted(p.name for p in runs.iterdir()) == [
+        "REPORT.md",
+        "default",
+        "pareto-smollm2_135m-pydoc.png",
+        "throughput-smollm2_135m-pydoc.png",
+    ]
     assert main([str(runs), "--out", str(tmp_path / "out" / "r.md")]) == 0
     assert (tmp_path / "out" / "r.md").read_text(encoding="utf-8") == written
 

@@ -72,6 +72,8 @@ def write_plots(directory: Path, where: Path) -> list[Path]:
     written = []
     for (model, dataset), group in sorted(groups.items()):
         written += _save(plots.pareto(group), where / f"pareto-{model}-{dataset}.png")
+        written += _save(plots.throughput_vs_compression(group), where / f"throughput-{model}-{dataset}.png")
+        written += _save(plots.memory_vs_context(group), where / f"memory-{model}-{dataset}.png")
     for r in records:
         written += _save(plots.needle_heatmap(r), where / f"needle-{r['cell_id']}.png")
     return written
@@ -96,7 +98,7 @@ def write_report(directory: Path, out: Path | None = None) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     images = write_plots(directory, path.parent)
     if images:
-        links = "\n".join(f"![{p.stem}]({p.name})" for p in images if p.name.startswith("pareto-"))
+        links = "\n".join(f"![{p.stem}]({p.name})" for p in images if not p.name.startswith("needle-"))
         heatmaps = [p for p in images if p.name.startswith("needle-")]
         if heatmaps:
             links += "\n\nNeedle heatmaps (context length x depth), one per cell: " + ", ".join(

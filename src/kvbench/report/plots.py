@@ -126,3 +126,54 @@ def pareto(records: Sequence[dict]) -> Figure | None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def throughput_vs_compression(records: Sequence[dict]) -> Figure | None:
+    """Decode throughput against achieved compression, one point per stack; None if < 2 stacks."""
+    points = [
+        (float(c), float(t), stack_name(r))
+        for r in records
+        if r.get("status") == "done"
+        and (c := _compression(r)) is not None
+        and (t := (r.get("metrics") or {}).get("throughput_tok_s")) is not None
+    ]
+    if len(points) < 2:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    for c, t, name in points:
+        marker, color = ("*", "black") if name == "full cache" else ("o", "tab:blue")
+        ax.scatter([c], [t], marker=marker, s=120 if marker == "*" else 24, color=color)
+    ax.set_xlabel("compression ×")
+    ax.set_ylabel("decode throughput (tokens/s)")
+    ax.set_title(f"throughput against compression: {len(points)} stacks (full cache: star)", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def memory_vs_context(records: Sequence[dict]) -> Figure | None:
+    """Stored KV bytes after prefill against context length, a line per stack (needle cells)."""
+    lines = []
+    for r in records:
+        cases = [c for c in r.get("examples") or [] if "context_tokens" in c and "bytes_prefill" in c]
+        if r.get("status") != "done" or not cases:
+            continue
+        by_length: dict[int, list[float]] = defaultdict(list)
+        for c in cases:
+            by_length[int(c["context_tokens"])].append(float(c["bytes_prefill"]) / 2**20)
+        xs = sorted(by_length)
+        if len(xs) >= 2:
+            lines.append((stack_name(r), xs, [sum(by_length[x]) / len(by_length[x]) for x in xs]))
+    if not lines:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    for name, xs, ys in lines:
+        ax.plot(xs, ys, marker="o", ms=3, lw=1, label=name, color="black" if name == "full cache" else None)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("KV cache after prefill (MB)")
+    ax.set_title("KV memory against context length", fontsize=9)
+    if len(lines) <= 12:
+        ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
