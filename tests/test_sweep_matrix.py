@@ -250,7 +250,7 @@ def test_matrix_report_renders_sections_pairs_variants_and_gaps():
     assert "| variant_f_scheduling_only | —" in text
     assert "| pikv   | svd        | h2o       |    not run |" in text
     assert "| —      | svd        | h2o       |     failed |" in text
-    assert "cells: b, p1, s1\n" in text  # a record shown in two rows counts once
+    assert "cells (config hashes): b, p1, s1\n" in text  # a record shown in two rows counts once
     assert "router/base + scheduler/quest: both select reads" in text
 
 

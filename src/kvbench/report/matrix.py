@@ -136,6 +136,10 @@ def render_matrix_report(records: Sequence[dict], manifest: dict, title: str) ->
             key = (str(cell.get("model")), str(cell.get("dataset")))
             groups[key].append((row, by_id.get(str(cell.get("cell_id")))))
     parts = [f"# kvbench report: {title}"]
+    if manifest.get("command"):
+        parts.append(
+            f"Command: `python -m kvbench {' '.join(manifest['command'])}` ({manifest.get('created')})"
+        )
     parts += [render_matrix_group(groups[k], manifest.get("dropped", [])) for k in groups]
     rest = [r for r in records if str(r.get("cell_id")) not in listed]
     if any(r.get("status") == "done" for r in rest):

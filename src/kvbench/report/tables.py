@@ -225,11 +225,18 @@ def render_footer(records: Sequence[dict]) -> str:
     if description != DASH:
         model = f"{model} ({description})"
     cells = ", ".join(sorted(str(r.get("cell_id")) for r in records))
+    revision = _distinct(records, "dataset", "source", "revision")
+    data = f"dataset sha256 {_distinct(records, 'dataset', 'sha256', width=12)}"
+    if revision != DASH:
+        data += f" (revision {revision})"
+    device = f"{_distinct(records, 'device', 'type')} ({_distinct(records, 'device', 'name')})"
+    torch = _distinct(records, "device", "torch")
+    versions = f"torch {torch} · transformers {_distinct(records, 'device', 'transformers')}"
     return (
-        f"Model: {model} · dtype {_distinct(records, 'model', 'dtype')}"
-        f" · dataset sha256 {_distinct(records, 'dataset', 'sha256', width=12)}"
+        f"Model: {model} · dtype {_distinct(records, 'model', 'dtype')} · {data}"
+        f" · device {device} · {versions}"
         f" · kvbench {_distinct(records, 'kvbench_version')}"
-        f" protocol {_distinct(records, 'protocol_version')} · cells: {cells}"
+        f" protocol {_distinct(records, 'protocol_version')} · cells (config hashes): {cells}"
     )
 
 
