@@ -213,3 +213,19 @@ def test_cli_without_records_returns_2(
     assert captured.out == ""
     assert len(captured.err.strip().splitlines()) == 1
     assert not (directory / "REPORT.md").exists()
+
+
+def test_allocation_sweeps_get_rankkvs_table() -> None:
+    records = []
+    for i, (allocation, budget) in enumerate([("rankkv", 0.2), ("uniform", 0.2), ("uniform", 0.1)]):
+        r = _record(f"a{i}", "none", "none", "h2o", peak_memory_mb=900.0 + i)
+        r["config"] = {"budget": budget, "scheduler": {"name": "h2o", "allocation": allocation}}
+        records.append(r)
+    text = render_report(records, "rk")
+    table = text.split("### Layer allocation (RankKV's table)\n\n", 1)[1]
+    lines = table.splitlines()
+    assert lines[0].startswith("| Method        | Allocation | Budget | perplexity | TTFT (s) | TPOT (ms) |")
+    assert [line.split("|")[2].strip() for line in lines[2:5]] == ["uniform", "uniform", "rankkv"]
+    assert [line.split("|")[3].strip() for line in lines[2:5]] == ["0.1", "0.2", "0.2"]
+    assert "| scheduler/h2o | uniform    | 0.1    |      12.35 |    0.800 |      40.0 |" in table
+    assert "Layer allocation" not in render_report(records[:1], "one")

@@ -259,8 +259,53 @@ def render_group(records: Sequence[dict]) -> str:
     for order in sorted(by_order):
         parts.append(f"### {SECTION_TITLES.get(order, f'Order {order}')}")
         parts.append(render_table(by_order[order], score_name=score_name, drop_name=drop_name))
+    allocations = render_allocations(records)
+    if allocations:
+        parts.append(allocations)
     parts.append(render_footer(records))
     return "\n\n".join(parts)
+
+
+def _allocation(record: dict) -> tuple[str, str] | None:
+    """``(role/technique, allocation)`` of the technique that splits its budget across layers."""
+    for role in ROLES:
+        allocation = _get(record, "config", role, "allocation")
+        if allocation is not None:
+            return f"{role}/{_get(record, 'stack', role)}", str(allocation)
+    return None
+
+
+def render_allocations(records: Sequence[dict]) -> str | None:
+    """RankKV's table, method x allocation x budget, when the records sweep two allocations or more.
+
+    Columns as in RankKV's seed table: perplexity (or the task score), TTFT, TPOT, throughput,
+    peak memory and the KV cache's stored MB. None when there is nothing to compare.
+    """
+    rows = [(a, r) for r in records if r.get("status") == "done" and (a := _allocation(r)) is not None]
+    if len({a[1] for a, _ in rows}) < 2:
+        return None
+    header = ["Method", "Allocation", "Budget", _first(records, "metrics", "score", "name") or "Score"]
+    header += ["TTFT (s)", "TPOT (ms)", "Throughput (tok/s)", "Peak memory (MB)", "KV cache (MB)", "n"]
+    order = {"uniform": 0, "pyramid": 1, "rankkv": 2, "random": 3, "inverse": 4}
+    key = lambda item: (item[0][0], float(_get(item[1], "config", "budget") or 0), order.get(item[0][1], 9))
+    table = []
+    for (method, allocation), r in sorted(rows, key=key):
+        m = r.get("metrics") or {}
+        table.append(
+            [
+                method,
+                allocation,
+                str(_get(r, "config", "budget") or DASH),
+                format_score(m.get("score")),
+                _fixed(m.get("ttft_s"), 3),
+                _fixed(m.get("tpot_s"), 1, scale=1000.0),
+                _fixed(m.get("throughput_tok_s"), 1),
+                _fixed(m.get("peak_memory_mb"), 0),
+                _fixed(m.get("kv_mem_mb_peak"), 2),
+                str(m.get("n_examples") or DASH),
+            ]
+        )
+    return "### Layer allocation (RankKV's table)\n\n" + markdown_table(header, table, "lllrrrrrrr")
 
 
 def _failure_line(record: dict) -> str:
