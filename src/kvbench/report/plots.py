@@ -122,7 +122,8 @@ def pareto(records: Sequence[dict]) -> Figure | None:
     ax.set_ylabel(f"{score.get('name')} ({'higher' if higher else 'lower'} is better)")
     model = (done[0].get("model") or {}).get("name")
     dataset = (done[0].get("dataset") or {}).get("name")
-    ax.set_title(f"{model} · {dataset}: {len(done)} stacks, frontier in blue, random as ×", fontsize=9)
+    floor = ", random as ×" if any("/random" in stack_name(r) for r in done) else " (no random stack swept)"
+    ax.set_title(f"{model} · {dataset}: {len(done)} stacks, frontier in blue{floor}", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
