@@ -113,3 +113,31 @@ def test_a_rerun_continues_the_same_runs_and_logger_none_writes_nothing(tmp_path
     quiet = tmp_path / "quiet"
     assert _sweep(quiet, *args, "logger=none").returncode == 0
     assert not (quiet / "wandb").exists()
+
+
+def test_wandb_report_offline_says_what_it_would_create(tmp_path):
+    import pytest
+
+    from kvbench.report.wandb_report import build
+    from kvbench.results import write_record
+
+    record = {"cell_id": "a", "experiment": "x", "status": "done", "stack": {"scheduler": "h2o"}}
+    write_record(tmp_path / "x" / "a.json", record)
+    code = subprocess.run(
+        [sys.executable, "-m", "kvbench.report", str(tmp_path / "x"), "--wandb-report", "--project", "p"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE")},
+    )
+    assert code.returncode == 0
+    assert "not creating a W&B report: no WANDB_API_KEY. It would hold:" in code.stderr
+    assert "Panel grid over the runs of p in group 'x'" in code.stderr
+    pytest.importorskip("wandb_workspaces")
+    report = build(tmp_path / "x", "p", "team")  # the report object, built offline (never saved)
+    assert report.title == "kvbench: x" and [type(b).__name__ for b in report.blocks] == [
+        "H1",
+        "P",
+        "MarkdownBlock",
+        "PanelGrid",
+    ]

@@ -25,6 +25,13 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("dir", type=Path, help="a results folder (searched recursively for *.json)")
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: DIR/REPORT.md)")
+    parser.add_argument(
+        "--wandb-report",
+        action="store_true",
+        help="also create a W&B report (needs wandb-workspaces and W&B online; else prints its plan)",
+    )
+    parser.add_argument("--project", default=os.environ.get("WANDB_PROJECT", "kvbench"), help="W&B project")
+    parser.add_argument("--entity", default=os.environ.get("WANDB_ENTITY"), help="W&B entity")
     return parser.parse_args(argv)
 
 
@@ -47,6 +54,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"kvbench-report: no result records (*.json) under {directory}", file=sys.stderr)
         return 2
     sys.stdout.write(path.read_text(encoding="utf-8"))
+    if args.wandb_report:
+        from kvbench.report.wandb_report import create_or_explain
+
+        _, lines = create_or_explain(directory, args.project, args.entity)
+        print("\n".join(lines), file=sys.stderr)
     return 0
 
 
