@@ -18,20 +18,13 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+
+from kvbench.report.tables import _get
 
 ROLES = ("router", "compressor", "scheduler")
 _SAME_DIGITS = 1e-12
 _BYTES_TOLERANCE = 0.01
 _EQUAL_BYTES = 0.10
-
-
-def _get(record: Any, *keys: str) -> Any:
-    for key in keys:
-        if not isinstance(record, dict):
-            return None
-        record = record.get(key)
-    return record
 
 
 def _group_key(record: dict) -> tuple[str, str]:
