@@ -51,12 +51,16 @@ def test_kill_9_mid_cell_then_resume_recomputes_only_the_missing_cells(tmp_path)
     proc.wait()
     before = _records(folder)
     assert 1 <= len(before) < 4 and all(r["status"] == "done" for r in before.values())  # none half-written
-    assert len(list(folder.glob(".*.starts"))) == 1
+    markers = [p.name[1:].removesuffix(".starts") for p in folder.glob(".*.starts")]
+    # Usually one cell was in flight (its marker, no record). A kill between a record and its
+    # marker's removal leaves a stale marker; one between two cells leaves none.
+    interrupted = len([m for m in markers if m not in before])
+    assert len(markers) <= 1
 
     again = kvbench(*args, tmp=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     n = len(before)
-    assert f"4 cells: {n} done, 0 failed earlier, 1 interrupted, {4 - n} to run" in again.stderr
+    assert f"4 cells: {n} done, 0 failed earlier, {interrupted} interrupted, {4 - n} to run" in again.stderr
     assert f"summary: {4 - n} done, {n} skipped (already complete), 0 failed" in again.stderr
     after = _records(folder)
     assert len(after) == 4 and all(r["status"] == "done" for r in after.values())

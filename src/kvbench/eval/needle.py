@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from kvbench import metrics
 from kvbench.errors import ConfigError
-from kvbench.eval import loop
+from kvbench.eval import loop, retention
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
@@ -99,6 +99,9 @@ def run_case(lm: LoadedModel, stack: Stack, hay_ids: list[int], case: Case, cfg)
     else:
         loop.step(lm, cache, head, ttft)
         ref, stored = cache.reference_bytes(), cache.nbytes()
+    needle_ids = lm.codec.encode(cfg.needle.format(city=case.city, code=case.code))
+    kept, needle_kept = retention.retention(cache, len(head), retention.needle_span(head, needle_ids))
+    if not cfg.query_aware:
         logits = loop.step(lm, cache, question, ttft)
     tpot: list[float] = []
     tokens = loop.greedy(lm, cache, logits[-1], cfg.max_new_tokens, tpot)
@@ -117,6 +120,8 @@ def run_case(lm: LoadedModel, stack: Stack, hay_ids: list[int], case: Case, cfg)
         "compression_prefill": ref / stored,
         "bytes_end": cache.nbytes(),
         "compression_end": cache.reference_bytes() / cache.nbytes(),
+        "kept_by_layer_head": kept,
+        "needle_kept_by_layer_head": needle_kept,
     }
 
 

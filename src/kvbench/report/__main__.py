@@ -88,6 +88,7 @@ def write_plots(directory: Path, where: Path) -> list[Path]:
         written += _save(plots.memory_vs_context(group), where / f"memory-{model}-{dataset}.png")
     for r in records:
         written += _save(plots.needle_heatmap(r), where / f"needle-{r['cell_id']}.png")
+        written += _save(plots.retention_map(r), where / f"retention-{r['cell_id']}.png")
     return written
 
 
@@ -110,12 +111,17 @@ def write_report(directory: Path, out: Path | None = None) -> Path | None:
     path.parent.mkdir(parents=True, exist_ok=True)
     images = write_plots(directory, path.parent)
     if images:
-        links = "\n".join(f"![{p.stem}]({p.name})" for p in images if not p.name.startswith("needle-"))
-        heatmaps = [p for p in images if p.name.startswith("needle-")]
-        if heatmaps:
-            links += "\n\nNeedle heatmaps (context length x depth), one per cell: " + ", ".join(
-                f"[{p.stem.removeprefix('needle-')}]({p.name})" for p in heatmaps
-            )
+        per_cell = ("needle-", "retention-")
+        links = "\n".join(f"![{p.stem}]({p.name})" for p in images if not p.name.startswith(per_cell))
+        titles = {
+            "needle-": "Needle heatmaps (context length x depth)",
+            "retention-": "Retention maps (layer x KV head: context and needle tokens kept)",
+        }
+        for prefix, title in titles.items():
+            maps = [p for p in images if p.name.startswith(prefix)]
+            if maps:
+                cells = ", ".join(f"[{p.stem.removeprefix(prefix)}]({p.name})" for p in maps)
+                links += f"\n\n{title}, one per cell: {cells}"
         text = text.rstrip("\n") + "\n\n## Plots\n\n" + links.strip() + "\n"
     write_text_atomic(path, text)
     return path

@@ -178,3 +178,31 @@ def memory_vs_context(records: Sequence[dict]) -> Figure | None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+def _mean_map(cases: Sequence[dict], key: str) -> list[list[float]] | None:
+    maps = [c[key] for c in cases if c.get(key)]
+    if not maps:
+        return None
+    layers, heads = len(maps[0]), len(maps[0][0])
+    return [[sum(m[i][j] for m in maps) / len(maps) for j in range(heads)] for i in range(layers)]
+
+
+def retention_map(record: dict) -> Figure | None:
+    """Per layer x KV head: the share of the context a needle cell kept, and of the needle's tokens."""
+    cases = record.get("examples") or []
+    kept = _mean_map(cases, "kept_by_layer_head")
+    if kept is None:
+        return None
+    needle = _mean_map(cases, "needle_kept_by_layer_head")
+    panels = [("context tokens kept", kept)] + ([("needle tokens kept", needle)] if needle else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 2.4 * len(panels), 1.5 + 0.12 * len(kept)))
+    for ax, (title, grid) in zip(list(axes) if len(panels) > 1 else [axes], panels):
+        image = ax.imshow(grid, vmin=0.0, vmax=1.0, cmap="viridis", aspect="auto")
+        ax.set_title(title, fontsize=8)
+        ax.set_xlabel("KV head")
+        ax.set_ylabel("layer")
+        fig.colorbar(image, ax=ax, fraction=0.08)
+    fig.suptitle(f"{stack_name(record)}: mean over {len(cases)} needle cases", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -241,6 +241,8 @@ def build(
         status = str(record.get("status")) if record else "pending"
         if status not in ("done", "failed"):
             status = "interrupted" if state.starts(cell.path) else "pending"
+        elif state.starts(cell.path):
+            state.clear(cell.path)  # killed between writing its record and removing its marker
         launch = [o for o in overrides if not o.startswith("results_dir=")]
         launch.append(f"results_dir={Path(cfg.results_dir).resolve()}")
         by_id[cell.cell_id] = PlannedCell(
