@@ -64,9 +64,10 @@ def prevalidate(argv: list[str]) -> int:
     multirun = any(a in ("-m", "--multirun") for a in argv)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         if not multirun:
-            for combo in cells(overrides):
+            combos = cells(overrides)
+            for combo in combos:
                 config.validate(_compose(combo))
-            return len(cells(overrides))
+            return len(combos)
         parsed = OverridesParser.create().parse_overrides(overrides)
         _compose([str(ov.input_line) for ov in parsed if not ov.is_sweep_override()])
     return 0

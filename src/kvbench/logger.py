@@ -99,13 +99,6 @@ def config_sha256(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def run_name(stack: dict[str, Any]) -> str:
-    parts = [
-        f"{r}/{stack[r]}" for r in ("router", "compressor", "scheduler") if stack.get(r) not in (None, "none")
-    ]
-    return " + ".join(parts) or "full cache"
-
-
 def log(cfg: DictConfig, record: dict[str, Any]) -> None:
     """Logs one cell's record as its W&B run (id = the cell id); nothing unless ``logger=wandb``."""
     if not enabled(cfg) or not record:
@@ -113,13 +106,14 @@ def log(cfg: DictConfig, record: dict[str, Any]) -> None:
     import wandb
 
     from kvbench.report import plots
+    from kvbench.report.tables import qualified_stack
 
     stack = record["stack"]
     run = _init(
         cfg,
         group=record["experiment"],
         job_type=JOB_TYPES.get(int(stack.get("order") or 0), "stack"),
-        name=run_name(stack),
+        name=qualified_stack(record, empty="full cache"),
         id=record["cell_id"],
         config={
             **record["config"],

@@ -16,14 +16,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-ROLES = ("router", "compressor", "scheduler")
+from kvbench.report.tables import qualified_stack  # noqa: E402
 
 
 def stack_name(record: dict) -> str:
     """Role-qualified stack name, e.g. ``compressor/quantized + scheduler/h2o``; ``full cache``."""
-    stack = record.get("stack") or {}
-    parts = [f"{r}/{stack[r]}" for r in ROLES if stack.get(r) not in (None, "none")]
-    return " + ".join(parts) or "full cache"
+    return qualified_stack(record, empty="full cache")
 
 
 def needle_grid(record: dict) -> tuple[list[int], list[float], list[list[float | None]]] | None:

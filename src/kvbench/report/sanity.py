@@ -19,9 +19,8 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-from kvbench.report.tables import _get
+from kvbench.report.tables import ROLES, _get, qualified_stack
 
-ROLES = ("router", "compressor", "scheduler")
 _SAME_DIGITS = 1e-12
 _BYTES_TOLERANCE = 0.01
 _EQUAL_BYTES = 0.10
@@ -44,8 +43,7 @@ def _compression(record: dict) -> float | None:
 
 
 def _name(record: dict) -> str:
-    stack = record.get("stack") or {}
-    return " + ".join(f"{r}/{stack[r]}" for r in ROLES if stack.get(r) not in (None, "none")) or "full cache"
+    return qualified_stack(record, empty="full cache")
 
 
 def _is_random(record: dict) -> bool:

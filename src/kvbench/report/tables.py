@@ -206,13 +206,13 @@ def stack_order(record: dict) -> int:
     return sum(_get(record, "stack", role) not in (None, "none") for role in ROLES)
 
 
-def qualified_stack(record: dict) -> str:
+def qualified_stack(record: dict, empty: str = "full cache (all roles none)") -> str:
     """Names a stack with its roles, e.g. ``compressor/quantized + scheduler/h2o``.
 
-    Roles set to none are left out; the full-cache stack is ``full cache (all roles none)``.
+    Roles set to none are left out; the full-cache stack is ``empty``.
     """
     names = [f"{role}/{_get(record, 'stack', role)}" for role in ROLES if _role(record, role) != DASH]
-    return " + ".join(names) or "full cache (all roles none)"
+    return " + ".join(names) or empty
 
 
 def render_footer(records: Sequence[dict]) -> str:

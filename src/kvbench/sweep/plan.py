@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from kvbench import results
 from kvbench.errors import ConfigError, IllegalStack
 from kvbench.sweep import state
-from kvbench.sweep.matrix import ORDER_SECTION, ROLES, MatrixSpec, StackCell, expand, stack_label
+from kvbench.sweep.matrix import ORDER_SECTION, ROLES, MatrixSpec, StackCell, expand, parse_order, stack_label
 
 MANIFEST = "sweep.plan"  # JSON, but not *.json: never read as a record
 Compose = Callable[[list[str]], DictConfig]
@@ -105,8 +105,6 @@ def _plain(value: Any) -> Any:
 
 def spec_from(node: Any) -> MatrixSpec:
     """The matrix part of the sweeper's config node (``hydra.sweeper``)."""
-    from kvbench.sweep.matrix import parse_order
-
     get = (lambda k: _plain(node.get(k))) if node is not None else (lambda k: None)
     return MatrixSpec(
         order=parse_order(get("order")),
@@ -182,8 +180,8 @@ def _row(stack: StackCell, cfg: DictConfig, order: int, combo: list[str]) -> dic
     swept = [o for o in combo if o.partition("=")[0] not in ("model", "dataset", *ROLES)]
     if swept:
         stack_part, _, knobs = label.partition(" (")
-        knobs = knobs.rstrip(")")
-        label = f"{stack_part} ({', '.join([k for k in (knobs,) if k] + swept)})"
+        settings = [knobs.rstrip(")")] if knobs else []
+        label = f"{stack_part} ({', '.join(settings + swept)})"
     return {"section": section, "label": label}
 
 

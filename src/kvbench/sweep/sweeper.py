@@ -25,9 +25,8 @@ from tqdm.auto import tqdm
 
 from kvbench.errors import ConfigError, DatasetLoadError
 from kvbench.results import read_record
+from kvbench.stack import CONF_DIR
 from kvbench.sweep.plan import PlannedCell, SweepPlan, build, write_manifests
-
-CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
 
 
 def _say(message: str) -> None:
