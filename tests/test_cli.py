@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,12 @@ def test_multirun_in_one_process_then_skip_and_report(tmp_path):
         cwd=ROOT,
     )
     assert rep.returncode == 0 and "### Double" in rep.stdout and "quantized" in rep.stdout
+    # each record's command reruns that cell alone: same cell id, found done
+    cell = by_stack[("quantized", "h2o")]
+    assert "compressor=quantized" in cell["command"] and "results_dir" not in cell["command"]
+    alone = kvbench(*shlex.split(cell["command"]), tmp=tmp_path)
+    assert alone.returncode == 0 and f"cell {cell['cell_id']} is done" in alone.stderr
+    assert f"command `python -m kvbench {cell['command']}`" in rep.stdout  # its table's provenance
 
 
 def test_record_identity_excludes_logging_and_paths(tmp_path):

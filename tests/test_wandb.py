@@ -69,6 +69,8 @@ def test_a_sweep_logs_cells_and_a_summary_run(tmp_path):
         assert run["job_type"] == {0: "baseline", 1: "single"}[record["stack"]["order"]]
         assert run["name"] in ("full cache", "scheduler/h2o", "scheduler/lru")
         assert run["config"]["cell_id"] == cell_id and len(run["config"]["config_sha256"]) == 64
+        assert run["config"]["command"] == record["command"]
+        assert f"scheduler={record['stack']['scheduler']}" in record["command"]
         assert run["config"]["scheduler"] == record["config"]["scheduler"]
         assert run["summary"]["score/value"] == record["metrics"]["score"]["value"]
         assert run["summary"]["status"] == "done"

@@ -119,6 +119,7 @@ def log(cfg: DictConfig, record: dict[str, Any]) -> None:
             **record["config"],
             "cell_id": record["cell_id"],
             "config_sha256": config_sha256(record["config"]),
+            "command": record.get("command"),
         },
     )
     summary: dict[str, Any] = {}

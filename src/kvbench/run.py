@@ -6,6 +6,7 @@ import gc
 import json
 import math
 import platform
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 import transformers
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 import kvbench
@@ -231,6 +233,17 @@ def _evaluate(cfg, lm, stack, text, ident, record) -> None:
     record["status"] = "done"
 
 
+def cell_command() -> str | None:
+    """The overrides that rerun this cell alone, ``python -m kvbench <them>``; None outside Hydra.
+
+    ``results_dir`` is left out: it says where the record goes, not what it measures.
+    """
+    if not HydraConfig.initialized():
+        return None
+    task = HydraConfig.get().overrides.task
+    return " ".join(shlex.quote(o) for o in task if not o.startswith("results_dir="))
+
+
 def _skeleton(cfg, stack, ident, cell_id, source) -> dict[str, Any]:
     container = _container(cfg)
     container.pop("hydra", None)
@@ -245,6 +258,7 @@ def _skeleton(cfg, stack, ident, cell_id, source) -> dict[str, Any]:
         "stack": {**stack.names(), "order": stack.order},
         "config": container,
         "identity": ident,
+        "command": cell_command(),
         "model": {
             "name": cfg.model.name,
             "hf_id": cfg.model.get("hf_id"),
