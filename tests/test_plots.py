@@ -75,3 +75,21 @@ def test_report_writes_a_pareto_plot_and_needle_heatmaps(tmp_path: Path):
     assert lengths == [300, 500] and depths == [0.1, 0.5, 0.9]
     assert grid[0] == [0.5, 0.5]  # 300 fails at offset 0 (300 % 3 == 0), 500 at offset 1 (501)
     assert plots.pareto(records[:1]) is None  # one stack: nothing to compare
+
+
+def test_pareto_shows_a_setting_over_seeds_as_one_point_with_its_range():
+    def seeded(cell_id: str, seed: int, ppl: float) -> dict:
+        ident = {"stack": {"scheduler": {"name": "random", "seed": seed}}, "seed": 0}
+        return _record(cell_id, "random", ppl, 2.0, identity=ident)
+
+    records = [_record("a", "none", 10.0, 1.0), seeded("r0", 0, 11.0), seeded("r1", 1, 13.0)]
+    fig = plots.pareto(records)
+    assert fig is not None
+    ax = fig.axes[0]
+    points = [tuple(p) for c in ax.collections for p in c.get_offsets() if len(c.get_offsets())]
+    assert (2.0, 12.0) in points and (2.0, 11.0) not in points  # the mean, not each seed
+    assert "2 stacks" in ax.get_title()
+    assert any(t.get_text() == "scheduler/random (2 seeds)" for t in ax.texts)
+    bars = [seg for c in ax.collections if hasattr(c, "get_segments") for seg in c.get_segments()]
+    assert any(seg[0][1] == 11.0 and seg[1][1] == 13.0 for seg in map(list, bars))  # the seeds' range
+    plots.plt.close(fig)

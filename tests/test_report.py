@@ -13,7 +13,13 @@ import pytest
 
 from kvbench.report import DASH, format_row, render_report, render_table
 from kvbench.report.__main__ import main
-from kvbench.report.tables import format_drop, format_score, format_significant, qualified_stack
+from kvbench.report.records import merge_seeds
+from kvbench.report.tables import (
+    format_drop,
+    format_score,
+    format_significant,
+    qualified_stack,
+)
 from kvbench.results import load_records, record_path, write_record
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -42,6 +48,7 @@ def _record(cell_id: str, router: str, compressor: str, scheduler: str, **metric
         "stack": {**stack, "order": sum(name != "none" for name in stack.values())},
         "config": {},
         "identity": {},
+        "command": f"router={router} compressor={compressor} scheduler={scheduler} dataset=pydoc",
         "model": {
             "name": "smollm2_135m",
             "hf_id": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -118,6 +125,54 @@ def test_report_matches_golden(tmp_path: Path) -> None:
     _write_all(tmp_path / "runs", _records())
     text = render_report(load_records(tmp_path / "runs"), "runs")
     _check_golden("report_basic.md", text)
+
+
+def _seeded(cell_id: str, compressor: str, seed: int, ppl: float, drop: float, **metrics: object) -> dict:
+    """A record of ``compressor`` run with ``seed`` (the run's seed, or the technique's for random)."""
+    record = _record(cell_id, "none", compressor, "none", **metrics)
+    knob = "compressor.seed" if compressor == "random" else "seed"
+    record["command"] += f" {knob}={seed}"
+    technique = {"name": compressor, **({"seed": seed} if compressor == "random" else {})}
+    record["identity"] = {"stack": {"compressor": technique}, "seed": 0 if compressor == "random" else seed}
+    record["metrics"]["score"]["value"] = ppl
+    drop_metric = {"name": "delta_ppl_pct", "value": drop, "ci_low": 0.0, "ci_high": 9.0}
+    record["metrics"]["accuracy_drop"] = drop_metric
+    return record
+
+
+def _seed_records() -> list[dict]:
+    """A baseline, quantized over three run seeds, random over two technique seeds, svd once."""
+    return [
+        _record(
+            "0000000000000b00",
+            "none",
+            "none",
+            "none",
+            accuracy_drop=None,
+            compression_prefill=1.0,
+            kv_mem_mb_prefill=4.1 * 1.23,
+        ),
+        _seeded("9000000000000000", "quantized", 0, 12.0, 1.0),
+        _seeded("9000000000000001", "quantized", 1, 12.6, 4.0, ttft_s=0.9),
+        _seeded("9000000000000002", "quantized", 2, 12.3, 2.5, ttft_s=1.0),
+        _seeded("a000000000000000", "random", 0, 13.0, 9.0, compression_mean=3.95),
+        _seeded("a000000000000001", "random", 1, 14.0, 17.0, compression_mean=3.85),
+        _seeded("c000000000000000", "svd", 0, 12.2, 2.0),
+    ]
+
+
+def test_seeds_show_as_mean_and_range_with_n(tmp_path: Path) -> None:
+    text = render_report(_seed_records(), "seeds")
+    _check_golden("report_seeds.md", text)
+    rows = {row[1]: row for row in map(format_row, merge_seeds(_seed_records()))}
+    # quantized: the mean of 1.0, 4.0 and 2.5 over 3 seeds and their range; TTFT averaged too
+    assert rows["quantized"][3:7] == ["12.30", "+2.50 (range 1.00, 4.00)", "3.90×", "0.900"]
+    assert rows["quantized"][10] == "3×4"  # n: seeds x examples
+    assert rows["random"][4:6] == ["+13.00 (range 9.00, 17.00)", "3.90×"]  # 3.95 and 3.85
+    assert rows["svd"][4] == "+2.00 [0.00, 9.00]" and rows["svd"][10] == "4"  # one seed: over examples
+    assert "mean over the seeds and their range" in text
+    for cell in ("9000000000000000", "9000000000000001", "9000000000000002", "a000000000000001"):
+        assert f"`{cell}`: `python -m kvbench " in text  # each seed's own command
 
 
 def test_row_of_an_unmeasured_record_is_dashes_not_zeros() -> None:

@@ -74,3 +74,26 @@ def test_a_stack_worse_than_random_at_equal_bytes_is_flagged():
     )
     text = render_report(records, "t")
     assert "15.00 ⚑" in text and "flagged scheduler/h2o (cell `bad`)" in text
+
+
+def _seed(cell_id, seed, ppl, scheduler="none", compressor="random"):
+    """A cell run with ``seed``: the technique's own seed for random, the run's for the others."""
+    record = _r(cell_id, scheduler, compressor, ppl=ppl, comp=2.0)
+    knobs = {"compressor": {"name": compressor, "seed": seed}} if compressor == "random" else {}
+    record["identity"] = {**record["identity"], "stack": knobs, "seed": 0 if knobs else seed}
+    return record
+
+
+def test_seeds_are_compared_by_their_means():
+    records = [_r("b"), _seed("r0", 0, 13.0), _seed("r1", 1, 14.0), _seed("r2", 2, 15.0)]
+    records.append(_r("lru", "lru", ppl=13.5, comp=2.0))  # worse than seed 0, better than the mean
+    records += [_seed("h0", 0, 14.2, "h2o", "none"), _seed("h1", 1, 14.6, "h2o", "none")]
+    flagged = sanity.flags(records)
+    assert set(flagged) == {"h0", "h1"}  # 14.4 on average against random's 14.0
+    assert flagged["h0"] == (
+        "worse than compressor/random at equal bytes (means over seeds) "
+        "(14.4 vs 14 at 2.00x vs 2.00x compression)"
+    )
+    text = render_report(records, "t")
+    assert "- flagged scheduler/h2o (cells `h0`, `h1`): worse than" in text
+    assert "14.40 ⚑" in text and "13.50 ⚑" not in text

@@ -9,12 +9,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from kvbench.report import sanity
+from kvbench.report.records import merge_seeds
 from kvbench.report.tables import (
     _ALIGN,
     DASH,
     ROLES,
     _distinct,
     _first,
+    drop_legend,
     format_row,
     markdown_table,
     render_failed,
@@ -25,6 +27,7 @@ from kvbench.report.tables import (
 
 MATRIX_SECTIONS = (
     ("baseline", "Baseline"),
+    ("floor", "Sanity floor"),
     ("single", "Single technique"),
     ("double", "Double"),
     ("triple", "Triple"),
@@ -53,6 +56,35 @@ def _settings(label: str) -> str:
     return label.split(" (", 1)[1].rstrip(")") if " (" in label else DASH
 
 
+def _without_seeds(label: str) -> str:
+    """A row label with its seed settings (``seed=1``, ``compressor.seed=2``) left out."""
+    stack, _, knobs = label.partition(" (")
+    settings = [k for k in knobs.rstrip(")").split(", ") if k]
+    kept = [k for k in settings if k.partition("=")[0].rpartition(".")[2] != "seed"]
+    return f"{stack} ({', '.join(kept)})" if kept else stack
+
+
+def merge_seed_rows(entries: Sequence[tuple[dict, dict | None]]) -> list[tuple[dict, dict | None]]:
+    """Rows that differ only in their seeds as one row: their done records merged over the seeds.
+
+    A row keeps its place (its first seed's). Rows whose records differ in more than a seed stay apart;
+    rows with no done record show the first one's status.
+    """
+    groups: dict[tuple[str, str], list[tuple[dict, dict | None]]] = {}
+    for row, record in entries:
+        groups.setdefault((row["section"], _without_seeds(row["label"])), []).append((row, record))
+    out: list[tuple[dict, dict | None]] = []
+    for (section, label), items in groups.items():
+        done = [r for _, r in items if r is not None and r.get("status") == "done"]
+        merged = merge_seeds(done)
+        if len(items) == 1 or len(merged) > 1:
+            out += items
+        else:
+            record = merged[0] if merged else next((r for _, r in items if r is not None), None)
+            out.append(({**items[0][0], "section": section, "label": label}, record))
+    return out
+
+
 def _matrix_rows(entries: Sequence[tuple[dict, dict | None]], first: str | None) -> list[list[str]]:
     """Rows of a matrix table; ``first`` adds a leading column: the ``label`` or its ``settings``."""
     rows = []
@@ -73,44 +105,60 @@ def _matrix_table(header: list[str], entries: Sequence[tuple[dict, dict | None]]
     return markdown_table(header, _matrix_rows(entries, None), _ALIGN)
 
 
-def render_matrix_group(entries: Sequence[tuple[dict, dict | None]], dropped: Sequence[dict]) -> str:
+def _done(entries: Sequence[tuple[dict, dict | None]]) -> list[dict]:
+    """The done records of some rows, each once (a record can be shown in two rows)."""
+    unique = {id(r): r for _, r in entries if r is not None and r.get("status") == "done"}
+    return list(unique.values())
+
+
+def render_matrix_group(
+    entries: Sequence[tuple[dict, dict | None]], dropped: Sequence[dict], command: str | None = None
+) -> str:
     """One model and dataset in the matrix's shape: a table per section, doubles by role pair.
+
+    Each table is followed by its provenance (:func:`~kvbench.report.tables.render_footer`).
 
     Args:
         entries: ``(row, record)`` pairs in the sweep's order; ``row`` is ``{"section", "label"}``
-            from ``sweep.plan``; ``record`` is None for a cell that has not run.
+            from ``sweep.plan``; ``record`` is None for a cell that has not run. Rows that differ
+            only in their seeds are shown as one.
         dropped: The sweep's illegal combinations, ``{"section", "label", "reason"}``.
+        command: The sweep's command, shown in each table's provenance.
     """
-    unique = {id(r): r for _, r in entries if r is not None and r.get("status") == "done"}
-    done = list(unique.values())  # a record shown in two rows counts once
+    entries = merge_seed_rows(entries)
+    done = _done(entries)
     model = _distinct(done, "model", "name") if done else DASH
     dataset = _distinct(done, "dataset", "name") if done else DASH
-    parts = [f"## {model} · {dataset} ({_distinct(done, 'dataset', 'task')})"]
+    parts = [f"## {model} · {dataset} ({_distinct(done, 'dataset', 'task')})", drop_legend(done)]
     score_name = _first(done, "metrics", "score", "name")
     header = table_header(score_name, _first(done, "metrics", "accuracy_drop", "name"))
+
+    def table(rows: list[tuple[dict, dict | None]], rendered: str) -> None:
+        parts.append(rendered)
+        if _done(rows):
+            parts.append(render_footer(_done(rows), command))
+
     for section, title in MATRIX_SECTIONS:
         rows = [(row, rec) for row, rec in entries if row["section"] == section]
         if not rows:
             continue
         parts.append(f"### {title} ({len(rows)})")
         if section == "variant":
-            parts.append(markdown_table(["Variant", *header], _matrix_rows(rows, "label"), "l" + _ALIGN))
+            table(rows, markdown_table(["Variant", *header], _matrix_rows(rows, "label"), "l" + _ALIGN))
         elif section == "double":
             for roles, pair_title in _PAIR_TITLES.items():
                 pair = [(row, rec) for row, rec in rows if tuple(_label_roles(row["label"])) == roles]
                 if pair:
                     parts.append(f"#### {pair_title} ({len(pair)})")
-                    parts.append(_matrix_table(header, pair))
+                    table(pair, _matrix_table(header, pair))
             other = [(row, rec) for row, rec in rows if tuple(_label_roles(row["label"])) not in _PAIR_TITLES]
             if other:
-                parts.append(_matrix_table(header, other))
+                table(other, _matrix_table(header, other))
         else:
-            parts.append(_matrix_table(header, rows))
+            table(rows, _matrix_table(header, rows))
     if dropped:
         lines = [f"- {d['section']} {d['label']}: {d['reason']}" for d in dropped]
         parts.append("### Dropped as illegal\n\n" + "\n".join(lines))
-    if done:
-        parts.append(render_footer(done))
     return "\n\n".join(parts)
 
 
@@ -136,11 +184,10 @@ def render_matrix_report(records: Sequence[dict], manifest: dict, title: str) ->
             key = (str(cell.get("model")), str(cell.get("dataset")))
             groups[key].append((row, by_id.get(str(cell.get("cell_id")))))
     parts = [f"# kvbench report: {title}"]
-    if manifest.get("command"):
-        parts.append(
-            f"Command: `python -m kvbench {' '.join(manifest['command'])}` ({manifest.get('created')})"
-        )
-    parts += [render_matrix_group(groups[k], manifest.get("dropped", [])) for k in groups]
+    command = f"python -m kvbench {' '.join(manifest['command'])}" if manifest.get("command") else None
+    if command:
+        parts.append(f"Command: `{command}` ({manifest.get('created')})")
+    parts += [render_matrix_group(groups[k], manifest.get("dropped", []), command) for k in groups]
     rest = [r for r in records if str(r.get("cell_id")) not in listed]
     if any(r.get("status") == "done" for r in rest):
         body = render_report(rest, title).split("\n", 1)[1].strip()  # without its title line

@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from kvbench.report.records import merge_seeds  # noqa: E402
 from kvbench.report.tables import qualified_stack  # noqa: E402
 
 
@@ -88,7 +89,8 @@ def pareto(records: Sequence[dict]) -> Figure | None:
     """Score against achieved compression for every done stack of one model and dataset.
 
     The frontier is drawn, the full cache is a star and ``random`` stacks (the sanity floor) are
-    crosses. None when fewer than two stacks have both numbers.
+    crosses. A setting run over several seeds is one point, its mean, with the seeds' range as an
+    error bar. None when fewer than two stacks have both numbers.
     """
     done = [
         r
@@ -97,6 +99,7 @@ def pareto(records: Sequence[dict]) -> Figure | None:
         and _compression(r) is not None
         and ((r.get("metrics") or {}).get("score") or {}).get("value") is not None
     ]
+    done = [r for r in merge_seeds(done) if r["metrics"]["score"]["value"] is not None]
     if len(done) < 2:
         return None
     score: dict[str, Any] = done[0]["metrics"]["score"]
@@ -106,14 +109,18 @@ def pareto(records: Sequence[dict]) -> Figure | None:
     fig, ax = plt.subplots(figsize=(7.5, 5.0))
     for i, (r, (c, s)) in enumerate(zip(done, points)):
         name = stack_name(r)
+        seeds = (r.get("_seeds") or {}).get("n")
         if name == "full cache":
             ax.scatter([c], [s], marker="*", s=160, color="black", zorder=3, label="full cache")
         elif "/random" in name:
             ax.scatter([c], [s], marker="x", s=60, color="tab:red", zorder=3)
         else:
             ax.scatter([c], [s], s=28, color="tab:blue" if i in front else "tab:gray", zorder=2)
+        if span := (r.get("_seeds") or {}).get("score"):
+            ax.errorbar([c], [s], yerr=[[s - span[0]], [span[1] - s]], fmt="none", color="gray", lw=0.8)
         if i in front or name == "full cache" or "/random" in name:
-            ax.annotate(name, (c, s), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            label = f"{name} ({seeds} seeds)" if seeds else name
+            ax.annotate(label, (c, s), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ordered = sorted(front, key=lambda i: points[i][0])
     ax.plot([points[i][0] for i in ordered], [points[i][1] for i in ordered], color="tab:blue", lw=1)
     ax.set_xlabel("compression × (16-bit reference bytes / stored bytes)")

@@ -10,7 +10,8 @@ Refused (the table shows ``refused`` instead of the number, and the reason is li
   the folder has another example or token count).
 
 Flagged, not hidden: a stack whose score is worse than a ``random`` stack's at equal bytes
-(compression within 10 %).
+(compression within 10 %). Where either ran over several seeds, their means over the seeds are
+compared, and every seed's cell carries the flag.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 
-from kvbench.report.tables import ROLES, _get, qualified_stack
+from kvbench.report.records import _get, cell_ids, merge_seeds, repeat_key
+from kvbench.report.tables import ROLES, qualified_stack
 
 _SAME_DIGITS = 1e-12
 _BYTES_TOLERANCE = 0.01
@@ -111,7 +113,7 @@ def _bytes_agree(group: list[dict], out: dict[str, dict[str, str]]) -> None:
 
 def _baseline_examples(group: list[dict], out: dict[str, dict[str, str]]) -> None:
     baselines = [r for r in group if not _get(r, "stack", "order")]
-    if len(baselines) != 1:
+    if len({repeat_key(r) for r in baselines}) != 1:  # none, or two settings: no one baseline
         return
     base = baselines[0]
     for r in group:
@@ -134,6 +136,7 @@ def flags(records: Sequence[dict]) -> dict[str, str]:
         if r.get("status") == "done" and _score(r) is not None and _compression(r):
             groups[_group_key(r)].append(r)
     for group in groups.values():
+        group = merge_seeds(group)
         randoms = [r for r in group if _is_random(r)]
         for r in group:
             if _is_random(r) or not _get(r, "stack", "order"):
@@ -144,10 +147,12 @@ def flags(records: Sequence[dict]) -> dict[str, str]:
                 s, sf = _score(r) or 0.0, _score(floor) or 0.0  # both set: filtered above
                 worse = s < sf if higher else s > sf
                 if abs(c - cf) <= _EQUAL_BYTES * max(c, cf) and worse:
-                    out[r["cell_id"]] = (
-                        f"worse than {_name(floor)} at equal bytes ({s:.4g} vs {sf:.4g} at "
+                    seeds = " (means over seeds)" if r.get("_seeds") or floor.get("_seeds") else ""
+                    reason = (
+                        f"worse than {_name(floor)} at equal bytes{seeds} ({s:.4g} vs {sf:.4g} at "
                         f"{c:.2f}x vs {cf:.2f}x compression)"
                     )
+                    out.update(dict.fromkeys(cell_ids(r), reason))
                     break
     return out
 
@@ -163,8 +168,12 @@ def render(records: Sequence[dict]) -> str | None:
     for cell_id in sorted(refused):
         for what, reason in sorted(refused[cell_id].items()):
             lines.append(f"- refused {what} of {_name(by_id[cell_id])} (cell `{cell_id}`): {reason}")
+    seeds: dict[tuple[str, str], list[str]] = defaultdict(list)  # one line for a stack's seeds
     for cell_id in sorted(flagged):
-        lines.append(f"- flagged {_name(by_id[cell_id])} (cell `{cell_id}`): {flagged[cell_id]}")
+        seeds[(_name(by_id[cell_id]), flagged[cell_id])].append(f"`{cell_id}`")
+    for (name, reason), cells in seeds.items():
+        cell = "cells" if len(cells) > 1 else "cell"
+        lines.append(f"- flagged {name} ({cell} {', '.join(cells)}): {reason}")
     return "\n".join(lines)
 
 

@@ -12,6 +12,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from kvbench.report.records import _get, cell_ids, commands_by_cell, merge_seeds
+
 DASH = "—"
 REFUSED = "refused"  # a number the sanity checks refuse (the report says why)
 ROLES = ("router", "compressor", "scheduler")
@@ -19,15 +21,6 @@ SECTION_TITLES = {0: "Baseline", 1: "Single technique", 2: "Double", 3: "Triple"
 PERCENT_SCORES = frozenset({"needle_accuracy"})
 # Column alignment: l(eft) for names, r(ight) for numbers.
 _ALIGN = "lllrrrrrrrrl"
-
-
-def _get(record: Any, *keys: str) -> Any:
-    """Returns ``record[k0][k1]...``, or None where a level is missing or not a dict."""
-    for key in keys:
-        if not isinstance(record, dict):
-            return None
-        record = record.get(key)
-    return record
 
 
 def _first(records: Sequence[dict], *keys: str) -> Any:
@@ -99,6 +92,13 @@ def format_drop(drop: dict | None) -> str:
     return f"{value:+.2f}{interval}"
 
 
+def format_seed_range(value: float | None, low: float | None, high: float | None) -> str:
+    """Formats a mean over seeds with their range: ``+3.10 (range 2.00, 4.20)``; the dash when unmeasured."""
+    if value is None:
+        return DASH
+    return f"{value:+.2f}" + ("" if low is None or high is None else f" (range {low:.2f}, {high:.2f})")
+
+
 def _role(record: dict, role: str) -> str:
     name = _get(record, "stack", role)
     if name == "chain":  # show what it chains: chain[chunkkv,svd]
@@ -106,6 +106,14 @@ def _role(record: dict, role: str) -> str:
         names = [str(s.get("name")) if isinstance(s, dict) else str(s) for s in stages]
         return f"chain[{','.join(names)}]"
     return DASH if name in (None, "none") else str(name)
+
+
+def _n(record: dict) -> str:
+    """The n column: examples, or ``seeds×examples`` for a record merged over seeds."""
+    n_examples = _get(record, "metrics", "n_examples")
+    n = DASH if n_examples is None else str(n_examples)
+    seeds = _get(record, "_seeds", "n")
+    return f"{seeds}×{n}" if seeds else n
 
 
 def format_row(record: dict) -> list[str]:
@@ -116,12 +124,17 @@ def format_row(record: dict) -> list[str]:
 
     Returns:
         Twelve strings: roles, score, drop, compression, TTFT, TPOT, KV memory, KV hit, n, device.
+        A record merged over seeds (:func:`merge_seeds`) shows means, the drop's range over the
+        seeds instead of its interval over examples, and n as ``seeds×examples``.
     """
     metrics = record.get("metrics") or {}
     compression = metrics.get("compression_mean")
     if compression is None:
         compression = metrics.get("compression_prefill")
-    n_examples = metrics.get("n_examples")
+    drop = format_drop(metrics.get("accuracy_drop"))
+    if seeds := record.get("_seeds"):  # merged over seeds by merge_seeds
+        low, high = seeds.get("drop") or (None, None)
+        drop = format_seed_range(_get(metrics, "accuracy_drop", "value"), low, high)
     refused = record.get("_refused") or {}  # set by kvbench.report.sanity.annotate
     score = REFUSED if "score" in refused else format_score(metrics.get("score"))
     if record.get("_flag"):
@@ -129,13 +142,13 @@ def format_row(record: dict) -> list[str]:
     return [
         *(_role(record, role) for role in ROLES),
         score,
-        REFUSED if "accuracy_drop" in refused else format_drop(metrics.get("accuracy_drop")),
+        REFUSED if "accuracy_drop" in refused else drop,
         REFUSED if "compression" in refused else _fixed(compression, 2, suffix="×"),
         _fixed(metrics.get("ttft_s"), 3),
         _fixed(metrics.get("tpot_s"), 1, scale=1000.0),
         _fixed(metrics.get("kv_mem_mb_peak"), 2),
         _fixed(metrics.get("kv_hit"), 3),
-        DASH if n_examples is None else str(n_examples),
+        _n(record),
         str(_get(record, "device", "type") or DASH),
     ]
 
@@ -194,7 +207,7 @@ def render_table(
     """
     score_name = score_name or _first(records, "metrics", "score", "name")
     drop_name = drop_name or _first(records, "metrics", "accuracy_drop", "name")
-    rows = [format_row(r) for r in sorted(records, key=_stack_key)]
+    rows = [format_row(r) for r in sorted(merge_seeds(records), key=_stack_key)]
     return markdown_table(table_header(score_name, drop_name), rows, _ALIGN)
 
 
@@ -215,16 +228,22 @@ def qualified_stack(record: dict, empty: str = "full cache (all roles none)") ->
     return " + ".join(names) or empty
 
 
-def render_footer(records: Sequence[dict]) -> str:
-    """Renders the provenance line of one model and dataset: model, dtype, data, versions, cells.
+def render_footer(records: Sequence[dict], command: str | None = None) -> str:
+    """Renders a table's provenance: model, dtype, data, device, versions, the command and the cells.
 
     Where records disagree (two dtypes, two protocol versions) every value is shown, joined by ``/``.
+    Each cell's own command, which reruns it alone, follows in a collapsed list.
+
+    Args:
+        records: The table's records (merged records stand for each of their seeds).
+        command: The command that produced the table (a sweep's); by default the cells' command
+            when they share one.
     """
     model = _distinct(records, "model", "name")
     description = _distinct(records, "model", "description")
     if description != DASH:
         model = f"{model} ({description})"
-    cells = ", ".join(sorted(str(r.get("cell_id")) for r in records))
+    ids = sorted({cell for r in records for cell in cell_ids(r)})
     revision = _distinct(records, "dataset", "source", "revision")
     data = f"dataset sha256 {_distinct(records, 'dataset', 'sha256', width=12)}"
     if revision != DASH:
@@ -232,12 +251,22 @@ def render_footer(records: Sequence[dict]) -> str:
     device = f"{_distinct(records, 'device', 'type')} ({_distinct(records, 'device', 'name')})"
     torch = _distinct(records, "device", "torch")
     versions = f"torch {torch} · transformers {_distinct(records, 'device', 'transformers')}"
-    return (
+    commands = {c for r in records for c in commands_by_cell(r).values() if c}
+    if command is None and len(commands) == 1:
+        command = commands.pop()
+    line = (
         f"Model: {model} · dtype {_distinct(records, 'model', 'dtype')} · {data}"
         f" · device {device} · {versions}"
         f" · kvbench {_distinct(records, 'kvbench_version')}"
-        f" protocol {_distinct(records, 'protocol_version')} · cells (config hashes): {cells}"
+        f" protocol {_distinct(records, 'protocol_version')}"
+        + (f" · command `{command}`" if command else "")
+        + f" · cells (config hashes): {', '.join(ids)}"
     )
+    per_cell = sorted({(cell, c) for r in records for cell, c in commands_by_cell(r).items() if c})
+    if not per_cell or (len(ids) == 1 and per_cell[0][1] == command):
+        return line
+    items = "\n".join(f"- `{cell}`: `{c}`" for cell, c in per_cell)
+    return f"{line}\n\n<details><summary>Each cell's command</summary>\n\n{items}\n\n</details>"
 
 
 def render_group(records: Sequence[dict]) -> str:
@@ -256,14 +285,29 @@ def render_group(records: Sequence[dict]) -> str:
     by_order: dict[int, list[dict]] = defaultdict(list)
     for record in records:
         by_order[stack_order(record)].append(record)
+    parts.append(drop_legend(records))
     for order in sorted(by_order):
         parts.append(f"### {SECTION_TITLES.get(order, f'Order {order}')}")
         parts.append(render_table(by_order[order], score_name=score_name, drop_name=drop_name))
+        parts.append(render_footer(merge_seeds(by_order[order])))
     allocations = render_allocations(records)
     if allocations:
-        parts.append(allocations)
-    parts.append(render_footer(records))
+        parts += [allocations, render_footer(allocation_records(records))]
     return "\n\n".join(parts)
+
+
+def drop_legend(records: Sequence[dict]) -> str:
+    """How to read the accuracy drop and n, including the seeds' form when some setting has several."""
+    legend = (
+        "Accuracy-Drop: the cell's drop against the full cache on the same examples, with its 95 % "
+        "paired bootstrap interval over the examples `[low, high]`; n: examples."
+    )
+    if any(r.get("_seeds") for r in merge_seeds(records)):
+        legend += (
+            " A setting run over several seeds shows the mean over the seeds and their range "
+            "`(range min, max)`, and n as seeds×examples."
+        )
+    return legend
 
 
 def _allocation(record: dict) -> tuple[str, str] | None:
@@ -275,13 +319,18 @@ def _allocation(record: dict) -> tuple[str, str] | None:
     return None
 
 
+def allocation_records(records: Sequence[dict]) -> list[dict]:
+    """The done records of techniques that split their budget across layers (RankKV's table)."""
+    return [r for r in records if r.get("status") == "done" and _allocation(r) is not None]
+
+
 def render_allocations(records: Sequence[dict]) -> str | None:
     """RankKV's table, method x allocation x budget, when the records sweep two allocations or more.
 
     Columns as in RankKV's seed table: perplexity (or the task score), TTFT, TPOT, throughput,
     peak memory and the KV cache's stored MB. None when there is nothing to compare.
     """
-    rows = [(a, r) for r in records if r.get("status") == "done" and (a := _allocation(r)) is not None]
+    rows = [(a, r) for r in merge_seeds(allocation_records(records)) if (a := _allocation(r)) is not None]
     if len({a[1] for a, _ in rows}) < 2:
         return None
     header = ["Method", "Allocation", "Budget", _first(records, "metrics", "score", "name") or "Score"]
@@ -302,7 +351,7 @@ def render_allocations(records: Sequence[dict]) -> str | None:
                 _fixed(m.get("throughput_tok_s"), 1),
                 _fixed(m.get("peak_memory_mb"), 0),
                 _fixed(m.get("kv_mem_mb_peak"), 2),
-                str(m.get("n_examples") or DASH),
+                _n(r),
             ]
         )
     return "### Layer allocation (RankKV's table)\n\n" + markdown_table(header, table, "lllrrrrrrr")
