@@ -91,6 +91,19 @@ def test_bad_entries_name_the_key(entry, needle):
     assert needle in str(err.value)
 
 
+def test_a_floor_alone_is_a_matrix_of_its_stacks_and_the_baseline():
+    spec = matrix.MatrixSpec(floor=[{"compressor": "random", "compressor.seed": s} for s in (0, 1)])
+    cells = matrix.expand(spec, CONF)
+    assert spec.is_matrix and [(c.section, c.label) for c in cells] == [
+        ("baseline", "full cache"),
+        ("floor", "compressor/random (compressor.seed=0)"),
+        ("floor", "compressor/random (compressor.seed=1)"),
+    ]
+    assert cells[2].overrides == ("router=none", "compressor=random", "scheduler=none", "compressor.seed=1")
+    with pytest.raises(ConfigError, match=r"hydra.sweeper.floor\[0\]"):
+        matrix.expand(matrix.MatrixSpec(floor=["random"]), CONF)
+
+
 def test_order_must_be_1_2_or_3():
     assert (
         matrix.parse_order("1,3") == [1, 3] and matrix.parse_order(2) == [2] and matrix.parse_order([]) == []
@@ -143,8 +156,11 @@ def test_pikv_matrix_has_the_shape_of_pikv_tables(tmp_path):
         {"section": "baseline", "label": "full cache"},
         {"section": "variant", "label": "variant_g_baseline"},
     ]
-    assert plan.merged == 4 and len(plan.cells) == len(rows) - 4 == 60
-    assert plan.counts() == {"done": 0, "failed": 0, "interrupted": 0, "pending": 60}
+    # the sanity floor, not in PiKV's tables: random selection over three seeds, three cells
+    floor = [f"compressor/random (compressor.seed={i})" for i in range(3)]
+    assert [r["label"] for r in sections["floor"]] == floor
+    assert plan.merged == 4 and len(plan.cells) == len(rows) - 4 == 63
+    assert plan.counts() == {"done": 0, "failed": 0, "interrupted": 0, "pending": 63}
 
 
 def test_cells_of_one_model_run_together(tmp_path):
@@ -250,7 +266,10 @@ def test_matrix_report_renders_sections_pairs_variants_and_gaps():
     assert "| variant_f_scheduling_only | —" in text
     assert "| pikv   | svd        | h2o       |    not run |" in text
     assert "| —      | svd        | h2o       |     failed |" in text
-    assert "cells (config hashes): b, p1, s1\n" in text  # a record shown in two rows counts once
+    # each table's provenance names its own cells; tables with no done cell have none
+    hashes = "cells (config hashes): "
+    footers = [line.rpartition(hashes)[2] for line in text.splitlines() if hashes in line]
+    assert footers == ["b", "s1", "p1", "s1"]
     assert "router/base + scheduler/quest: both select reads" in text
 
 
@@ -280,3 +299,48 @@ def test_swept_settings_label_the_rows_and_product_sweeps_keep_the_usual_report(
     }
     text = render_matrix_report([record], manifest, "t")
     assert "| Settings    | Router |" in text and "| budget=0.25 | —      |" in text
+
+
+def test_matrix_rows_over_seeds_are_one_row_with_the_mean_and_range():
+    def record(cid, seed, ppl, drop):
+        return {
+            "cell_id": cid,
+            "status": "done",
+            "stack": {"router": "none", "compressor": "none", "scheduler": "h2o", "order": 1},
+            "identity": {"stack": {"scheduler": {"name": "h2o"}}, "budget": 0.5, "seed": seed},
+            "command": f"scheduler=h2o budget=0.5 seed={seed}",
+            "model": {"name": "m", "dtype": "float32"},
+            "dataset": {"name": "d", "task": "perplexity", "sha256": "ab"},
+            "metrics": {
+                "score": {"name": "perplexity", "value": ppl},
+                "accuracy_drop": {"name": "delta_ppl_pct", "value": drop, "ci_low": 0.0, "ci_high": 1.0},
+                "n_examples": 2,
+            },
+            "device": {"type": "cpu"},
+        }
+
+    records = [record("s0", 0, 10.0, 1.0), record("s1", 1, 11.0, 3.0), record("s2", 2, 12.0, 5.0)]
+    cells = [
+        {
+            "cell_id": f"s{i}",
+            "model": "m",
+            "dataset": "d",
+            "rows": [{"section": "single", "label": f"scheduler/h2o (budget=0.5, seed={i})"}],
+        }
+        for i in range(3)
+    ]
+    cells.append(
+        {
+            "cell_id": "x",
+            "model": "m",
+            "dataset": "d",
+            "rows": [{"section": "single", "label": "scheduler/lru (budget=0.5, seed=0)"}],
+        }
+    )
+    manifest = {"kind": "kvbench-sweep", "command": ["-m", "seed=0,1,2"], "cells": cells}
+    text = render_matrix_report(records, manifest, "t")
+    rows = [line for line in text.splitlines() if line.startswith("| budget=0.5")]
+    assert len(rows) == 2 and "h2o" in rows[0] and "not run" in rows[1]
+    assert "11.00" in rows[0] and "+3.00 (range 1.00, 5.00)" in rows[0] and "3×2" in rows[0]
+    assert "command `python -m kvbench -m seed=0,1,2` · cells (config hashes): s0, s1, s2" in text
+    assert "- `s1`: `python -m kvbench scheduler=h2o budget=0.5 seed=1`" in text

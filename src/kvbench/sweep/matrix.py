@@ -25,7 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from kvbench.errors import ConfigError
 
 ROLES = ("router", "compressor", "scheduler")
-SECTIONS = ("baseline", "single", "double", "triple", "variant")
+SECTIONS = ("baseline", "floor", "single", "double", "triple", "variant")
 ORDER_SECTION = {1: "single", 2: "double", 3: "triple"}
 # Keys of an experiment preset that are not part of its stack (where records go, how it sweeps).
 _PRESET_SKIP = ("defaults", "name", "hydra")
@@ -53,12 +53,13 @@ class MatrixSpec:
     options: dict[str, list[str]] = field(default_factory=dict)
     pairs: list[Any] | None = None
     triples: list[Any] | None = None
+    floor: list[Any] | None = None  # sanity-floor stacks (random selection, several seeds)
     variants: list[str] = field(default_factory=list)
     baseline: bool = True
 
     @property
     def is_matrix(self) -> bool:
-        return bool(self.order or self.pairs or self.triples or self.variants)
+        return bool(self.order or self.pairs or self.triples or self.floor or self.variants)
 
 
 def _plain(value: Any) -> Any:
@@ -212,7 +213,7 @@ def _combos(spec: MatrixSpec, order: int) -> list[list[str]]:
 
 
 def expand(spec: MatrixSpec, conf_dir: Path) -> list[StackCell]:
-    """The matrix's stack cells in report order: baseline, singles, doubles, triples, variants.
+    """The matrix's stack cells in report order: baseline, floor, singles, doubles, triples, variants.
 
     Exact duplicates (same overrides) are kept once, at their first place; the sweeper later
     merges cells that differ in spelling but not in identity (same cell id).
@@ -222,6 +223,9 @@ def expand(spec: MatrixSpec, conf_dir: Path) -> list[StackCell]:
         return cells
     if spec.baseline:
         cells.append(StackCell("baseline", "full cache", tuple(f"{r}=none" for r in ROLES)))
+    for i, entry in enumerate(spec.floor or []):
+        overrides, label = parse_entry(entry, f"hydra.sweeper.floor[{i}]")
+        cells.append(StackCell("floor", label, tuple(overrides)))
     exact = {2: spec.pairs, 3: spec.triples}
     for order in (1, 2, 3):
         section = ORDER_SECTION[order]

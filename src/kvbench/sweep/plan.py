@@ -111,6 +111,7 @@ def spec_from(node: Any) -> MatrixSpec:
         options={role: list(get(role) or []) for role in ROLES},
         pairs=get("pairs"),
         triples=get("triples"),
+        floor=get("floor"),
         variants=list(get("variants") or []),
         baseline=bool(get("baseline") if get("baseline") is not None else True),
     )

@@ -1,7 +1,7 @@
 """kvbench's Hydra sweeper (``hydra/sweeper=matrix``, the default for ``python -m kvbench -m``).
 
-Without ``order``, ``pairs``, ``triples`` or ``variants`` it sweeps the cartesian product of the
-command line, as Hydra's basic sweeper does. With them it expands the technique matrix
+Without ``order``, ``pairs``, ``triples``, ``floor`` or ``variants`` it sweeps the cartesian
+product of the command line, as Hydra's basic sweeper does. With them it expands the technique matrix
 (:mod:`kvbench.sweep.matrix`). Either way, before anything launches it composes and identifies
 every cell, drops illegal stacks with the reason, merges duplicates, prints how many cells are
 already done, and orders the rest so that each model loads once per worker. A failed cell does
