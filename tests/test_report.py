@@ -65,21 +65,29 @@ def _record(cell_id: str, router: str, compressor: str, scheduler: str, **metric
     }
 
 
+def _full_cache(**metrics: object) -> dict:
+    """The baseline record: no drop, compression 1, bytes consistent with the other records' defaults."""
+    consistent = {"kv_mem_mb_prefill": 4.1 * 1.23}  # compression x stored MB = the reference MB
+    return _record(
+        "0000000000000b00",
+        "none",
+        "none",
+        "none",
+        accuracy_drop=None,
+        compression_prefill=1.0,
+        **consistent,
+        **metrics,
+    )
+
+
 def _records() -> list[dict]:
     failed = _record("f00d0000000000f1", "pikv", "svd", "none")
     failed.update(status="failed", error="ConfigError: compressor.rank=0\nmust be in [1, 64]", metrics=None)
     return [
-        _record(
-            "0000000000000b00",
-            "none",
-            "none",
-            "none",
+        _full_cache(
             score={"name": "perplexity", "value": 11.96, "higher_is_better": False},
-            accuracy_drop=None,
             delta_nll=None,
-            compression_prefill=1.0,
             compression_mean=1.0,
-            kv_mem_mb_prefill=4.1 * 1.23,  # consistent bytes: compression x stored MB = reference MB
             kv_mem_mb_peak=6.0,
             kv_hit=1.0,
         ),
@@ -143,15 +151,7 @@ def _seeded(cell_id: str, compressor: str, seed: int, ppl: float, drop: float, *
 def _seed_records() -> list[dict]:
     """A baseline, quantized over three run seeds, random over two technique seeds, svd once."""
     return [
-        _record(
-            "0000000000000b00",
-            "none",
-            "none",
-            "none",
-            accuracy_drop=None,
-            compression_prefill=1.0,
-            kv_mem_mb_prefill=4.1 * 1.23,
-        ),
+        _full_cache(),
         _seeded("9000000000000000", "quantized", 0, 12.0, 1.0),
         _seeded("9000000000000001", "quantized", 1, 12.6, 4.0, ttft_s=0.9),
         _seeded("9000000000000002", "quantized", 2, 12.3, 2.5, ttft_s=1.0),
