@@ -283,4 +283,5 @@ def test_allocation_sweeps_get_rankkvs_table() -> None:
     assert [line.split("|")[2].strip() for line in lines[2:5]] == ["uniform", "uniform", "rankkv"]
     assert [line.split("|")[3].strip() for line in lines[2:5]] == ["0.1", "0.2", "0.2"]
     assert "| scheduler/h2o | uniform    | 0.1    |      12.35 |    0.800 |      40.0 |" in table
+    assert "cells (config hashes): a0, a1, a2" in table  # its own provenance
     assert "Layer allocation" not in render_report(records[:1], "one")
