@@ -5,6 +5,7 @@ Like :mod:`kvbench.report.tables`, a pure function of the records and the plan: 
 
 from __future__ import annotations
 
+import shlex
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -184,7 +185,7 @@ def render_matrix_report(records: Sequence[dict], manifest: dict, title: str) ->
             key = (str(cell.get("model")), str(cell.get("dataset")))
             groups[key].append((row, by_id.get(str(cell.get("cell_id")))))
     parts = [f"# kvbench report: {title}"]
-    command = f"python -m kvbench {' '.join(manifest['command'])}" if manifest.get("command") else None
+    command = f"python -m kvbench {shlex.join(manifest['command'])}" if manifest.get("command") else None
     if command:
         parts.append(f"Command: `{command}` ({manifest.get('created')})")
     parts += [render_matrix_group(groups[k], manifest.get("dropped", []), command) for k in groups]
