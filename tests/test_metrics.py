@@ -56,3 +56,19 @@ def test_kv_hit_merged_units_compare_summed_mass():
     hit, hit_excl = kv_hit(p_stack, units, p_full, torch.tensor([True, False, False, False]))
     assert hit.item() == pytest.approx(0.1 + 0.75)
     assert hit_excl.item() == pytest.approx(0.75 / 0.9)
+
+
+def test_needle_compression_over_cases_of_several_lengths_is_bytes_over_bytes():
+    from kvbench.eval import needle
+
+    # a representation compressor whose ratio grows with length (a full-precision window of 64 tokens)
+    def case(tokens: int) -> dict:
+        ref = 1024 * tokens
+        stored = 1024 * 64 + 256 * (tokens - 64)
+        return {"correct": 1.0, "tpot": [0.01], "ttft": 0.1, "bytes_prefill": stored, "bytes_end": stored}
+
+    cases = [{**case(n), "reference_prefill": 1024 * n, "reference_end": 1024 * n} for n in (300, 500, 700)]
+    m = needle.summarize(cases, None)
+    mean_reference_mb = sum(c["reference_prefill"] for c in cases) / 3 / 2**20
+    assert m["compression_prefill"] * m["kv_mem_mb_prefill"] == pytest.approx(mean_reference_mb, rel=1e-12)
+    assert m["compression_prefill"] == pytest.approx(1024 * 1500 / sum(c["bytes_prefill"] for c in cases))
