@@ -63,11 +63,12 @@ def test_needle_compression_over_cases_of_several_lengths_is_bytes_over_bytes():
 
     # a representation compressor whose ratio grows with length (a full-precision window of 64 tokens)
     def case(tokens: int) -> dict:
-        ref = 1024 * tokens
-        stored = 1024 * 64 + 256 * (tokens - 64)
-        return {"correct": 1.0, "tpot": [0.01], "ttft": 0.1, "bytes_prefill": stored, "bytes_end": stored}
+        ref, stored = 1024 * tokens, 1024 * 64 + 256 * (tokens - 64)
+        stored_bytes = {"bytes_prefill": stored, "bytes_end": stored}
+        reference = {"reference_prefill": ref, "reference_end": ref}
+        return {"correct": 1.0, "tpot": [0.01], "ttft": 0.1, **stored_bytes, **reference}
 
-    cases = [{**case(n), "reference_prefill": 1024 * n, "reference_end": 1024 * n} for n in (300, 500, 700)]
+    cases = [case(n) for n in (300, 500, 700)]
     m = needle.summarize(cases, None)
     mean_reference_mb = sum(c["reference_prefill"] for c in cases) / 3 / 2**20
     assert m["compression_prefill"] * m["kv_mem_mb_prefill"] == pytest.approx(mean_reference_mb, rel=1e-12)
