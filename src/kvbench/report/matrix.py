@@ -136,8 +136,8 @@ def render_matrix_group(
 
     def table(rows: list[tuple[dict, dict | None]], rendered: str) -> None:
         parts.append(rendered)
-        if _done(rows):
-            parts.append(render_footer(_done(rows), command))
+        if shown := _done(rows):
+            parts.append(render_footer(shown, command))
 
     for section, title in MATRIX_SECTIONS:
         rows = [(row, rec) for row, rec in entries if row["section"] == section]

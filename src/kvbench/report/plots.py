@@ -92,14 +92,15 @@ def pareto(records: Sequence[dict]) -> Figure | None:
     crosses. A setting run over several seeds is one point, its mean, with the seeds' range as an
     error bar. None when fewer than two stacks have both numbers.
     """
-    done = [
-        r
-        for r in records
-        if r.get("status") == "done"
-        and _compression(r) is not None
-        and ((r.get("metrics") or {}).get("score") or {}).get("value") is not None
-    ]
-    done = [r for r in merge_seeds(done) if r["metrics"]["score"]["value"] is not None]
+    done = merge_seeds(
+        [
+            r
+            for r in records
+            if r.get("status") == "done"
+            and _compression(r) is not None
+            and ((r.get("metrics") or {}).get("score") or {}).get("value") is not None
+        ]
+    )
     if len(done) < 2:
         return None
     score: dict[str, Any] = done[0]["metrics"]["score"]

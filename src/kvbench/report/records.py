@@ -38,15 +38,20 @@ def repeat_key(record: dict) -> str:
     return json.dumps([ident, record.get("stack")], sort_keys=True, default=str)
 
 
-def _mean(values: Sequence[Any]) -> float | None:
-    """The mean when every value is a number, else None (a seed that did not measure it)."""
+def _numbers(values: Sequence[Any]) -> list[float] | None:
+    """The values as floats when every one is a number, else None (a seed that did not measure it)."""
     numbers = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
-    return sum(numbers) / len(numbers) if numbers and len(numbers) == len(values) else None
+    return numbers if numbers and len(numbers) == len(values) else None
+
+
+def _mean(values: Sequence[Any]) -> float | None:
+    numbers = _numbers(values)
+    return sum(numbers) / len(numbers) if numbers else None
 
 
 def _span(values: Sequence[Any]) -> list[float] | None:
-    numbers = [float(v) for v in values if isinstance(v, int | float) and not isinstance(v, bool)]
-    return [min(numbers), max(numbers)] if numbers and len(numbers) == len(values) else None
+    numbers = _numbers(values)
+    return [min(numbers), max(numbers)] if numbers else None
 
 
 def _mean_metrics(group: Sequence[dict]) -> dict[str, Any]:

@@ -168,10 +168,10 @@ def render(records: Sequence[dict]) -> str | None:
     for cell_id in sorted(refused):
         for what, reason in sorted(refused[cell_id].items()):
             lines.append(f"- refused {what} of {_name(by_id[cell_id])} (cell `{cell_id}`): {reason}")
-    seeds: dict[tuple[str, str], list[str]] = defaultdict(list)  # one line for a stack's seeds
+    by_stack: dict[tuple[str, str], list[str]] = defaultdict(list)  # one line for a stack's seeds
     for cell_id in sorted(flagged):
-        seeds[(_name(by_id[cell_id]), flagged[cell_id])].append(f"`{cell_id}`")
-    for (name, reason), cells in seeds.items():
+        by_stack[(_name(by_id[cell_id]), flagged[cell_id])].append(f"`{cell_id}`")
+    for (name, reason), cells in by_stack.items():
         cell = "cells" if len(cells) > 1 else "cell"
         lines.append(f"- flagged {name} ({cell} {', '.join(cells)}): {reason}")
     return "\n".join(lines)

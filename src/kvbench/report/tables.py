@@ -289,7 +289,7 @@ def render_group(records: Sequence[dict]) -> str:
     for order in sorted(by_order):
         parts.append(f"### {SECTION_TITLES.get(order, f'Order {order}')}")
         parts.append(render_table(by_order[order], score_name=score_name, drop_name=drop_name))
-        parts.append(render_footer(merge_seeds(by_order[order])))
+        parts.append(render_footer(by_order[order]))
     from kvbench.report.allocations import allocation_records, render_allocations
 
     allocations = render_allocations(records)
