@@ -50,7 +50,7 @@ def test_chunked_perplexity_equals_full_pass(tiny):
     target = torch.tensor(window[41:])
     ref_nll = -full[40:-1].gather(-1, target[:, None])[:, 0]
     assert torch.allclose(wins[0].nll, ref_nll, rtol=1e-4, atol=1e-6)
-    assert metrics["score"]["value"] == pytest.approx(float(ref_nll.mean().exp()), rel=1e-4)
+    assert metrics.score.value == pytest.approx(float(ref_nll.mean().exp()), rel=1e-4)
 
 
 def test_eviction_keeps_true_positions(tiny):

@@ -66,10 +66,10 @@ def test_needle_compression_over_cases_of_several_lengths_is_bytes_over_bytes():
         ref, stored = 1024 * tokens, 1024 * 64 + 256 * (tokens - 64)
         stored_bytes = {"bytes_prefill": stored, "bytes_end": stored}
         reference = {"reference_prefill": ref, "reference_end": ref}
-        return {"correct": 1.0, "tpot": [0.01], "ttft": 0.1, **stored_bytes, **reference}
+        return {"correct": 1.0, "tpot": [0.01], "ttft": 0.1, "batch": tokens, **stored_bytes, **reference}
 
     cases = [case(n) for n in (300, 500, 700)]
-    m = needle.summarize(cases, None)
+    m = needle.summarize(cases, None).as_dict()
     mean_reference_mb = sum(c["reference_prefill"] for c in cases) / 3 / 2**20
     assert m["compression_prefill"] * m["kv_mem_mb_prefill"] == pytest.approx(mean_reference_mb, rel=1e-12)
     assert m["compression_prefill"] == pytest.approx(1024 * 1500 / sum(c["bytes_prefill"] for c in cases))

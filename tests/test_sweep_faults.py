@@ -15,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from tests.test_cli import ROOT, TINY, kvbench
 
 from kvbench import config, run
+from kvbench.eval import perplexity
 from kvbench.sweep import state
 
 CONF = ROOT / "conf"
@@ -119,14 +120,14 @@ def test_timeout_is_checked_between_chunks(tmp_path):
 
 def test_nan_perplexity_fails_the_cell(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "scheduler=h2o")
-    real = run.perplexity.evaluate
+    real = perplexity.evaluate
 
     def broken(*args, **kwargs):
         metrics, windows = real(*args, **kwargs)
-        metrics["perplexity"] = math.nan
+        metrics.extra["perplexity"] = math.nan
         return metrics, windows
 
-    monkeypatch.setattr(run.perplexity, "evaluate", broken)
+    monkeypatch.setattr(perplexity, "evaluate", broken)
     outcome = run.execute(cfg)
     assert outcome.ran and outcome.record["status"] == "failed"
     assert outcome.record["failure"] == "nonfinite"

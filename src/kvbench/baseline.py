@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig
 
 from kvbench import models, results
-from kvbench.eval import needle, perplexity
+from kvbench.eval import protocol
 from kvbench.stack import Stack
 
 _MEMO: dict[str, Any] = {}
@@ -29,16 +29,6 @@ def baseline_identity(ident: dict[str, Any]) -> dict[str, Any]:
 
 def _disk_path(key: str) -> Path:
     return models.cache_root() / "baselines" / f"{key}.pt"
-
-
-def evaluate(cfg: DictConfig, lm, stack: Stack, text: str):
-    """Run the cell's protocol; ``(metrics, per-example results)``. Full-cache runs keep the
-    per-token distributions that fidelity metrics compare against."""
-    if cfg.dataset.task == "perplexity":
-        return perplexity.evaluate(
-            lm, stack, lm.codec.encode(text), cfg.dataset, None, keep_logprobs=stack.order == 0
-        )
-    return needle.evaluate(lm, stack, text, cfg.dataset, None)
 
 
 def lookup(ident: dict[str, Any]):
@@ -59,12 +49,12 @@ def store(ident: dict[str, Any], value) -> None:
     _MEMO[key] = value
 
 
-def get(cfg: DictConfig, lm, text: str, ident: dict[str, Any]):
-    """Per-window (perplexity) or per-case (needle) full-cache results for this cell's model x dataset."""
+def get(cfg: DictConfig, lm, data: Any, ident: dict[str, Any]):
+    """The full-cache results this cell's protocol compares against (per window, case or example)."""
     value = lookup(ident)
     if value is None:
         stack = Stack()
         stack.bind(lm.num_layers)
-        _, value = evaluate(cfg, lm, stack, text)
+        value = protocol.get(cfg.dataset.task).evaluate(lm, stack, data, cfg.dataset, None).baseline
         store(ident, value)
     return value

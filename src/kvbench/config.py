@@ -9,12 +9,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig
 
 from kvbench import models
-from kvbench.data import corpus
 from kvbench.errors import ConfigError
-from kvbench.eval import needle
+from kvbench.eval import protocol
 from kvbench.stack import Stack, build_stack
-
-TASKS = ("perplexity", "needle")
 
 
 @dataclass
@@ -57,17 +54,12 @@ def register() -> None:
         Plugins.instance().register(plugin)
 
 
-def validate_protocol(ds: DictConfig) -> None:
-    if ds.task not in TASKS:
-        raise ConfigError(f"dataset.task={ds.task!r}: allowed {', '.join(TASKS)}")
-    if ds.task == "needle":
-        needle.validate(ds)
-        return
-    for key in ("prefill", "chunk", "chunks_per_window", "windows"):
-        if int(ds[key]) < 1:
-            raise ConfigError(f"dataset.{key}={ds[key]}: must be >= 1")
-    if ds.decode_steps < 0:
-        raise ConfigError(f"dataset.decode_steps={ds.decode_steps}: must be >= 0")
+def validate_protocol(cfg: DictConfig, order: int) -> None:
+    """``dataset.task`` names a protocol, which checks its own keys; ``dataset.batch_size`` >= 1."""
+    batch_size = cfg.dataset.get("batch_size", 1)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ConfigError(f"dataset.batch_size={batch_size!r}: must be an integer >= 1")
+    protocol.get(cfg.dataset.task).validate(cfg, order)
 
 
 def validate(cfg: DictConfig) -> Stack:
@@ -75,12 +67,7 @@ def validate(cfg: DictConfig) -> Stack:
     if cfg.name.strip() == "" or "/" in cfg.name:
         raise ConfigError(f"name={cfg.name!r}: must be a non-empty name without '/'")
     stack = build_stack(cfg)
-    validate_protocol(cfg.dataset)
-    if cfg.dataset.task == "perplexity" and cfg.dataset.chunk > cfg.window and stack.order:
-        raise ConfigError(
-            f"dataset.chunk={cfg.dataset.chunk}: must be <= window ({cfg.window}) (METHODS.md: C <= window)"
-        )
-    corpus.validate(cfg.dataset)
+    validate_protocol(cfg, stack.order)
     models.validate(cfg.model)
     if cfg.logger is not None and cfg.logger.name not in ("none", "wandb"):
         raise ConfigError(f"logger={cfg.logger.name!r}: allowed none, wandb")

@@ -22,13 +22,12 @@ from omegaconf import DictConfig, OmegaConf
 import kvbench
 from kvbench import baseline as baselines
 from kvbench import config, limits, models, results
-from kvbench.data import corpus
-from kvbench.eval import measure, needle, perplexity
+from kvbench.eval import measure, protocol
 from kvbench.roles import BindContext
 from kvbench.stack import Stack, stack_identity
 from kvbench.sweep import state
 
-_TEXTS: dict[str, str] = {}
+_DATA: dict[str, protocol.Dataset] = {}
 
 
 def _file_stamp(path: str | None) -> str:
@@ -45,12 +44,21 @@ def _container(node: DictConfig) -> dict[str, Any]:
     return value  # type: ignore[return-value]
 
 
+def dataset_identity(ds: DictConfig, sha: str) -> dict[str, Any]:
+    """The dataset config and its data's sha256; ``batch_size`` only when it is not 1, so the cells
+    that ran before batching existed keep their ids."""
+    out = {**_container(ds), "sha256": sha}
+    if out.get("batch_size") == 1:
+        del out["batch_size"]
+    return out
+
+
 def identity(cfg: DictConfig, stack: Stack, text_sha: str) -> dict[str, Any]:
     """Everything that can change a number; leaves out logging, launcher and output paths."""
     return {
         "protocol_version": kvbench.PROTOCOL_VERSION,
         "model": models.model_identity(cfg.model),
-        "dataset": {**_container(cfg.dataset), "sha256": text_sha},
+        "dataset": dataset_identity(cfg.dataset, text_sha),
         "stack": stack_identity(cfg, stack),
         "device": models.resolve_device(cfg.device).type,
         "seed": cfg.seed,
@@ -78,7 +86,7 @@ class CellPlan:
     """A cell before it runs: its validated stack, its data, its identity and where its record goes."""
 
     stack: Stack
-    text: str
+    data: Any
     source: dict[str, Any]
     ident: dict[str, Any]
     cell_id: str
@@ -94,20 +102,21 @@ class Outcome:
 
 
 def plan(cfg: DictConfig) -> CellPlan:
-    """Validate a cell and compute its identity and record path; loads the text, never the model."""
+    """Validate a cell and compute its identity and record path; loads the data, never the model."""
     stack = config.validate(cfg)  # before anything loads
-    key = json.dumps(_container(cfg.dataset), sort_keys=True) + _file_stamp(cfg.dataset.get("path"))
-    if key not in _TEXTS:  # a sweep plans many cells of one dataset
-        _TEXTS.clear()
-        _TEXTS[key] = corpus.load_text(cfg.dataset)
-    text = _TEXTS[key]
-    source = corpus.describe_source(cfg.dataset, text)
-    ident = identity(cfg, stack, source["sha256"])
+    ds = cfg.dataset
+    unbatched = {k: v for k, v in _container(ds).items() if k != "batch_size"}
+    key = json.dumps(unbatched, sort_keys=True) + _file_stamp(ds.get("path"))
+    if key not in _DATA:  # a sweep plans many cells of one dataset
+        _DATA.clear()
+        _DATA[key] = protocol.get(ds.task).load(ds)
+    data = _DATA[key]
+    ident = identity(cfg, stack, data.source["sha256"])
     cell_id = results.cell_hash(ident)
     return CellPlan(
         stack,
-        text,
-        source,
+        data.data,
+        data.source,
         ident,
         cell_id,
         results.record_path(Path(cfg.results_dir).resolve(), cfg.name, cell_id),
@@ -160,7 +169,7 @@ def execute(cfg: DictConfig, cell: CellPlan | None = None) -> Outcome:
             record["timings"]["load_s"] = time.perf_counter() - start
             record["model"].update(lm.info)
             record["device"] = device_info(lm.device)
-            _evaluate(cfg, lm, cell.stack, cell.text, cell.ident, record)
+            _evaluate(cfg, lm, cell.stack, cell.data, cell.ident, record)
             _check_finite(record["metrics"])
     except Exception as err:
         kind, reason = classify(err)
@@ -204,26 +213,18 @@ def _release_memory(kind: str) -> None:
         torch.cuda.empty_cache()
 
 
-def _evaluate(cfg, lm, stack, text, ident, record) -> None:
+def _evaluate(cfg, lm, stack, data, ident, record) -> None:
     stack.bind(BindContext.for_model(lm, stack.budget, int(cfg.seed)))  # may calibrate (cached)
-    base = baselines.get(cfg, lm, text, ident) if stack.order else None  # once per model x dataset
+    base = baselines.get(cfg, lm, data, ident) if stack.order else None  # once per model x dataset
     measure.reset_peak(lm.device)
     t0 = time.perf_counter()
-    if cfg.dataset.task == "perplexity":
-        metrics, windows = perplexity.evaluate(
-            lm, stack, lm.codec.encode(text), cfg.dataset, base, keep_logprobs=not stack.order
-        )
-        record["per_layer_bytes"] = windows[-1].per_layer_prefill
-        record["examples"] = [
-            {"window": i, "nll": float(w.nll.mean()), "chunk_nll": w.chunk_nll} for i, w in enumerate(windows)
-        ]
-        examples: list[Any] = windows
-    else:
-        metrics, cases = needle.evaluate(lm, stack, text, cfg.dataset, base)
-        record["examples"] = [{k: v for k, v in c.items() if k != "tpot"} for c in cases]
-        examples = cases
+    result = protocol.get(cfg.dataset.task).evaluate(lm, stack, data, cfg.dataset, base)
+    if result.per_layer_bytes:
+        record["per_layer_bytes"] = result.per_layer_bytes
+    record["examples"] = result.examples
     if not stack.order and baselines.lookup(ident) is None:
-        baselines.store(ident, examples)  # the full-cache cell is the baseline: reuse it
+        baselines.store(ident, result.baseline)  # the full-cache cell is the baseline: reuse it
+    metrics = result.metrics.as_dict()
     metrics["peak_memory_mb"] = measure.peak_mb(lm.device)
     metrics["techniques"] = stack.metrics()
     record["metrics"] = metrics

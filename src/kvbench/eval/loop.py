@@ -6,6 +6,8 @@ compressed cache refuses, and it cannot apply the stack between steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvbench import limits
@@ -65,12 +67,29 @@ def step(lm: LoadedModel, cache: KVCache, ids, times: list[float] | None = None)
     return logits
 
 
+def step_batch(
+    lm: LoadedModel, cache: KVCache, ids: torch.Tensor, real: torch.Tensor, times: list[float]
+) -> torch.Tensor:
+    """:func:`step` for a padded batch (see :func:`forward_batch`); always timed into ``times``."""
+    limits.check()
+    with measure.timed(lm.device, times):
+        logits = forward_batch(lm, cache, ids, real)
+        cache.after_forward()
+    return logits
+
+
 def greedy(
-    lm: LoadedModel, cache: KVCache, first_logits: torch.Tensor, max_new: int, times: list[float]
+    lm: LoadedModel,
+    cache: KVCache,
+    first_logits: torch.Tensor,
+    max_new: int,
+    times: list[float],
+    done: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
-    """Greedy decoding from ``first_logits``; each step timed into ``times``; stops at EOS."""
+    """Greedy decoding from ``first_logits``; each step timed into ``times``; stops at EOS, after
+    ``max_new`` tokens, or once ``done(tokens)``."""
     tokens = [int(first_logits.argmax())]
-    while len(tokens) < max_new and tokens[-1] != lm.codec.eos_id:
+    while len(tokens) < max_new and tokens[-1] != lm.codec.eos_id and not (done and done(tokens)):
         logits = step(lm, cache, [tokens[-1]], times)
         tokens.append(int(logits[-1].argmax()))
     return tokens

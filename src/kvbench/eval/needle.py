@@ -9,12 +9,11 @@ import random
 import re
 from dataclasses import dataclass
 
-import numpy as np
-from tqdm.auto import tqdm
-
 from kvbench import metrics
+from kvbench.data import corpus
 from kvbench.errors import ConfigError
-from kvbench.eval import loop, retention
+from kvbench.eval import generate, retention
+from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
@@ -81,102 +80,86 @@ def haystack_with_needle(codec, ids: list[int], case: Case, cfg) -> str:
     return f"{text[:at]}{needle} {text[at:]}"
 
 
-def run_case(lm: LoadedModel, stack: Stack, hay_ids: list[int], case: Case, cfg) -> dict:
-    """Prefill the context, compress, feed the question (protected), decode greedily.
-
-    With ``query_aware`` the question is prefilled with the context (still protected), so
-    score-based techniques see it before compressing.
-    """
-    context = haystack_with_needle(lm.codec, hay_ids, case, cfg)
-    head, question = lm.codec.prompt_parts(context, cfg.question.format(city=case.city))
-    cache = loop.new_cache(lm, stack)
-    for store in cache.stores:
-        store.set_protect_from(len(head))  # the question and the answer are never evicted
-    ttft: list[float] = []
-    if cfg.query_aware:
-        logits = loop.step(lm, cache, head + question, ttft)
-        ref, stored = cache.reference_bytes(), cache.nbytes()
-    else:
-        loop.step(lm, cache, head, ttft)
-        ref, stored = cache.reference_bytes(), cache.nbytes()
-    needle_ids = lm.codec.encode(cfg.needle.format(city=case.city, code=case.code))
-    kept, needle_kept = retention.retention(cache, len(head), retention.needle_span(head, needle_ids))
-    if not cfg.query_aware:
-        logits = loop.step(lm, cache, question, ttft)
-    tpot: list[float] = []
-    tokens = loop.greedy(lm, cache, logits[-1], cfg.max_new_tokens, tpot)
-    answer = lm.codec.decode(tokens)
-    return {
-        "length": case.length,
-        "depth": case.depth,
-        "offset": case.offset,
-        "context_tokens": len(head),
-        "expected": case.code,
-        "answer": answer,
-        "correct": float(case.code in answer),
-        "ttft": sum(ttft),
-        "tpot": tpot,
-        "bytes_prefill": stored,
-        "reference_prefill": ref,
-        "compression_prefill": ref / stored,
-        "bytes_end": cache.nbytes(),
-        "reference_end": cache.reference_bytes(),
-        "compression_end": cache.reference_bytes() / cache.nbytes(),
-        "kept_by_layer_head": kept,
-        "needle_kept_by_layer_head": needle_kept,
-    }
+def prompt(codec, hay_ids: list[int], case: Case, cfg) -> tuple[generate.Prompt, list[int] | None]:
+    """The case's prompt (context compressed, question protected) and the needle's span in it."""
+    context = haystack_with_needle(codec, hay_ids, case, cfg)
+    head, question = codec.prompt_parts(context, cfg.question.format(city=case.city))
+    needle_ids = codec.encode(cfg.needle.format(city=case.city, code=case.code))
+    return generate.Prompt(head, question, cfg.max_new_tokens), retention.needle_span(head, needle_ids)
 
 
 def evaluate(
     lm: LoadedModel, stack: Stack, corpus: str, cfg, baseline: list[dict] | None
-) -> tuple[dict, list[dict]]:
+) -> tuple[Metrics, list[dict]]:
+    """Every case of the grid, ``cfg.batch_size`` at a time; returns (metrics, per-case results)."""
     longest = max(cfg.lengths) + (cfg.offsets - 1) * cfg.offset_stride
     hay_ids = lm.codec.encode(corpus[: longest * 12])
     if len(hay_ids) < longest:
         raise ConfigError(
             f"dataset {cfg.name!r}: haystack has {len(hay_ids)} tokens, the grid needs {longest}"
         )
-    cases = [
-        run_case(lm, stack, hay_ids, c, cfg)
-        for c in tqdm(grid(cfg), desc="needle cases", leave=False, disable=None)
-    ]
-    return summarize(cases, baseline), cases
+    cases = grid(cfg)
+    prompts, spans = zip(*(prompt(lm.codec, hay_ids, c, cfg) for c in cases))
+    kept: dict[int, tuple] = {}
+
+    def measure_retention(cache, row: int, index: int) -> None:
+        kept[index] = retention.retention(cache, len(prompts[index].head), spans[index], row)
+
+    gens = generate.generate(
+        lm, stack, prompts, cfg.get("batch_size", 1), cfg.query_aware, measure_retention, "needle cases"
+    )
+    results = []
+    for i, (case, p, g) in enumerate(zip(cases, prompts, gens)):
+        answer = lm.codec.decode(g.tokens)
+        acc = g.accounting()
+        results.append(
+            {
+                "length": case.length,
+                "depth": case.depth,
+                "offset": case.offset,
+                "context_tokens": len(p.head),
+                "expected": case.code,
+                "answer": answer,
+                "correct": float(case.code in answer),
+                "ttft": acc.pop("ttft"),
+                "tpot": acc.pop("tpot"),
+                **acc,
+                "kept_by_layer_head": kept[i][0],
+                "needle_kept_by_layer_head": kept[i][1],
+            }
+        )
+    return summarize(results, baseline), results
 
 
-def _total(cases: list[dict], key: str) -> float:
-    return float(sum(c[key] for c in cases))
-
-
-def summarize(cases: list[dict], baseline: list[dict] | None) -> dict:
+def summarize(cases: list[dict], baseline: list[dict] | None) -> Metrics:
     correct = [c["correct"] for c in cases]
-    tpot = [t for c in cases for t in c["tpot"]]
     n_ok = int(sum(correct))
     lo, hi = metrics.wilson_interval(n_ok, len(cases))
-    gen_time = sum(c["ttft"] + sum(c["tpot"]) for c in cases)
-    return {
-        "score": {
-            "name": "needle_accuracy",
-            "value": n_ok / len(cases),
-            "higher_is_better": True,
-            "ci_low": lo,
-            "ci_high": hi,
-        },
-        "accuracy_drop": metrics.accuracy_drop([b["correct"] for b in baseline], correct)
-        if baseline
-        else None,
-        "delta_nll": None,
-        "kl": None,
-        "top1_agreement": None,
-        "kv_hit": None,
-        "kv_hit_excl": None,
-        # over cases of several lengths: all reference bytes over all stored bytes, so compression
-        # x the mean stored MB is the mean reference MB (a mean of ratios would not be)
-        "compression_prefill": _total(cases, "reference_prefill") / _total(cases, "bytes_prefill"),
-        "compression_mean": _total(cases, "reference_end") / _total(cases, "bytes_end"),
-        "kv_mem_mb_prefill": float(np.mean([c["bytes_prefill"] for c in cases])) / 2**20,
-        "kv_mem_mb_peak": max(max(c["bytes_prefill"], c["bytes_end"]) for c in cases) / 2**20,
-        "ttft_s": float(np.mean([c["ttft"] for c in cases])),
-        "tpot_s": float(np.mean(tpot)) if tpot else None,
-        "throughput_tok_s": sum(len(c["tpot"]) + 1 for c in cases) / gen_time,
-        "n_examples": len(cases),
-    }
+    return Metrics(
+        score=Score("needle_accuracy", n_ok / len(cases), True, lo, hi),
+        n_examples=len(cases),
+        accuracy_drop=metrics.accuracy_drop([b["correct"] for b in baseline], correct) if baseline else None,
+        **generate.cache_metrics(cases),
+    )
+
+
+class Needle:
+    """``dataset.task: needle``: the needle-in-a-haystack grid over a corpus."""
+
+    task = "needle"
+
+    def validate(self, cfg, order: int) -> None:
+        validate(cfg.dataset)
+        corpus.validate(cfg.dataset)
+
+    def load(self, ds) -> Dataset:
+        text = corpus.load_text(ds)
+        return Dataset(text, corpus.describe_source(ds, text))
+
+    def evaluate(self, lm: LoadedModel, stack: Stack, text: str, ds, baseline) -> Evaluation:
+        m, cases = evaluate(lm, stack, text, ds, baseline)
+        examples = [{k: v for k, v in c.items() if k != "tpot"} for c in cases]
+        return Evaluation(m, examples, baseline=cases)
+
+
+PROTOCOL = Needle()

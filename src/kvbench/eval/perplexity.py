@@ -13,8 +13,10 @@ from tqdm.auto import tqdm
 
 from kvbench import metrics
 from kvbench.cache.engine import HitProbe
+from kvbench.data import corpus
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
+from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
@@ -112,7 +114,7 @@ def evaluate(
     cfg,
     baseline: list[WindowResult] | None,
     keep_logprobs: bool = False,
-) -> tuple[dict, list[WindowResult]]:
+) -> tuple[Metrics, list[WindowResult]]:
     """All windows of one cell; returns (metrics, per-window results)."""
     probe = HitProbe() if stack.order else None
     results = []
@@ -128,35 +130,61 @@ def _total(results: list[WindowResult], name: str) -> float:
 
 def summarize(
     results: list[WindowResult], baseline: list[WindowResult] | None, probe: HitProbe | None
-) -> dict:
+) -> Metrics:
     nll = torch.cat([r.nll for r in results])
     tpot = [t for r in results for t in r.tpot]
-    m: dict = {
-        "score": {"name": "perplexity", "value": float(nll.mean().exp()), "higher_is_better": False},
-        "nll": float(nll.mean()),
-        "accuracy_drop": None,
-        "delta_nll": None,
-        "kl": None,
-        "top1_agreement": None,
+    m = Metrics(
+        score=Score("perplexity", float(nll.mean().exp()), higher_is_better=False),
+        n_examples=len(results),
         # all reference bytes over all stored bytes: x the mean stored MB, the mean reference MB
-        "compression_prefill": _total(results, "reference_prefill") / _total(results, "bytes_prefill"),
-        "compression_mean": float(np.mean([c for r in results for c in r.compression_chunks])),
-        "kv_mem_mb_prefill": float(np.mean([r.bytes_prefill for r in results])) / 2**20,
-        "kv_mem_mb_peak": max(r.bytes_peak for r in results) / 2**20,
-        "ttft_s": float(np.mean([r.ttft for r in results])),
-        "tpot_s": float(np.mean(tpot)) if tpot else None,
-        "throughput_tok_s": len(tpot) / float(np.sum(tpot)) if tpot else None,
-        "n_examples": len(results),
-        "n_scored_tokens": int(nll.numel()),
-        "kv_hit": None,
-        "kv_hit_excl": None,
-    }
+        compression_prefill=_total(results, "reference_prefill") / _total(results, "bytes_prefill"),
+        compression_mean=float(np.mean([c for r in results for c in r.compression_chunks])),
+        kv_mem_mb_prefill=float(np.mean([r.bytes_prefill for r in results])) / 2**20,
+        kv_mem_mb_peak=max(r.bytes_peak for r in results) / 2**20,
+        ttft_s=float(np.mean([r.ttft for r in results])),
+        tpot_s=float(np.mean(tpot)) if tpot else None,
+        throughput_tok_s=len(tpot) / float(np.sum(tpot)) if tpot else None,
+        extra={"nll": float(nll.mean()), "n_scored_tokens": int(nll.numel())},
+    )
     if probe is not None:
-        m["kv_hit"], m["kv_hit_excl"] = probe.result()
+        m.kv_hit, m.kv_hit_excl = probe.result()
     if baseline is not None:
         base = [c for r in baseline for c in r.chunk_nll]
         mine = [c for r in results for c in r.chunk_nll]
-        m["accuracy_drop"], m["delta_nll"] = metrics.perplexity_drop(base, mine)
-        m["kl"] = float(np.mean([k for r in results for k in r.kl]))
-        m["top1_agreement"] = float(np.mean([a for r in results for a in r.top1]))
+        m.accuracy_drop, m.delta_nll = metrics.perplexity_drop(base, mine)
+        m.kl = float(np.mean([k for r in results for k in r.kl]))
+        m.top1_agreement = float(np.mean([a for r in results for a in r.top1]))
     return m
+
+
+class Perplexity:
+    """``dataset.task: perplexity`` over a corpus (``pydoc``, ``wikitext2``, ``pg19``, ``c4``, files)."""
+
+    task = "perplexity"
+
+    def validate(self, cfg, order: int) -> None:
+        ds = cfg.dataset
+        for key in ("prefill", "chunk", "chunks_per_window", "windows"):
+            if int(ds[key]) < 1:
+                raise ConfigError(f"dataset.{key}={ds[key]}: must be >= 1")
+        if ds.decode_steps < 0:
+            raise ConfigError(f"dataset.decode_steps={ds.decode_steps}: must be >= 0")
+        if ds.chunk > cfg.window and order:
+            raise ConfigError(
+                f"dataset.chunk={ds.chunk}: must be <= window ({cfg.window}) (METHODS.md: C <= window)"
+            )
+        corpus.validate(ds)
+
+    def load(self, ds) -> Dataset:
+        text = corpus.load_text(ds)
+        return Dataset(text, corpus.describe_source(ds, text))
+
+    def evaluate(self, lm: LoadedModel, stack: Stack, text: str, ds, baseline) -> Evaluation:
+        m, wins = evaluate(lm, stack, lm.codec.encode(text), ds, baseline, keep_logprobs=not stack.order)
+        examples = [
+            {"window": i, "nll": float(w.nll.mean()), "chunk_nll": w.chunk_nll} for i, w in enumerate(wins)
+        ]
+        return Evaluation(m, examples, baseline=wins, per_layer_bytes=wins[-1].per_layer_prefill)
+
+
+PROTOCOL = Perplexity()

@@ -14,27 +14,28 @@ from kvbench.cache import ragged
 from kvbench.cache.engine import KVCache
 
 
-def _row_positions(store) -> list[torch.Tensor]:
-    """Stored original positions per head-row (batch 1: one row per KV head)."""
-    rows = store.batch * store.kv_heads
-    parts: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+def _row_positions(store, seq: int) -> list[torch.Tensor]:
+    """Stored original positions of sequence ``seq``, one tensor per KV head."""
+    rows = range(seq * store.kv_heads, (seq + 1) * store.kv_heads)
+    parts: list[list[torch.Tensor]] = [[] for _ in rows]
     for seg in store.segments:
         merged = seg.members()
         pos, owner = merged if merged is not None else (seg.pos, ragged.segment_ids(seg.lens))
-        for r in range(rows):
-            parts[r].append(pos[owner == r])
+        for i, r in enumerate(rows):
+            parts[i].append(pos[owner == r])
     return [torch.cat(p).unique() if p else torch.empty(0, dtype=torch.long) for p in parts]
 
 
 def retention(
-    cache: KVCache, context_len: int, needle: list[int] | None
+    cache: KVCache, context_len: int, needle: list[int] | None, seq: int = 0
 ) -> tuple[list[list[float]], list[list[float]] | None]:
-    """``(kept[layer][head], needle_kept[layer][head])``: shares of the context and of the needle
-    tokens stored; the second is None when the needle's tokens are unknown."""
+    """``(kept[layer][head], needle_kept[layer][head])`` of sequence ``seq`` of the batch: shares of
+    the context and of the needle tokens stored; the second is None when the needle's tokens are
+    unknown."""
     kept, found = [], []
     span = torch.tensor(needle, dtype=torch.long) if needle else None
     for store in cache.stores:
-        rows = _row_positions(store)
+        rows = _row_positions(store, seq)
         kept.append([round(float((p < context_len).sum()) / context_len, 4) for p in rows])
         if span is not None:
             found.append([round(float(torch.isin(span, p.cpu()).float().mean()), 4) for p in rows])
