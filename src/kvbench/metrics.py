@@ -65,3 +65,21 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def task_mean_drop(
+    by_task: dict[str, tuple[list[float], list[float]]], n_boot: int = 1000, seed: int = 0
+) -> dict:
+    """Points lost on a mean of task means (100 x (baseline - stack)), each task's examples paired.
+
+    The interval resamples examples within each task (a stratified paired bootstrap), so every
+    task keeps its weight. Null when the baseline scores 0 everywhere.
+    """
+    pairs = [np.stack([np.asarray(b, float), np.asarray(s, float)], axis=1) for b, s in by_task.values()]
+    stat = lambda ps: 100.0 * float(np.mean([p[:, 0].mean() - p[:, 1].mean() for p in ps]))
+    if all(p[:, 0].mean() == 0 for p in pairs):
+        return {"name": "score_points", "value": None, "ci_low": None, "ci_high": None}
+    rng = np.random.default_rng(seed)
+    stats = [stat([p[rng.integers(0, len(p), len(p))] for p in pairs]) for _ in range(n_boot)]
+    lo, hi = np.quantile(stats, [0.025, 0.975])
+    return {"name": "score_points", "value": stat(pairs), "ci_low": float(lo), "ci_high": float(hi)}

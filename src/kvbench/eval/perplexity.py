@@ -169,6 +169,10 @@ class Perplexity:
                 raise ConfigError(f"dataset.{key}={ds[key]}: must be >= 1")
         if ds.decode_steps < 0:
             raise ConfigError(f"dataset.decode_steps={ds.decode_steps}: must be >= 0")
+        if ds.get("batch_size", 1) != 1:
+            raise ConfigError(
+                f"dataset.batch_size={ds.batch_size}: perplexity runs one window at a time for now; allowed 1"
+            )
         if ds.chunk > cfg.window and order:
             raise ConfigError(
                 f"dataset.chunk={ds.chunk}: must be <= window ({cfg.window}) (METHODS.md: C <= window)"
