@@ -108,7 +108,7 @@ def tune(base: list[str], role: str, name: str, tuning, lm, ids, target: float, 
 
     A discrete knob (bits, ranks) rarely lands within the tolerance; then its smallest setting
     that still compresses at least ``target`` is kept, and the full-precision window (KIVI's
-    residual length R, the one window of METHODS.md) is bisected to bring it down to the target.
+    residual length R, the one window of docs/methods.md) is bisected to bring it down to the target.
     """
     cell = [*base, f"{role}={name}", *(tuning[3] if tuning and len(tuning) > 3 else [])]  # fixed knobs
     if tuning is None:

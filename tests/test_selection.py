@@ -97,7 +97,7 @@ def test_runs_alone_and_changes_logits_when_tight(tiny_93, name):
 
 @pytest.mark.parametrize("name", SELECTIONS)
 def test_runs_in_double_and_triple_stacks(tiny_93, name):
-    """With a scheduler after it, the scheduler's selection gets budget**2 (METHODS.md)."""
+    """With a scheduler after it, the scheduler's selection gets budget**2 (docs/methods.md)."""
     lm, make, budget = tiny_93, SELECTIONS[name], dict(budget=0.5, sinks=2, window=4)
     stacks = [
         make_stack(lm, compressor=make(), scheduler=H2OScheduler(), **budget),

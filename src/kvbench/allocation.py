@@ -1,4 +1,4 @@
-"""Layer budget allocations: how a token budget is split across layers (METHODS.md).
+"""Layer budget allocations: how a token budget is split across layers (docs/methods.md).
 
 Each returns one weight per layer with mean 1; a layer keeps ``weight * budget`` of its tokens
 (capped at everything it has), so the stack-wide budget is unchanged where no layer saturates.

@@ -20,7 +20,7 @@ from kvbench.errors import ConfigError
 
 @dataclass(frozen=True)
 class Flags:
-    """Capability flags of METHODS.md."""
+    """Capability flags of docs/methods.md."""
 
     needs_attention_scores: bool = False
     evicts_tokens: bool = False

@@ -19,7 +19,7 @@ CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 @dataclass
 class Stack:
-    """The techniques applied to one cache, in METHODS.md's order within a step."""
+    """The techniques applied to one cache, in docs/methods.md's order within a step."""
 
     router: Router | None = None
     compressor: Compressor | None = None
@@ -64,7 +64,7 @@ class Stack:
         return len(self.techniques)
 
     def bind(self, ctx: BindContext | int) -> BindContext:
-        """Bind every technique; the n-th token selection gets ``budget ** n`` (METHODS.md).
+        """Bind every technique; the n-th token selection gets ``budget ** n`` (docs/methods.md).
 
         ``ctx`` may be a bare layer count (no model: techniques that need one refuse).
         """

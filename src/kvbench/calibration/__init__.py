@@ -1,5 +1,5 @@
 """Calibration for KV techniques: fitted once on calibration text, saved keyed by model and settings,
-reused, and recorded in results (METHODS.md rows ``lora``, ``duo_attention``, ``allocation=rankkv``).
+reused, and recorded in results (docs/methods.md rows ``lora``, ``duo_attention``, ``allocation=rankkv``).
 
 - :mod:`~kvbench.calibration.store`: the on-disk artifact store (:func:`get_or_compute`).
 - :mod:`~kvbench.calibration.capture`: the ``"kvbench_calib"`` attention that exposes keys, values and

@@ -3,7 +3,7 @@
 ``compressor=chain compressor.stages=[chunkkv,svd]``: each stage is a name resolved by kvbench
 against ``conf/compressor/<name>.yaml`` (Hydra's own list syntax would merge the YAMLs into one,
 silently), or a mapping ``{name: svd, key_rank: 16}`` whose other keys override that YAML.
-Selections in a chain compose multiplicatively (METHODS.md); a chain may hold one stage that
+Selections in a chain compose multiplicatively (docs/methods.md); a chain may hold one stage that
 changes the representation.
 """
 

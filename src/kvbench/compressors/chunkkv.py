@@ -12,7 +12,7 @@ With ``reuse_layers = k > 1``, layers go in groups of ``k`` (0..k-1, k..2k-1, ..
 layer of a group selects, and the others keep the same positions per KV head (ChunkKV's
 layer-wise index reuse) plus their own protected tokens.
 
-Differences from the paper: the selection runs at every compression point (METHODS.md), not
+Differences from the paper: the selection runs at every compression point (docs/methods.md), not
 once after prefill, and chunks are formed over the stored tokens in position order; sinks are
 kept besides the window; ``pool`` defaults to 1 (the paper sums raw window attention per chunk).
 """

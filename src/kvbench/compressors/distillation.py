@@ -1,5 +1,5 @@
 """kvbench's merge ("distillation"): old tokens of each head-row become k-means centroids on keys,
-read with ToMe's proportional attention (METHODS.md; arXiv:2210.09461; related: CaM, D2O).
+read with ToMe's proportional attention (docs/methods.md; arXiv:2210.09461; related: CaM, D2O).
 
 At every compression point, each head-row (one sequence, one KV head) holding more old units than
 its budget allows is re-merged: its old units (stored units that are not sinks, window or

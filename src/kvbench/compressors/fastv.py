@@ -9,8 +9,8 @@ capacity; layers below ``layer`` keep everything, so the stack's budget applies 
 
 Differences from the paper: FastV drops image tokens inside the prefill forward (layers >= K never
 compute them); kvbench drops them from the cache after the forward, at every compression point
-(METHODS.md), for any token. The paper's text ranks by the average attention a token receives;
-its released code, followed here as METHODS.md says, ranks by the last token's attention.
+(docs/methods.md), for any token. The paper's text ranks by the average attention a token receives;
+its released code, followed here as docs/methods.md says, ranks by the last token's attention.
 """
 
 from __future__ import annotations

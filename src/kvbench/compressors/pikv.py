@@ -1,4 +1,4 @@
-"""PiKV's hybrid compressor (kvbench's own, METHODS.md): attention-ranked retention, then mixed
+"""PiKV's hybrid compressor (kvbench's own, docs/methods.md): attention-ranked retention, then mixed
 precision KIVI for the retained tokens.
 
 Every token accumulates the attention it receives (summed over queries and the KV head's query

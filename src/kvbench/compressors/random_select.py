@@ -1,4 +1,4 @@
-"""Random selection at the budget: the sanity floor of every token-selection method (METHODS.md).
+"""Random selection at the budget: the sanity floor of every token-selection method (docs/methods.md).
 
 Each stored token has a random priority, a function of ``seed``, the layer, the KV head and its
 original position (drawn with a seeded ``torch.Generator`` in blocks of positions, so runs are

@@ -1,7 +1,7 @@
 """SnapKV: keep the tokens the last observation window attends to, pooled, per KV head
 (arXiv:2404.14469); PyramidKV is its preset with a pyramid layer budget (arXiv:2406.02069).
 
-Differences from the papers, all from kvbench's protocol (METHODS.md):
+Differences from the papers, all from kvbench's protocol (docs/methods.md):
 
 - SnapKV and PyramidKV compress the prompt once, after prefill. Here the selection runs at every
   compression point (after each forward chunk), so the kept fraction stays at the budget as the

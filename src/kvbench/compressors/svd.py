@@ -9,7 +9,7 @@ Evicting a token frees its row of ``A``; a block's ``B`` goes with its last toke
 
 Differences from the paper: ShadowKV factors the whole prefill's pre-RoPE keys once, one SVD per
 layer over all heads together, offloads values to the CPU instead of factoring them, and reads a
-sparse set of chunks chosen through landmarks and outliers. kvbench (following METHODS.md) factors
+sparse set of chunks chosen through landmarks and outliers. kvbench (following docs/methods.md) factors
 per KV head, block by block as tokens leave the window, also factors values (separately, at a
 higher rank: they are far less low-rank), and reads every stored token.
 """

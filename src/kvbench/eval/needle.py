@@ -1,4 +1,4 @@
-"""Needle in a haystack (METHODS.md): a grid of context lengths x depths x haystack offsets over
+"""Needle in a haystack (docs/methods.md): a grid of context lengths x depths x haystack offsets over
 the embedded corpus; the needle at a sentence boundary; the context compressed before the
 question is seen; the question never evicted; kvbench's greedy loop; substring scoring.
 """

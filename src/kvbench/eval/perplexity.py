@@ -1,4 +1,4 @@
-"""Perplexity under compression (METHODS.md): prefill P tokens, apply the stack, then score the
+"""Perplexity under compression (docs/methods.md): prefill P tokens, apply the stack, then score the
 next tokens in chunks of C against the compressed cache, re-applying the stack after each chunk.
 With the stack ``none`` this equals one full forward pass to numerical precision.
 """
@@ -175,7 +175,7 @@ class Perplexity:
             )
         if ds.chunk > cfg.window and order:
             raise ConfigError(
-                f"dataset.chunk={ds.chunk}: must be <= window ({cfg.window}) (METHODS.md: C <= window)"
+                f"dataset.chunk={ds.chunk}: must be <= window ({cfg.window}) (docs/methods.md: C <= window)"
             )
         corpus.validate(ds)
 

@@ -1,4 +1,4 @@
-"""LRU: kvbench's own least-recently-used token eviction under the budget (METHODS.md).
+"""LRU: kvbench's own least-recently-used token eviction under the budget (docs/methods.md).
 
 A stored token is *used* at a query position when any query head of its KV head's group gives it
 attention of at least ``tau``. Each token carries the last position at which it was used (its

@@ -1,4 +1,4 @@
-"""LRU+: kvbench's own LRFU eviction, recency and frequency of use in one score (METHODS.md).
+"""LRU+: kvbench's own LRFU eviction, recency and frequency of use in one score (docs/methods.md).
 
 A token's score at position ``now`` is ``sum over its uses t of decay ** (now - t)``, a use being
 what :mod:`kvbench.schedulers.lru` calls one (any query head of the group gives it attention of at

@@ -6,7 +6,7 @@ triples of roles, a few named system variants and the full cache once. :func:`ex
 (a role a cell leaves out is ``none``). Everything here is pure: no config composition, no model.
 
 A stack entry is written ``router/eplb + compressor/chain[chunkkv,svd]`` (roles qualified, as
-METHODS.md asks, since ``pikv`` and ``random`` exist in two roles), or as a mapping of overrides
+docs/methods.md asks, since ``pikv`` and ``random`` exist in two roles), or as a mapping of overrides
 ``{router: eplb, compressor: quantized, compressor.bits: 2}``.
 """
 
