@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import re
+from dataclasses import replace
 from functools import cache
 
 from kvbench.data import corpus
@@ -72,7 +73,7 @@ def _lb_template(name: str, old: str, new: str) -> tasks.TaskDef:
     lb = tasks.load(name, False)
     if old not in lb.template:
         raise RuntimeError(f"lm-eval's {name} prompt changed: {old!r} not found in it")
-    return lb.__class__(**{**lb.__dict__, "template": lb.template.replace(old, new)})
+    return replace(lb, template=lb.template.replace(old, new))
 
 
 @cache
@@ -86,11 +87,8 @@ def task(name: str, passages: int = 6) -> tasks.TaskDef:
     elif name == "passage_count":
         td = _lb_template("passage_count", "sourced from Wikipedia", "sourced from Python's documentation")
     else:
-        count = tasks.load("passage_count", False)
-        td = count.__class__(**{**count.__dict__, "template": KV_TEMPLATE, "max_gen_toks": 16})
-    return td.__class__(
-        **{**td.__dict__, "name": name, "lm_eval_task": f"kvbench_{name}", "category": category}
-    )
+        td = replace(tasks.load("passage_count", False), template=KV_TEMPLATE, max_gen_toks=16)
+    return replace(td, name=name, lm_eval_task=f"kvbench_{name}", category=category)
 
 
 @cache

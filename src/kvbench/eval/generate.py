@@ -154,6 +154,11 @@ def _finished(lm: LoadedModel, p: Prompt, tokens: list[int]) -> bool:
     )
 
 
+def recorded(examples: list[dict]) -> list[dict]:
+    """The examples as a record keeps them: without their per-step times (their mean is a metric)."""
+    return [{k: v for k, v in e.items() if k != "tpot"} for e in examples]
+
+
 def cache_metrics(examples: list[dict]) -> dict:
     """Compression, stored MB, TTFT, TPOT and throughput over a cell's examples, summed per batch.
 

@@ -121,8 +121,6 @@ def evaluate(
     examples = []
     for (td, doc), (p, full), g in zip(items, built, gens):
         prediction = postprocess(td, lm.codec.decode(g.tokens))
-        acc = g.accounting()
-        acc.pop("tpot")
         example = {
             "task": td.name,
             "id": doc.get("_id"),
@@ -134,8 +132,7 @@ def evaluate(
             "context_tokens": len(p.head),
             "length": doc.get("length"),
             "new_tokens": len(g.tokens),
-            **acc,
-            "tpot": g.tpot,
+            **g.accounting(),
         }
         if ds.suite == "longbench_e":
             example["bucket"] = tasks.bucket(int(doc["length"]))
@@ -160,8 +157,12 @@ def summarize(examples: list[dict], baseline: list[dict] | None, defs: dict[str,
     for name, rows in by_task.items():
         score = _mean_pct([r["score"] for r in rows])
         cats[defs[name].category].append(score)
-        per_task[name] = {"score": score, "n": len(rows), "metric": defs[name].metric}
-        per_task[name]["category"] = defs[name].category
+        per_task[name] = {
+            "score": score,
+            "n": len(rows),
+            "metric": defs[name].metric,
+            "category": defs[name].category,
+        }
         if baseline:
             per_task[name]["drop"] = metrics.accuracy_drop(
                 [b["score"] for b in base_by_task[name]], [r["score"] for r in rows]
@@ -194,11 +195,8 @@ def _buckets(by_task: dict[str, list[dict]]) -> dict[str, dict]:
     """LongBench-E: per length bucket, each task's score and their mean."""
     out: dict[str, dict] = {}
     for label, _, _ in tasks.LENGTH_BUCKETS:
-        scores = {
-            t: _mean_pct([r["score"] for r in rows if r["bucket"] == label])
-            for t, rows in by_task.items()
-            if any(r["bucket"] == label for r in rows)
-        }
+        in_bucket = {t: [r["score"] for r in rows if r["bucket"] == label] for t, rows in by_task.items()}
+        scores = {t: _mean_pct(values) for t, values in in_bucket.items() if values}
         if scores:
             out[label] = {"score": sum(scores.values()) / len(scores), "tasks": scores}
     return out
@@ -278,7 +276,7 @@ class LongBench:
 
     def evaluate(self, lm: LoadedModel, stack: Stack, docs, ds, baseline) -> Evaluation:
         m, examples = evaluate(lm, stack, docs, ds, baseline)
-        stored = [{k: v for k, v in e.items() if k != "tpot"} for e in examples]
+        stored = generate.recorded(examples)
         return Evaluation(m, stored, baseline=stored)
 
 

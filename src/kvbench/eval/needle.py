@@ -13,7 +13,7 @@ from kvbench import metrics
 from kvbench.data import corpus
 from kvbench.errors import ConfigError
 from kvbench.eval import generate, retention
-from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score
+from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score, load_corpus
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
@@ -111,7 +111,6 @@ def evaluate(
     results = []
     for i, (case, p, g) in enumerate(zip(cases, prompts, gens)):
         answer = lm.codec.decode(g.tokens)
-        acc = g.accounting()
         results.append(
             {
                 "length": case.length,
@@ -121,9 +120,7 @@ def evaluate(
                 "expected": case.code,
                 "answer": answer,
                 "correct": float(case.code in answer),
-                "ttft": acc.pop("ttft"),
-                "tpot": acc.pop("tpot"),
-                **acc,
+                **g.accounting(),
                 "kept_by_layer_head": kept[i][0],
                 "needle_kept_by_layer_head": kept[i][1],
             }
@@ -153,13 +150,11 @@ class Needle:
         corpus.validate(cfg.dataset)
 
     def load(self, ds) -> Dataset:
-        text = corpus.load_text(ds)
-        return Dataset(text, corpus.describe_source(ds, text))
+        return load_corpus(ds)
 
     def evaluate(self, lm: LoadedModel, stack: Stack, text: str, ds, baseline) -> Evaluation:
         m, cases = evaluate(lm, stack, text, ds, baseline)
-        examples = [{k: v for k, v in c.items() if k != "tpot"} for c in cases]
-        return Evaluation(m, examples, baseline=cases)
+        return Evaluation(m, generate.recorded(cases), baseline=cases)
 
 
 PROTOCOL = Needle()

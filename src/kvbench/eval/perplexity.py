@@ -16,7 +16,7 @@ from kvbench.cache.engine import HitProbe
 from kvbench.data import corpus
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
-from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score
+from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score, load_corpus
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
@@ -180,8 +180,7 @@ class Perplexity:
         corpus.validate(ds)
 
     def load(self, ds) -> Dataset:
-        text = corpus.load_text(ds)
-        return Dataset(text, corpus.describe_source(ds, text))
+        return load_corpus(ds)
 
     def evaluate(self, lm: LoadedModel, stack: Stack, text: str, ds, baseline) -> Evaluation:
         m, wins = evaluate(lm, stack, lm.codec.encode(text), ds, baseline, keep_logprobs=not stack.order)

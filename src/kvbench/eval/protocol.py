@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Protocol
 
 from omegaconf import DictConfig
 
+from kvbench.data import corpus
 from kvbench.errors import ConfigError
 
 # task name -> module defining ``PROTOCOL``; imported on first use (lm-eval is slow to import)
@@ -116,6 +117,12 @@ def get(task: str) -> EvalProtocol:
     if task not in MODULES:
         raise ConfigError(f"dataset.task={task!r}: allowed {', '.join(MODULES)}")
     return importlib.import_module(MODULES[task]).PROTOCOL  # type: ignore[no-any-return]
+
+
+def load_corpus(ds: DictConfig) -> Dataset:
+    """A corpus protocol's data: the text the dataset config names, and where it came from."""
+    text = corpus.load_text(ds)
+    return Dataset(text, corpus.describe_source(ds, text))
 
 
 def sha256_json(value: Any) -> str:
