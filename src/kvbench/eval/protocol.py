@@ -24,6 +24,8 @@ MODULES = {
     "perplexity": "kvbench.eval.perplexity",
     "needle": "kvbench.eval.needle",
     "longbench": "kvbench.eval.longbench",
+    "lm_eval": "kvbench.eval.lm_eval_bridge",
+    "longbench_v2": "kvbench.eval.longbench_v2",
 }
 
 
