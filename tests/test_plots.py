@@ -93,3 +93,32 @@ def test_pareto_shows_a_setting_over_seeds_as_one_point_with_its_range():
     bars = [seg for c in ax.collections if hasattr(c, "get_segments") for seg in c.get_segments()]
     assert any(seg[0][1] == 11.0 and seg[1][1] == 13.0 for seg in map(list, bars))  # the seeds' range
     plots.plt.close(fig)
+
+
+def test_categories_plot_a_series_per_longbench_category():
+    def longbench(cell_id: str, scheduler: str, compression: float, qa: float, code: float) -> dict:
+        record = _record(cell_id, scheduler, (qa + code) / 2, compression)
+        record["dataset"]["task"] = "longbench"
+        record["metrics"]["categories"] = {"QA": qa, "Code": code}
+        return record
+
+    records = [longbench("a", "none", 1.0, 40.0, 60.0), longbench("b", "h2o", 2.0, 30.0, 55.0)]
+    fig = plots.categories(records)
+    assert fig is not None
+    ax = fig.axes[0]
+    assert [line.get_label() for line in ax.get_lines()] == ["QA", "Code"]
+    assert [tuple(p) for p in ax.get_lines()[1].get_xydata()] == [(1.0, 60.0), (2.0, 55.0)]
+    assert sorted(t.get_text() for t in ax.texts) == ["full cache", "scheduler/h2o"]  # each stack once
+    plots.plt.close(fig)
+    assert plots.categories(records[:1]) is None  # one stack: nothing to compare
+    assert plots.categories([_record("a", "none", 10.0, 1.0), _record("b", "h2o", 11.0, 2.0)]) is None
+
+
+def test_report_writes_a_categories_plot_for_longbench(tmp_path: Path):
+    for i, (scheduler, compression) in enumerate([("none", 1.0), ("h2o", 2.0)]):
+        record = _record(f"c{i}", scheduler, 50.0 - i, compression)
+        record["metrics"]["categories"] = {"QA": 50.0 - i}
+        write_record(tmp_path / f"c{i}.json", record)
+    path = write_report(tmp_path)
+    assert path is not None and (tmp_path / "categories-m-d.png").stat().st_size > 10_000
+    assert "![categories-m-d](categories-m-d.png)" in path.read_text()

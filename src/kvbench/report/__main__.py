@@ -75,7 +75,8 @@ def report_text(directory: Path) -> str | None:
 
 def write_plots(directory: Path, where: Path) -> list[Path]:
     """Writes the report's PNG plots into ``where``: score against compression per model and
-    dataset, and a needle heatmap per needle cell. Returns the files written."""
+    dataset (and per category, for LongBench), and a needle heatmap per needle cell. Returns the
+    files written."""
     records = [r for r in load_records(directory) if r.get("status") == "done"]
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in records:
@@ -84,6 +85,7 @@ def write_plots(directory: Path, where: Path) -> list[Path]:
     written = []
     for (model, dataset), group in sorted(groups.items()):
         written += _save(plots.pareto(group), where / f"pareto-{model}-{dataset}.png")
+        written += _save(plots.categories(group), where / f"categories-{model}-{dataset}.png")
         written += _save(plots.throughput_vs_compression(group), where / f"throughput-{model}-{dataset}.png")
         written += _save(plots.memory_vs_context(group), where / f"memory-{model}-{dataset}.png")
     for r in records:

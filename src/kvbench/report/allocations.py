@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvbench.report.records import _get, merge_seeds
-from kvbench.report.tables import DASH, ROLES, _first, _fixed, _n, format_score, markdown_table
+from kvbench.report.tables import DASH, ROLES, _first, _fixed, _n, format_score, with_settings
 
 
 def _allocation(record: dict) -> tuple[str, str] | None:
@@ -38,8 +38,9 @@ def render_allocations(records: Sequence[dict]) -> str | None:
     header += ["TTFT (s)", "TPOT (ms)", "Throughput (tok/s)", "Peak memory (MB)", "KV cache (MB)", "n"]
     order = {"uniform": 0, "pyramid": 1, "rankkv": 2, "random": 3, "inverse": 4}
     key = lambda item: (item[0][0], float(_get(item[1], "config", "budget") or 0), order.get(item[0][1], 9))
-    table = []
+    table, ordered = [], []
     for (method, allocation), r in sorted(rows, key=key):
+        ordered.append(r)
         m = r.get("metrics") or {}
         table.append(
             [
@@ -55,4 +56,7 @@ def render_allocations(records: Sequence[dict]) -> str | None:
                 _n(r),
             ]
         )
-    return "### Layer allocation (RankKV's table)\n\n" + markdown_table(header, table, "lllrrrrrrr")
+    columns = {"budget", *(f"{role}.allocation" for role in ROLES)}  # shown in their own columns
+    return "### Layer allocation (RankKV's table)\n\n" + with_settings(
+        header, table, "lllrrrrrrr", ordered, columns
+    )

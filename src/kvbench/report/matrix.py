@@ -10,6 +10,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from kvbench.report import sanity
+from kvbench.report.breakdowns import render_breakdowns
 from kvbench.report.records import merge_seeds
 from kvbench.report.tables import (
     _ALIGN,
@@ -24,6 +25,7 @@ from kvbench.report.tables import (
     render_footer,
     render_report,
     table_header,
+    with_settings,
 )
 
 MATRIX_SECTIONS = (
@@ -100,10 +102,16 @@ def _matrix_rows(entries: Sequence[tuple[dict, dict | None]], first: str | None)
 
 
 def _matrix_table(header: list[str], entries: Sequence[tuple[dict, dict | None]]) -> str:
-    """A matrix table, with a Settings column when some row was swept over a setting."""
+    """A matrix table, with a Settings column: the swept settings of the rows' labels, else the
+    settings in which the rows' records differ."""
     if any(" (" in row["label"] for row, _ in entries):
         return markdown_table(["Settings", *header], _matrix_rows(entries, "settings"), "l" + _ALIGN)
-    return markdown_table(header, _matrix_rows(entries, None), _ALIGN)
+    return with_settings(header, _matrix_rows(entries, None), _ALIGN, _row_records(entries))
+
+
+def _row_records(entries: Sequence[tuple[dict, dict | None]]) -> list[dict | None]:
+    """Each row's done record, or None."""
+    return [r if r is not None and r.get("status") == "done" else None for _, r in entries]
 
 
 def _done(entries: Sequence[tuple[dict, dict | None]]) -> list[dict]:
@@ -145,7 +153,8 @@ def render_matrix_group(
             continue
         parts.append(f"### {title} ({len(rows)})")
         if section == "variant":
-            table(rows, markdown_table(["Variant", *header], _matrix_rows(rows, "label"), "l" + _ALIGN))
+            variants = _matrix_rows(rows, "label")
+            table(rows, with_settings(["Variant", *header], variants, "l" + _ALIGN, _row_records(rows)))
         elif section == "double":
             for roles, pair_title in _PAIR_TITLES.items():
                 pair = [(row, rec) for row, rec in rows if tuple(_label_roles(row["label"])) == roles]
@@ -157,6 +166,7 @@ def render_matrix_group(
                 table(other, _matrix_table(header, other))
         else:
             table(rows, _matrix_table(header, rows))
+    parts += render_breakdowns(done, command)
     if dropped:
         lines = [f"- {d['section']} {d['label']}: {d['reason']}" for d in dropped]
         parts.append("### Dropped as illegal\n\n" + "\n".join(lines))

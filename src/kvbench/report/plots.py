@@ -6,6 +6,7 @@ records do not have the axes the plot needs. Callers save or log it and close it
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -130,6 +131,51 @@ def pareto(records: Sequence[dict]) -> Figure | None:
     dataset = (done[0].get("dataset") or {}).get("name")
     floor = ", random as ×" if any("/random" in stack_name(r) for r in done) else " (no random stack swept)"
     ax.set_title(f"{model} · {dataset}: {len(done)} stacks, frontier in blue{floor}", fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def categories(records: Sequence[dict]) -> Figure | None:
+    """LongBench: each category's mean score against achieved compression, a series per category.
+
+    One marker per stack in each series (a setting over seeds is its mean), not joined: the points
+    are different stacks. Each stack is named once, beside its best category. None when the records
+    have no categories or fewer than two stacks have them.
+    """
+    done = merge_seeds(
+        [
+            r
+            for r in records
+            if r.get("status") == "done"
+            and _compression(r) is not None
+            and (r.get("metrics") or {}).get("categories")
+        ]
+    )
+    if len(done) < 2:
+        return None
+    names = list(dict.fromkeys(c for r in done for c in r["metrics"]["categories"]))
+    fig, ax = plt.subplots(figsize=(7.5, 5.0))
+    markers = itertools.cycle("osD^vP*X")
+    for name in names:
+        points = sorted(
+            (float(_compression(r) or 0.0), float(v))
+            for r in done
+            if isinstance(v := r["metrics"]["categories"].get(name), int | float)
+        )
+        ax.plot([p[0] for p in points], [p[1] for p in points], ls="none", marker=next(markers), label=name)
+    for r in done:
+        scores = [v for v in r["metrics"]["categories"].values() if isinstance(v, int | float)]
+        if scores:
+            where = (float(_compression(r) or 0.0), max(scores))
+            ax.annotate(stack_name(r), where, fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("compression × (16-bit reference bytes / stored bytes)")
+    ax.set_ylabel("category mean score (higher is better)")
+    model = (done[0].get("model") or {}).get("name")
+    dataset = (done[0].get("dataset") or {}).get("name")
+    counted = f"{len(names)} categor{'y' if len(names) == 1 else 'ies'}"
+    ax.set_title(f"{model} · {dataset}: {counted}, {len(done)} stacks", fontsize=9)
+    ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig

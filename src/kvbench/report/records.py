@@ -54,22 +54,25 @@ def _span(values: Sequence[Any]) -> list[float] | None:
     return [min(numbers), max(numbers)] if numbers else None
 
 
+def _mean_value(values: Sequence[Any]) -> Any:
+    """The seeds' values of one metric as one: numbers and ``value`` fields averaged, mappings
+    merged key by key (a LongBench task's score, a bucket's); intervals over examples are dropped."""
+    first = values[0]
+    if isinstance(first, dict) and "value" in first:
+        inner = [v.get("value") if isinstance(v, dict) else None for v in values]
+        merged = {**first, "value": _mean(inner)}
+        merged.update({k: None for k in ("ci_low", "ci_high") if k in first})
+        return merged
+    if isinstance(first, dict):
+        return {k: _mean_value([v.get(k) if isinstance(v, dict) else None for v in values]) for k in first}
+    if isinstance(first, int | float) and not isinstance(first, bool):
+        return first if all(v == first for v in values) else _mean(values)  # n_examples stays an int
+    return first
+
+
 def _mean_metrics(group: Sequence[dict]) -> dict[str, Any]:
-    """Metrics averaged over seeds: numbers and ``value`` fields; intervals over examples are dropped."""
-    metrics = [r.get("metrics") or {} for r in group]
-    merged: dict[str, Any] = {}
-    for key, first in metrics[0].items():
-        values = [m.get(key) for m in metrics]
-        if isinstance(first, dict) and "value" in first:
-            inner = [v.get("value") if isinstance(v, dict) else None for v in values]
-            merged[key] = {**first, "value": _mean(inner)}
-            merged[key].update({k: None for k in ("ci_low", "ci_high") if k in first})
-        elif isinstance(first, int | float) and not isinstance(first, bool):
-            same = all(v == first for v in values)
-            merged[key] = first if same else _mean(values)  # n_examples stays an int
-        else:
-            merged[key] = first
-    return merged
+    """Metrics averaged over seeds (see :func:`_mean_value`)."""
+    return _mean_value([r.get("metrics") or {} for r in group])
 
 
 def merge_seeds(records: Sequence[dict]) -> list[dict]:

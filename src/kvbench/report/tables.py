@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from kvbench.report.records import _get, cell_ids, commands_by_cell, merge_seeds
+from kvbench.report.settings import row_settings
 
 DASH = "—"
 REFUSED = "refused"  # a number the sanity checks refuse (the report says why)
@@ -207,8 +208,34 @@ def render_table(
     """
     score_name = score_name or _first(records, "metrics", "score", "name")
     drop_name = drop_name or _first(records, "metrics", "accuracy_drop", "name")
-    rows = [format_row(r) for r in sorted(merge_seeds(records), key=_stack_key)]
-    return markdown_table(table_header(score_name, drop_name), rows, _ALIGN)
+    merged = sorted(merge_seeds(records), key=_stack_key)
+    return with_settings(table_header(score_name, drop_name), [format_row(r) for r in merged], _ALIGN, merged)
+
+
+def with_settings(
+    header: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    align: str,
+    records: Sequence[dict | None],
+    shown: Collection[str] = (),
+) -> str:
+    """A markdown table led by a Settings column when its rows' settings differ.
+
+    Args:
+        header: Column titles, without Settings.
+        rows: Cells, one list per row.
+        align: One ``l`` or ``r`` per column of ``header``.
+        records: Row i's record, or None for a row that has none (a cell not run).
+        shown: Settings the table shows in columns of their own (see
+            :func:`~kvbench.report.settings.row_settings`).
+    """
+    found = row_settings([r for r in records if r is not None], shown)
+    if found is None:
+        return markdown_table(header, rows, align)
+    settings = iter(found)
+    lead = [next(settings) if r is not None else "" for r in records]
+    cells = [[text or DASH, *row] for text, row in zip(lead, rows)]
+    return markdown_table(["Settings", *header], cells, "l" + align)
 
 
 def stack_order(record: dict) -> int:
@@ -291,6 +318,9 @@ def render_group(records: Sequence[dict]) -> str:
         parts.append(render_table(by_order[order], score_name=score_name, drop_name=drop_name))
         parts.append(render_footer(by_order[order]))
     from kvbench.report.allocations import allocation_records, render_allocations
+    from kvbench.report.breakdowns import render_breakdowns
+
+    parts += render_breakdowns(records)
 
     allocations = render_allocations(records)
     if allocations:
