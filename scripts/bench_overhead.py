@@ -4,8 +4,10 @@
     prefill and greedy decode work: target at most 1.10x.
 (b) a six-cell multirun in one process against six separate processes, each cell a perplexity of
     two 512-token windows: target at most 0.5x.
+(c) a needle cell and a LongBench-format cell (kvbench's synthetic set) through H2O at budget 0.25,
+    at dataset.batch_size 8 against 1: wall time of each, and whether the scores agree.
 
-    python scripts/bench_overhead.py [--prefill 512] [--decode 32] [--repeats 3] [--skip-b]
+    python scripts/bench_overhead.py [--prefill 512] [--decode 32] [--repeats 3] [--skip-b] [--skip-c]
 """
 
 from __future__ import annotations
@@ -125,17 +127,58 @@ def bench_b() -> float:
     return times[0] / times[1]
 
 
+def _cell_time(lm, name: str, batch_size: int, **over) -> tuple[float, float]:
+    """Wall time and score of one cell of dataset ``name`` through H2O at budget 0.25."""
+    from kvbench.eval import protocol
+    from kvbench.roles import BindContext, Budget
+    from kvbench.schedulers.h2o import H2OScheduler
+    from kvbench.stack import Stack
+
+    ds = OmegaConf.load(ROOT / "conf" / "dataset" / f"{name}.yaml")
+    for key, value in {**over, "batch_size": batch_size}.items():
+        ds[key] = value
+    proto = protocol.get(ds.task)
+    data = proto.load(ds)
+    stack = Stack(scheduler=H2OScheduler(), budget=Budget(budget=0.25))
+    stack.bind(BindContext.for_model(lm, stack.budget))
+    start = time.perf_counter()
+    result = proto.evaluate(lm, stack, data.data, ds, None)
+    return time.perf_counter() - start, result.metrics.score.value
+
+
+def bench_c() -> None:
+    from kvbench import models
+
+    lm = models.load(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), "cpu")
+    cells = {
+        "needle": {"lengths": [300, 500], "offsets": 2},  # 20 cases
+        "longbench_synthetic": {"limit": 8},  # 24 examples
+    }
+    for name, over in cells.items():
+        one, score_one = _cell_time(lm, name, 1, **over)
+        eight, score_eight = _cell_time(lm, name, 8, **over)
+        print(
+            f"(c) {name} through h2o at 0.25: batch 1 {one:.1f} s, batch 8 {eight:.1f} s, "
+            f"ratio {eight / one:.3f}x; score {score_one:.4g} vs {score_eight:.4g}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefill", type=int, default=512)
     ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-b", action="store_true")
+    ap.add_argument("--skip-c", action="store_true")
+    ap.add_argument("--only-c", action="store_true", help="run (c) alone")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    bench_a(args.prefill, args.decode, args.repeats)
-    if not args.skip_b:
-        bench_b()
+    if not args.only_c:
+        bench_a(args.prefill, args.decode, args.repeats)
+        if not args.skip_b:
+            bench_b()
+    if not args.skip_c:
+        bench_c()
 
 
 if __name__ == "__main__":

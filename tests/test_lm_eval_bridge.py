@@ -221,6 +221,15 @@ def test_double_stack_acts_and_counts(hf_tiny, task_dir):
     assert base.metrics.accuracy_drop is not None  # paired per document on kvb_mc's acc
 
 
+def test_generation_batches_equal_one_by_one(hf_tiny, task_dir):
+    lm, _, _ = hf_tiny
+    stack = make_stack(lm, scheduler=StreamingLLMScheduler(), budget=0.25, sinks=4, window=8)
+    one = run_bridge(lm, stack, ds_cfg(task_dir, ["kvb_gen"]))
+    three = run_bridge(lm, stack, ds_cfg(task_dir, ["kvb_gen"], batch_size=3))
+    assert [e["response"] for e in three.examples] == [e["response"] for e in one.examples]
+    assert three.metrics.compression_prefill == pytest.approx(one.metrics.compression_prefill, rel=1e-4)
+
+
 def test_context_split_protects_the_question(hf_tiny, task_dir):
     """Prompts whose document has a context are compressed up to the context's end only."""
     lm, _, tok = hf_tiny
@@ -257,3 +266,16 @@ def test_missing_data_names_the_task(tmp_path):
     ds = ds_cfg(tmp_path, ["kvb_lost"])
     with pytest.raises(DatasetLoadError, match="lm-eval task kvb_lost"):
         lm_eval_bridge.PROTOCOL.load(ds)
+
+
+def test_example_task_folder_loads(monkeypatch):
+    """examples/lm_eval_local: the shipped local task loads through lm-eval, in the repository root."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    ds = OmegaConf.load(root / "conf/dataset/lm_eval.yaml")
+    ds.include_path = str(root / "examples/lm_eval_local")
+    ds.tasks = ["kvbench_pydoc_keyword", "kvbench_pydoc_keyword_gen"]
+    source = lm_eval_bridge.PROTOCOL.load(ds).source
+    assert source["n_examples"] == {"kvbench_pydoc_keyword": 15, "kvbench_pydoc_keyword_gen": 15}

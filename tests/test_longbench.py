@@ -264,3 +264,27 @@ def test_synthetic_set_is_longbench_format_and_fixed_by_its_seed():
     k = int(retrieval["answers"][0].split()[1])
     assert retrieval["input"] in retrieval["context"].split("\n\n")[k - 1]
     assert "Here are 4 paragraphs" in synthetic.task("passage_retrieval", 4).template
+
+
+def test_synthetic_count_answers_are_distinct_paragraphs_never_the_list_length():
+    from kvbench.data import longbench_synthetic as synthetic
+
+    ds = OmegaConf.create({"seed": 0, "size": 40, "passages": 5, "pairs": 8})
+    answers = []
+    for doc in synthetic.examples("passage_count", ds, None):
+        listed = [p.split(": ", 1)[1] for p in doc["context"].split("\n\n")]
+        assert int(doc["answers"][0]) == len(set(listed)) < len(listed)
+        answers.append(int(doc["answers"][0]))
+    assert set(answers) == {2, 3, 4, 5}  # every count from 2 to dataset.passages occurs
+
+
+def test_example_longbench_folder_reads_in_longbench_layout():
+    """examples/longbench_local: every file is a LongBench task with LongBench's fields."""
+    from kvbench.data import longbench as data
+
+    folder = ROOT / "examples" / "longbench_local"
+    names = ["multifieldqa_en", "passage_retrieval_en", "passage_count"]
+    data.check_local(str(folder), names, False)
+    for name in names:
+        docs = data.read_local(data.task_file(str(folder), name, False), "longbench", None)
+        assert len(docs) == 6 and all(d["answers"] and d["context"] for d in docs)

@@ -198,20 +198,11 @@ def compose_cell(tmp: Path, *extra: str):
         return compose("config", overrides=[*TINY_V2, f"results_dir={tmp}", *extra])
 
 
-def test_a_double_stack_runs_the_protocol_on_a_local_file(tmp_path, monkeypatch):
+def test_a_double_stack_runs_the_protocol_on_a_local_file_and_batches_equal_one_by_one(tmp_path, monkeypatch):
     monkeypatch.setattr(longbench_v2, "MAX_NEW", 4)  # the tiny model's answers mean nothing
     monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "cache"))
     path = write_v2(tmp_path / "v2.jsonl")
-    cfg = compose_cell(
-        tmp_path / "r",
-        f"dataset.path={path}",
-        "dataset.max_length=400",
-        "scheduler=h2o",
-        "compressor=quantized",
-        "budget=0.5",
-        "name=v2",
-    )
-    record = run.run(cfg)
+    record = run.run(compose_cell(tmp_path / "r", *cfg_overrides(path)))
     assert record["status"] == "done", record["error"]
     m, examples = record["metrics"], record["examples"]
     assert m["n_examples"] == 4 and m["score"]["name"] == "longbench_v2_accuracy"
@@ -230,6 +221,22 @@ def test_a_double_stack_runs_the_protocol_on_a_local_file(tmp_path, monkeypatch)
     assert last["prompt_tokens"] > 400 >= last["prompt_tokens_truncated"]
     source = record["dataset"]["source"]
     assert source["template"].endswith(longbench_v2.INSTRUCTION) and source["max_new"] == 4
+    batched = run.run(compose_cell(tmp_path / "r", *cfg_overrides(path), "dataset.batch_size=3"))
+    assert batched["status"] == "done", batched["error"]
+    assert [e["prediction"] for e in batched["examples"]] == [e["prediction"] for e in examples]
+    for key in ("compression_prefill", "kv_mem_mb_prefill"):
+        assert batched["metrics"][key] == pytest.approx(m[key], rel=1e-4)
+
+
+def cfg_overrides(path) -> list[str]:
+    return [
+        f"dataset.path={path}",
+        "dataset.max_length=400",
+        "scheduler=h2o",
+        "compressor=quantized",
+        "budget=0.5",
+        "name=v2",
+    ]
 
 
 @pytest.mark.parametrize(

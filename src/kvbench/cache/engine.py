@@ -203,7 +203,10 @@ class KVCache(Cache):
     def _probe_hit(self, layer, store, query, qpos, mask_fn, scaling, sliding_window) -> None:
         """KV hit at a few evenly spaced queries of the chunk, against every exact key seen.
 
-        Batch size 1 (the protocols' case). Merged units are compared with the summed full-cache
+        Per row of the batch (units, masks and shadow keys are per row; sums and counts add up, so
+        B windows at once give what they give one at a time). The rows must be at the same
+        positions, as in the perplexity protocol's unpadded batches: the chunk start and the
+        excluded positions are row 0's. Merged units are compared with the summed full-cache
         probability of the positions they absorbed.
         """
         assert self.probe is not None and self.shadow is not None

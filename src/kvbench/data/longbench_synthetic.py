@@ -5,8 +5,9 @@ Three tasks after LongBench's synthetic recipes, over paragraphs of Python's hel
 - ``passage_retrieval``: ``dataset.passages`` numbered paragraphs and one sentence taken from one
   of them; the answer is ``Paragraph k``. LongBench's ``passage_retrieval_en`` prompt (with the
   number and the source of the paragraphs made true) and its retrieval score.
-- ``passage_count``: a shuffled list of paragraphs with repeats; the answer is the number of
-  distinct ones. LongBench's ``passage_count`` prompt (source made true) and count score.
+- ``passage_count``: 2 to ``dataset.passages`` distinct paragraphs, shuffled with 1 to as many
+  repeats; the answer is the number of distinct ones (never the list's length). LongBench's
+  ``passage_count`` prompt (source made true) and count score.
 - ``kv_retrieval``: ``dataset.pairs`` lines giving keys (English words) random numbers; the answer
   is one key's value, scored by LongBench's count score (numbers in the prediction that match).
 
@@ -113,9 +114,10 @@ def _retrieval(rng: random.Random, n: int, i: int) -> dict:
 
 
 def _count(rng: random.Random, n: int, i: int) -> dict:
-    unique = rng.randint(1, max(1, n - 2))
+    """``n`` distinct paragraphs at most, each listed once or more: the answer is not the list's length."""
+    unique = rng.randint(2, max(2, n))
     chosen = rng.sample(paragraphs(), unique)
-    listed = chosen + [rng.choice(chosen) for _ in range(n - unique)]
+    listed = chosen + [rng.choice(chosen) for _ in range(rng.randint(1, unique))]
     rng.shuffle(listed)
     context = "\n\n".join(f"Paragraph {k + 1}: {p}" for k, p in enumerate(listed))
     return _doc("passage_count", i, context, "", [str(unique)])

@@ -284,15 +284,23 @@ def _stopped(tokenizer, until: list[str], tokens: list[int]) -> bool:
 
 
 def _headline(results: dict, task: str) -> tuple[str, float, float | None]:
-    """The task's first metric in its own order (``metric,filter``): key, value, stderr."""
+    """The task's first measured metric in its own order (``metric,filter``): key, value, stderr.
+
+    RULER reports -1 for each length it did not run; those are skipped.
+    """
     row = results["results"][task]
     names = list(results.get("higher_is_better", {}).get(task, {}))
-    for name in names:
-        for key, value in row.items():
-            if _metric_key(key) == name and _STDERR not in key and isinstance(value, (int, float)):
-                stderr = row.get(key.replace(",", _STDERR + ",", 1))
-                return key, float(value), stderr if isinstance(stderr, (int, float)) else None
-    raise DatasetLoadError(f"lm-eval task {task}: reported none of its metrics ({', '.join(names)})")
+    found = [
+        key
+        for name in names
+        for key, value in row.items()
+        if _metric_key(key) == name and _STDERR not in key and isinstance(value, (int, float))
+    ]
+    if not found:
+        raise DatasetLoadError(f"lm-eval task {task}: reported none of its metrics ({', '.join(names)})")
+    key = next((k for k in found if row[k] != -1), found[0])
+    stderr = row.get(key.replace(",", _STDERR + ",", 1))
+    return key, float(row[key]), stderr if isinstance(stderr, (int, float)) else None
 
 
 def _metric_key(key: str) -> str:

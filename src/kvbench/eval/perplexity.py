@@ -1,6 +1,12 @@
 """Perplexity under compression (docs/methods.md): prefill P tokens, apply the stack, then score the
 next tokens in chunks of C against the compressed cache, re-applying the stack after each chunk.
 With the stack ``none`` this equals one full forward pass to numerical precision.
+
+``dataset.batch_size`` windows run at once (:func:`score_windows`). Every window has the same
+length, so a batch is a ``(B, L)`` tensor with no padding, every row at the same positions. Bytes
+are the batch's (the store's side data cannot be split by sequence): each window of a batch gets
+an even share, so compression and mean stored MB over a cell are the same at any batch size; the
+peak is the largest batch's, not one window's.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvbench import metrics
-from kvbench.cache.engine import HitProbe
+from kvbench.cache.engine import HitProbe, KVCache
 from kvbench.data import corpus
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
@@ -30,9 +36,9 @@ class WindowResult:
     logprobs: torch.Tensor | None
     ttft: float
     tpot: list[float]
-    bytes_prefill: int
-    reference_prefill: int  # the same tokens in 16-bit K and V
-    bytes_peak: int
+    bytes_prefill: float  # in a batch: the batch's bytes / B (see the module docstring)
+    reference_prefill: float  # the same tokens in 16-bit K and V
+    bytes_peak: int  # in a batch: the batch's peak
     per_layer_prefill: list[int]
     compression_prefill: float
     compression_chunks: list[float]
@@ -107,6 +113,105 @@ def score_window(
     return out
 
 
+def score_windows(
+    lm: LoadedModel,
+    stack: Stack,
+    group: list[list[int]],
+    cfg,
+    references: list[torch.Tensor | None],
+    probe: HitProbe | None,
+    keep_logprobs: bool,
+) -> list[WindowResult]:
+    """:func:`score_window` for B windows at once, one ``(B, L)`` batch; one result per window.
+
+    Each window gets the batch's TTFT and compression and an even share of its bytes; the peak is
+    the batch's (so ``kv_mem_mb_peak`` grows with B). A chunk's compression is the batch's ratio,
+    equal to each window's own when the windows store equal bytes (fixed budgets). Decoding feeds
+    each row its own greedy token, finished rows as padding.
+    """
+    n = len(group)
+    ids = torch.tensor(group)  # (B, L)
+    cache = loop.new_cache(lm, stack, shadow=probe is not None, batch=n)
+    ttft: list[float] = []
+    _step_rows(lm, cache, ids[:, : cfg.prefill], ttft)
+    ref_bytes, stored = cache.reference_bytes(), cache.nbytes()
+    outs = [
+        WindowResult(
+            nll=torch.empty(0),
+            chunk_nll=[],
+            logprobs=None,
+            ttft=ttft[0],
+            tpot=[],
+            bytes_prefill=stored / n,
+            reference_prefill=ref_bytes / n,
+            bytes_peak=stored,
+            per_layer_prefill=[round(b / n) for b in cache.per_layer_bytes()],
+            compression_prefill=ref_bytes / stored,
+            compression_chunks=[],
+        )
+        for _ in group
+    ]
+    cache.probe = probe
+    nlls: list[list[torch.Tensor]] = [[] for _ in group]
+    lps: list[list[torch.Tensor]] = [[] for _ in group]
+    for j in range(cfg.chunks_per_window):
+        a = cfg.prefill + j * cfg.chunk
+        logprobs = torch.log_softmax(_step_rows(lm, cache, ids[:, a : a + cfg.chunk]), dim=-1)  # (B, C, V)
+        target = ids[:, a + 1 : a + cfg.chunk + 1].to(logprobs.device)
+        nll = -logprobs.gather(-1, target[..., None])[..., 0]  # (B, C)
+        peak, ratio = cache.nbytes(), cache.reference_bytes() / cache.nbytes()
+        for r, (out, ref) in enumerate(zip(outs, references)):
+            nlls[r].append(nll[r].cpu())
+            out.chunk_nll.append(float(nll[r].mean()))
+            out.bytes_peak = max(out.bytes_peak, peak)
+            out.compression_chunks.append(ratio)
+            if ref is not None:
+                _fidelity(out, ref[j * cfg.chunk : (j + 1) * cfg.chunk], logprobs[r])
+            if keep_logprobs:
+                lps[r].append(logprobs[r].half().cpu())
+    for out, nll_r, lps_r in zip(outs, nlls, lps):
+        out.nll = torch.cat(nll_r)
+        out.logprobs = torch.cat(lps_r) if keep_logprobs else None
+    cache.probe, cache.shadow = None, None  # the shadow stays out of timed passes
+    if cfg.decode_steps:
+        _greedy_rows(lm, cache, logprobs[:, -1], cfg.decode_steps + 1, [o.tpot for o in outs])
+    return outs
+
+
+def _fidelity(out: WindowResult, reference: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """Add KL and top-1 agreement of one chunk, ``(C, V)`` each, to ``out``."""
+    kl, agree = metrics.kl_and_top1(reference.to(logprobs.device), logprobs)
+    out.kl.extend(kl.tolist())
+    out.top1.extend(agree.float().tolist())
+
+
+def _step_rows(
+    lm: LoadedModel, cache: KVCache, ids: torch.Tensor, times: list[float] | None = None
+) -> torch.Tensor:
+    """One chunk ``(B, q)`` of a batch with no padding; logits ``(B, q, V)``; timed into ``times``."""
+    return loop.step_batch(
+        lm, cache, ids, torch.ones_like(ids, dtype=torch.bool), [] if times is None else times
+    )
+
+
+def _greedy_rows(
+    lm: LoadedModel, cache: KVCache, first: torch.Tensor, max_new: int, tpot: list[list[float]]
+) -> None:
+    """:func:`loop.greedy` for each row of ``first`` ``(B, V)``; each row's steps timed into ``tpot[row]``.
+
+    A row stops at EOS or after ``max_new`` tokens; from then on it is fed as padding.
+    """
+    tokens = [[int(t)] for t in first.argmax(-1)]
+    while active := [r for r, t in enumerate(tokens) if len(t) < max_new and t[-1] != lm.codec.eos_id]:
+        real = torch.zeros(len(tokens), 1, dtype=torch.bool)
+        real[active] = True
+        times: list[float] = []
+        logits = loop.step_batch(lm, cache, torch.tensor([[t[-1]] for t in tokens]), real, times)
+        for r in active:
+            tokens[r].append(int(logits[r, -1].argmax()))
+            tpot[r].append(times[0])
+
+
 def evaluate(
     lm: LoadedModel,
     stack: Stack,
@@ -117,10 +222,21 @@ def evaluate(
 ) -> tuple[Metrics, list[WindowResult]]:
     """All windows of one cell; returns (metrics, per-window results)."""
     probe = HitProbe() if stack.order else None
-    results = []
-    for w, window in enumerate(tqdm(windows(ids, cfg), desc="perplexity windows", leave=False, disable=None)):
-        ref = baseline[w].logprobs if baseline is not None else None
-        results.append(score_window(lm, stack, window, cfg, ref, probe, keep_logprobs))
+    size = int(cfg.get("batch_size", 1))
+    wins = windows(ids, cfg)
+    results: list[WindowResult] = []
+    bar = tqdm(total=len(wins), desc="perplexity windows", leave=False, disable=None)
+    for start in range(0, len(wins), size):
+        group = wins[start : start + size]
+        refs = [
+            baseline[w].logprobs if baseline is not None else None for w in range(start, start + len(group))
+        ]
+        if size == 1:  # the unbatched path, unchanged
+            results.append(score_window(lm, stack, group[0], cfg, refs[0], probe, keep_logprobs))
+        else:
+            results.extend(score_windows(lm, stack, group, cfg, refs, probe, keep_logprobs))
+        bar.update(len(group))
+    bar.close()
     return summarize(results, baseline, probe), results
 
 
@@ -169,10 +285,6 @@ class Perplexity:
                 raise ConfigError(f"dataset.{key}={ds[key]}: must be >= 1")
         if ds.decode_steps < 0:
             raise ConfigError(f"dataset.decode_steps={ds.decode_steps}: must be >= 0")
-        if ds.get("batch_size", 1) != 1:
-            raise ConfigError(
-                f"dataset.batch_size={ds.batch_size}: perplexity runs one window at a time for now; allowed 1"
-            )
         if ds.chunk > cfg.window and order:
             raise ConfigError(
                 f"dataset.chunk={ds.chunk}: must be <= window ({cfg.window}) (docs/methods.md: C <= window)"
