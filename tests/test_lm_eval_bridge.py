@@ -279,3 +279,34 @@ def test_example_task_folder_loads(monkeypatch):
     ds.tasks = ["kvbench_pydoc_keyword", "kvbench_pydoc_keyword_gen"]
     source = lm_eval_bridge.PROTOCOL.load(ds).source
     assert source["n_examples"] == {"kvbench_pydoc_keyword": 15, "kvbench_pydoc_keyword_gen": 15}
+
+
+def test_lm_eval_results_and_samples_reach_wandb(hf_tiny, task_dir, tmp_path, monkeypatch):
+    """lm-eval's results table lands in the W&B run's summary and its samples in a table."""
+    from kvbench import logger
+    from wandb_files import run_summary
+
+    lm, _, _ = hf_tiny
+    result = run_bridge(lm, make_stack(lm), ds_cfg(task_dir, ["kvb_mc"]))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = OmegaConf.create(
+        {"logger": {"name": "wandb", "project": "kvbench-test", "entity": None, "mode": "offline"}}
+    )
+    cfg.logger.dir = str(tmp_path / "wandb")
+    record = {
+        "experiment": "bridge",
+        "cell_id": "lmevaltest0001",
+        "status": "done",
+        "stack": {"order": 0},
+        "config": {"dataset": {"task": "lm_eval"}},
+        "metrics": result.metrics.as_dict(),
+        "examples": result.examples,
+    }
+    logger.log(cfg, record)
+    (path,) = (tmp_path / "wandb").rglob("run-*.wandb")
+    summary = run_summary(path)["summary"]
+    assert summary["lm_eval/kvb_mc/acc,none"] == pytest.approx(
+        result.metrics.extra["lm_eval"]["kvb_mc"]["acc,none"]
+    )
+    assert summary["score/name"] == "kvb_mc acc"
+    assert any(key.startswith("examples") for key in summary)
