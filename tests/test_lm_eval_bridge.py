@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from conftest import tiny_cfg
 from helpers import make_stack
-from kvbench import models
+from kvbench import models, results
 from kvbench.cache import engine
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError, DatasetLoadError
@@ -187,6 +187,7 @@ def test_parity_with_hflm_at_stack_none(hf_tiny, task_dir):
         for key, value in theirs["results"][task].items():
             if isinstance(value, float) and "stderr" not in key:
                 assert ours.metrics.extra["lm_eval"][task][key] == pytest.approx(value, rel=1e-4)
+    list(results.json_leaves(ours.examples, "examples"))  # JSON types only: raises on a tuple
     m = ours.metrics
     assert m.score.name == "kvb_mc acc"
     assert m.compression_prefill == pytest.approx(0.5)  # fp32 stored against the 16-bit reference

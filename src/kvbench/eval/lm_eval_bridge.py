@@ -308,11 +308,8 @@ def _metric_key(key: str) -> str:
 
 
 def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value)
-        return value
-    except TypeError:
-        return repr(value)
+    """``value`` in JSON's own types (tuples become lists; what JSON cannot hold, its repr)."""
+    return json.loads(json.dumps(value, default=repr))
 
 
 def _examples(samples: dict[str, list[dict]], results: dict) -> list[dict]:
