@@ -11,6 +11,7 @@ be read is an error naming it and where it was looked for.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +46,10 @@ def normalize(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def read_local(path: Path, name: str, limit: int | None) -> list[dict[str, Any]]:
-    """The first ``limit`` examples of one task file."""
+def json_lines(
+    path: Path, name: str, limit: int | None, parse: Callable[[dict, str], dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The first ``limit`` examples of a JSON-lines file, each checked by ``parse(doc, where)``."""
     docs: list[dict[str, Any]] = []
     with path.open(encoding="utf-8") as fh:
         for number, line in enumerate(fh, 1):
@@ -58,14 +61,22 @@ def read_local(path: Path, name: str, limit: int | None) -> list[dict[str, Any]]
                 doc = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DatasetLoadError(f"dataset '{name}': {path}:{number}: not JSON ({exc.msg})") from exc
-            missing = [k for k in REQUIRED if k not in doc] + (
-                [] if "input" in doc or "question" in doc else ["input"]
-            )
-            if missing:
-                raise DatasetLoadError(
-                    f"dataset '{name}': {path}:{number}: missing field {', '.join(missing)}"
-                )
-            docs.append(normalize(doc))
+            docs.append(parse(doc, f"dataset '{name}': {path}:{number}"))
+    return docs
+
+
+def _example(doc: dict, where: str) -> dict[str, Any]:
+    missing = [k for k in REQUIRED if k not in doc] + (
+        [] if "input" in doc or "question" in doc else ["input"]
+    )
+    if missing:
+        raise DatasetLoadError(f"{where}: missing field {', '.join(missing)}")
+    return normalize(doc)
+
+
+def read_local(path: Path, name: str, limit: int | None) -> list[dict[str, Any]]:
+    """The first ``limit`` examples of one task file."""
+    docs = json_lines(path, name, limit, _example)
     if not docs:
         raise DatasetLoadError(f"dataset '{name}': {path} holds no examples")
     return docs

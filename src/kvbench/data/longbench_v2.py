@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvbench.data import longbench
 from kvbench.data.corpus import _summary
 from kvbench.errors import ConfigError, DatasetLoadError
 
@@ -51,22 +52,6 @@ def example(doc: Any, where: str) -> dict[str, Any]:
     return {**{k: doc.get(k) for k in OPTIONAL}, **{k: doc[k] for k in (*TEXT, *ALLOWED)}}
 
 
-def _json_lines(path: Path, name: str, limit: int | None) -> list[dict[str, Any]]:
-    docs: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if limit is not None and len(docs) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetLoadError(f"dataset '{name}': {path}:{number}: not JSON ({exc.msg})") from exc
-            docs.append(example(doc, f"dataset '{name}': {path}:{number}"))
-    return docs
-
-
 def _json_array(path: Path, name: str, limit: int | None) -> list[dict[str, Any]]:
     try:
         items = json.loads(path.read_text(encoding="utf-8"))
@@ -81,7 +66,11 @@ def read_local(path: Any, name: str, limit: int | None) -> list[dict[str, Any]]:
     """The first ``limit`` examples of a local file (``.json``: one array; otherwise JSON lines)."""
     file = Path(str(path)).expanduser()
     try:
-        docs = (_json_array if file.suffix == ".json" else _json_lines)(file, name, limit)
+        docs = (
+            _json_array(file, name, limit)
+            if file.suffix == ".json"
+            else longbench.json_lines(file, name, limit, example)
+        )
     except OSError as exc:
         raise DatasetLoadError(f"dataset '{name}': {file}: cannot be read ({exc.strerror})") from exc
     if not docs:

@@ -87,6 +87,21 @@ def build(codec, td: tasks.TaskDef, doc: dict, max_length: int) -> tuple[generat
     return generate.Prompt(head, tail, td.max_gen_toks, done), full
 
 
+def build_all(
+    codec, items: list[tuple[tasks.TaskDef, dict]], limit: int
+) -> list[tuple[generate.Prompt, int]]:
+    """:func:`build` for every (task, document); an error when a truncated prompt's text after its
+    context does not fit in the kept last half."""
+    built = [build(codec, td, doc, limit) for td, doc in items]
+    for (td, doc), (p, full) in zip(items, built):
+        if full > limit and len(p.tail) > limit // 2:
+            raise ConfigError(
+                f"dataset.max_length={limit}: task {td.name} example {doc.get('_id')}: the text after its "
+                f"context takes {len(p.tail)} tokens, more than the kept last half; raise dataset.max_length"
+            )
+    return built
+
+
 def postprocess(td: tasks.TaskDef, prediction: str) -> str:
     return prediction.lstrip("\n").split("\n")[0] if td.first_line else prediction
 
@@ -105,16 +120,9 @@ def max_length(ds, lm: LoadedModel) -> int:
 def evaluate(
     lm: LoadedModel, stack: Stack, docs: dict[str, list[dict]], ds, baseline
 ) -> tuple[Metrics, list[dict]]:
-    limit = max_length(ds, lm)
     defs = {td.name: td for td in task_defs(ds)}
     items = [(td, doc) for td in defs.values() for doc in docs[td.name]]
-    built = [build(lm.codec, td, doc, limit) for td, doc in items]
-    for (td, doc), (p, full) in zip(items, built):
-        if full > limit and len(p.tail) > limit // 2:
-            raise ConfigError(
-                f"dataset.max_length={limit}: task {td.name} example {doc.get('_id')}: the text after its "
-                f"context takes {len(p.tail)} tokens, more than the kept last half; raise dataset.max_length"
-            )
+    built = build_all(lm.codec, items, max_length(ds, lm))
     gens = generate.generate(
         lm, stack, [p for p, _ in built], ds.batch_size, ds.query_aware, desc=f"{ds.name} examples"
     )

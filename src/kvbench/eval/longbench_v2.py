@@ -94,6 +94,7 @@ def fields(doc: dict[str, Any]) -> dict[str, Any]:
         "context": doc["context"].strip(),
         "question": doc["question"],
         "choices": [doc[f"choice_{c}"].strip() for c in data.CHOICES],
+        "_id": doc.get("_id"),  # named by errors
     }
 
 
@@ -113,15 +114,8 @@ def score(doc: dict[str, Any], predictions: list[str]) -> dict[str, float]:
 def evaluate(
     lm: LoadedModel, stack: Stack, docs: list[dict[str, Any]], ds, baseline: list[dict] | None
 ) -> tuple[Metrics, list[dict]]:
-    limit = longbench.max_length(ds, lm)
     td = task_def()
-    built = [longbench.build(lm.codec, td, fields(doc), limit) for doc in docs]
-    for doc, (p, full) in zip(docs, built):
-        if full > limit and len(p.tail) > limit // 2:
-            raise ConfigError(
-                f"dataset.max_length={limit}: example {doc['_id']}: the text after its context takes "
-                f"{len(p.tail)} tokens, more than the kept last half; raise dataset.max_length"
-            )
+    built = longbench.build_all(lm.codec, [(td, fields(doc)) for doc in docs], longbench.max_length(ds, lm))
     gens = generate.generate(
         lm, stack, [p for p, _ in built], ds.batch_size, ds.query_aware, desc=f"{ds.name} examples"
     )
