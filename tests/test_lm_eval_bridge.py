@@ -277,9 +277,9 @@ def test_example_task_folder_loads(monkeypatch):
     monkeypatch.chdir(root)
     ds = OmegaConf.load(root / "conf/dataset/lm_eval.yaml")
     ds.include_path = str(root / "examples/lm_eval_local")
-    ds.tasks = ["kvbench_pydoc_keyword", "kvbench_pydoc_keyword_gen"]
+    ds.tasks = ["kvbench_kv_choice", "kvbench_kv_gen"]
     source = lm_eval_bridge.PROTOCOL.load(ds).source
-    assert source["n_examples"] == {"kvbench_pydoc_keyword": 15, "kvbench_pydoc_keyword_gen": 15}
+    assert source["n_examples"] == {"kvbench_kv_choice": 40, "kvbench_kv_gen": 40}
 
 
 def test_lm_eval_results_and_samples_reach_wandb(hf_tiny, task_dir, tmp_path, monkeypatch):
