@@ -8,8 +8,9 @@ Three tasks after LongBench's synthetic recipes, over paragraphs of Python's hel
 - ``passage_count``: 2 to ``dataset.passages`` distinct paragraphs, shuffled with 1 to as many
   repeats; the answer is the number of distinct ones (never the list's length). LongBench's
   ``passage_count`` prompt (source made true) and count score.
-- ``kv_retrieval``: ``dataset.pairs`` lines giving keys (English words) random numbers; the answer
-  is one key's value, scored by LongBench's count score (numbers in the prediction that match).
+- ``kv_retrieval``: ``dataset.pairs`` lines giving keys (English words) distinct four-digit
+  numbers; the answer is one key's value, scored by LongBench's count score (numbers in the
+  prediction that match).
 
 Examples carry LongBench's fields (``input``, ``context``, ``answers``, ``length``, ``dataset``,
 ``language``, ``all_classes``, ``_id``) and are fixed by ``dataset.seed``.
@@ -125,7 +126,7 @@ def _count(rng: random.Random, n: int, i: int) -> dict:
 
 def _kv(rng: random.Random, pairs: int, i: int) -> dict:
     keys = rng.sample(KEYS, min(pairs, len(KEYS)))
-    values = [str(rng.randint(100000, 999999)) for _ in range(pairs)]
+    values = [str(v) for v in rng.sample(range(1000, 10000), pairs)]  # distinct, four digits
     asked = rng.randrange(pairs)
     context = "\n".join(f"The number of the key {k} is {v}." for k, v in zip(keys, values))
     return _doc("kv_retrieval", i, context, keys[asked], [values[asked]])
