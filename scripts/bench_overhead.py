@@ -4,7 +4,7 @@
     prefill and greedy decode work: target at most 1.10x.
 (b) a six-cell multirun in one process against six separate processes, each cell a perplexity of
     two 512-token windows: target at most 0.5x.
-(c) a needle cell and a LongBench-format cell (kvbench's synthetic set) through H2O at budget 0.25,
+(c) a needle cell and a LongBench-format cell (kvbench's synthetic set) through H2O at budget 0.5,
     at dataset.batch_size 8 against 1: wall time of each, and whether the scores agree.
 
     python scripts/bench_overhead.py [--prefill 512] [--decode 32] [--repeats 3] [--skip-b] [--skip-c]
@@ -128,7 +128,7 @@ def bench_b() -> float:
 
 
 def _cell_time(lm, name: str, batch_size: int, **over) -> tuple[float, float]:
-    """Wall time and score of one cell of dataset ``name`` through H2O at budget 0.25."""
+    """Wall time and score of one cell of dataset ``name`` through H2O at budget 0.5."""
     from kvbench.eval import protocol
     from kvbench.roles import BindContext, Budget
     from kvbench.schedulers.h2o import H2OScheduler
@@ -139,7 +139,7 @@ def _cell_time(lm, name: str, batch_size: int, **over) -> tuple[float, float]:
         ds[key] = value
     proto = protocol.get(ds.task)
     data = proto.load(ds)
-    stack = Stack(scheduler=H2OScheduler(), budget=Budget(budget=0.25))
+    stack = Stack(scheduler=H2OScheduler(), budget=Budget(budget=0.5))
     stack.bind(BindContext.for_model(lm, stack.budget))
     start = time.perf_counter()
     result = proto.evaluate(lm, stack, data.data, ds, None)
@@ -158,7 +158,7 @@ def bench_c() -> None:
         one, score_one = _cell_time(lm, name, 1, **over)
         eight, score_eight = _cell_time(lm, name, 8, **over)
         print(
-            f"(c) {name} through h2o at 0.25: batch 1 {one:.1f} s, batch 8 {eight:.1f} s, "
+            f"(c) {name} through h2o at 0.5: batch 1 {one:.1f} s, batch 8 {eight:.1f} s, "
             f"ratio {eight / one:.3f}x; score {score_one:.4g} vs {score_eight:.4g}"
         )
 
