@@ -53,3 +53,14 @@ def test_every_experiment_composes(option):
 def test_every_yaml_starts_with_a_comment():
     for path in CONF.rglob("*.yaml"):
         assert path.read_text().startswith("#"), path
+
+
+def test_threads_follow_the_schedulers_allocation_unless_set(monkeypatch):
+    from kvbench.run import thread_count
+
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    assert thread_count(None) is None
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "3")
+    assert thread_count(None) == 3 and thread_count(2) == 2
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "")
+    assert thread_count(None) is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import platform
 import shlex
 import sys
@@ -159,8 +160,9 @@ def execute(cfg: DictConfig, cell: CellPlan | None = None) -> Outcome:
     if len(before) >= state.MAX_STARTS:
         record.update(status="failed", error=state.killed_reason(before), failure="killed")
         return Outcome(_finish(cell.path, record), ran=True)
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    threads = thread_count(cfg.threads)
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
     try:
@@ -232,6 +234,19 @@ def _evaluate(cfg, lm, stack, data, ident, record) -> None:
     record["timings"]["eval_s"] = time.perf_counter() - t0
     record["dataset"]["n_examples"] = metrics["n_examples"]
     record["status"] = "done"
+
+
+def thread_count(threads: int | None) -> int | None:
+    """CPU threads for torch: ``threads`` when set, else the scheduler's allocation
+    (``SLURM_CPUS_PER_TASK``) when there is one, else None (torch's default: every core).
+
+    On a shared node, torch's default oversubscribes the cores another job holds, and kvbench's many
+    small per-step operations then slow down several-fold.
+    """
+    if threads:
+        return int(threads)
+    allocated = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    return int(allocated) if allocated.isdigit() and int(allocated) > 0 else None
 
 
 def cell_command() -> str | None:
