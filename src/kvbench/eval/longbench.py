@@ -26,7 +26,7 @@ from kvbench.data import longbench_synthetic as synthetic
 from kvbench.errors import ConfigError
 from kvbench.eval import generate
 from kvbench.eval import longbench_tasks as tasks
-from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score, sha256_json
+from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score, check_int, sha256_json
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
@@ -230,10 +230,7 @@ class LongBench:
             synthetic.check_names(names)
         else:
             tasks.check_names(names, ds.suite == "longbench_e")
-        if ds.limit is not None and (
-            isinstance(ds.limit, bool) or not isinstance(ds.limit, int) or ds.limit < 1
-        ):
-            raise ConfigError(f"dataset.limit={ds.limit!r}: must be null or an integer >= 1")
+        check_int(ds, "limit", 1, nullable=True)
         if ds.max_length is not None:
             for td in task_defs(ds):
                 floor = _fixed_words(td.template)

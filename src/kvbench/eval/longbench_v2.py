@@ -32,7 +32,7 @@ from kvbench.data import longbench_v2 as data
 from kvbench.errors import ConfigError
 from kvbench.eval import generate, longbench
 from kvbench.eval import longbench_tasks as tasks
-from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score, sha256_json
+from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score, check_int, sha256_json
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
@@ -177,10 +177,7 @@ class LongBenchV2:
 
     def validate(self, cfg, order: int) -> None:
         ds = cfg.dataset
-        if ds.limit is not None and (
-            isinstance(ds.limit, bool) or not isinstance(ds.limit, int) or ds.limit < 1
-        ):
-            raise ConfigError(f"dataset.limit={ds.limit!r}: must be null or an integer >= 1")
+        check_int(ds, "limit", 1, nullable=True)
         if ds.max_length is not None:
             floor = fixed_words(template())
             if (

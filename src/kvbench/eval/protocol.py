@@ -121,6 +121,16 @@ def get(task: str) -> EvalProtocol:
     return importlib.import_module(MODULES[task]).PROTOCOL  # type: ignore[no-any-return]
 
 
+def check_int(ds: DictConfig, key: str, minimum: int, nullable: bool = False) -> None:
+    """``dataset.<key>`` is an integer >= ``minimum``, or null where ``nullable``; else a ConfigError."""
+    value = ds[key]
+    if value is None and nullable:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        allowed = "null or an integer" if nullable else "an integer"
+        raise ConfigError(f"dataset.{key}={value!r}: must be {allowed} >= {minimum}")
+
+
 def load_corpus(ds: DictConfig) -> Dataset:
     """A corpus protocol's data: the text the dataset config names, and where it came from."""
     text = corpus.load_text(ds)
