@@ -160,7 +160,7 @@ def test_lru_use_is_any_query_head_above_tau():
     probs[0, 1, 0, 1, 0] = 0.5  # KV head 1, query 4 -> token 0 used at 4
     probs[0, 1, 1, 0, 2] = 0.2  # KV head 1, query 3 -> token 2 used at 3 (arrival 2)
     sched.observe(0, store, probs, torch.tensor([[3, 4]]))
-    assert store.aux("lru")[0].tolist() == [[0, 3, 2, 3, 4], [4, 1, 3, 3, 4]]
+    assert store.state(LRUScheduler.LAST)[0].tolist() == [[0, 3, 2, 3, 4], [4, 1, 3, 3, 4]]
 
 
 def test_lru_keeps_the_most_recently_used(tiny):
@@ -169,7 +169,7 @@ def test_lru_keeps_the_most_recently_used(tiny):
         lm, make_stack(lm, scheduler=LRUScheduler(), budget=1.0, sinks=sinks, window=window), tokens(N), SIZES
     )
     store = cache.stores[1]
-    last, pos = store.aux("lru").clone(), store.view().pos.clone()
+    last, pos = store.state(LRUScheduler.LAST).clone(), store.view().pos.clone()
     tight = make_stack(lm, scheduler=LRUScheduler(), budget=0.3, sinks=sinks, window=window)
     tight.scheduler.evict(1, store)
     cap = math.ceil(0.3 * N)

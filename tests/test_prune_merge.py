@@ -17,7 +17,7 @@ from kvbench.cache.engine import HitProbe
 from kvbench.cache.store import FPSegment, LayerStore
 from kvbench.compressors.chain import ChainCompressor
 from kvbench.compressors.distillation import DistillationCompressor, MergedSegment
-from kvbench.compressors.pruning import SIDE, PrunedSegment, PruningCompressor
+from kvbench.compressors.pruning import KeptChannels, PrunedSegment, PruningCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.roles import BindContext, Budget
@@ -47,7 +47,7 @@ def counted_bytes(cache, lm, d_keep: int = 0) -> int:
                 total += seg.size * (2 * d * 4 + 4)  # centroid K and V, int32 count
             else:
                 raise AssertionError(type(seg))
-        if SIDE in store.side:
+        if store.side(KeptChannels) is not None:
             total += h * store.batch * d_keep * 2  # int16 kept-channel indices per head-row
     return total
 
@@ -80,7 +80,7 @@ def test_pruning_acts_and_stores_kept_channels_only(tiny_93):
         # Reads: exact keys on the kept channels, zeros on the others.
         exact = torch.cat(cache.shadow[layer], dim=2)[0]  # (H, S, D) keys this run produced
         k, _ = seg.read(torch.float32)
-        chans = store.side[SIDE].long()
+        chans = store.side(KeptChannels).channels.long()
         for row in range(h):
             rk = k[row * pruned : (row + 1) * pruned]
             mask = torch.zeros(d, dtype=torch.bool)
@@ -112,7 +112,7 @@ def test_pruning_keeps_top_channels_by_query_key_score(tiny):
     for layer, store in enumerate(cache.stores):
         q = seen[layer][0, :, -16:].reshape(h, -1, d)  # (H, g * 16, D): the group's window queries
         score = q.pow(2).sum(1).sqrt() * keys[layer][0].pow(2).sum(1).sqrt()  # (H, D)
-        chans = store.side[SIDE].long()
+        chans = store.side(KeptChannels).channels.long()
         for row in range(h):
             kept = torch.zeros(d, dtype=torch.bool)
             kept[chans[row]] = True
@@ -124,7 +124,7 @@ def test_pruning_keeps_top_channels_by_query_key_score(tiny):
         loop.step(tiny, cache, ids[at : at + n])
         at += n
     for store, chans in zip(cache.stores, first):
-        assert torch.equal(store.side[SIDE].long(), chans)  # chosen once, at the first compression point
+        assert torch.equal(store.side(KeptChannels).channels.long(), chans)  # chosen once, at the first compression point
 
 
 # --- distillation ----------------------------------------------------------------------------
@@ -167,8 +167,7 @@ def test_distillation_acts_counts_bytes_and_absorbs_every_old_token(tiny_93):
 def _hand_store(h: int, d: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> LayerStore:
     """A one-sequence store with the same full-precision tokens ``(T, D)`` in every head-row."""
     store = LayerStore(1, h, d, torch.float32, torch.device("cpu"))
-    t = k.shape[0]
-    store.fp = FPSegment(lens=torch.full((h,), t), pos=pos.repeat(h), k=k.repeat(h, 1), v=v.repeat(h, 1))
+    store.fp.rows.append({"k": k.expand(h, *k.shape), "v": v.expand(h, *v.shape), "pos": pos.expand(h, -1)})
     store.seen = torch.tensor([int(pos.max()) + 1])
     return store
 
@@ -188,16 +187,15 @@ def _merged_pair(c: int = 4, h: int = 2, d: int = 16):
     )
     merged = _hand_store(h, d, others_k, others_v, other_pos)
     merged.seen = sep.seen.clone()
-    merged.compressed = [
-        MergedSegment(
-            lens=torch.ones(h, dtype=torch.long),
-            pos=torch.full((h,), 7),
-            k=twin_k.repeat(h, 1),
-            v=twin_v.repeat(h, 1),
-            count=torch.full((h,), c, dtype=torch.int32),
-            mpos=twin_pos.repeat(h),
-        )
-    ]
+    unit = MergedSegment(
+        lens=torch.ones(h, dtype=torch.long),
+        pos=torch.full((h,), 7),
+        k=twin_k.repeat(h, 1),
+        v=twin_v.repeat(h, 1),
+        count=torch.full((h,), c, dtype=torch.int32),
+        mpos=twin_pos.repeat(h),
+    )
+    merged.adopt(unit, {}, first=True)
     query = torch.randn(1, 3 * h, 2, d, generator=g)  # GQA: 3 query heads per KV head
     return sep, merged, query
 

@@ -15,7 +15,7 @@ from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.routers.base import BaseRouter
 from kvbench.schedulers.flexgen import FlexGenScheduler
-from kvbench.schedulers.quest import KMIN, QuestScheduler, page_bounds
+from kvbench.schedulers.quest import PageBounds, QuestScheduler, page_bounds
 
 SIZES = [96, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
 N = sum(SIZES)
@@ -75,7 +75,7 @@ def test_quest_dense_layers_read_everything(tiny_93):
     stack = make_stack(tiny_93, scheduler=quest(dense_layers=2), budget=0.25, sinks=2, window=4)
     logits, cache = run_chunks(tiny_93, stack, tokens(N), SIZES)
     assert torch.allclose(logits, full(tiny_93), atol=1e-5)
-    assert all(KMIN not in s.side for s in cache.stores)  # no metadata for dense layers
+    assert all(s.side(PageBounds) is None for s in cache.stores)  # no metadata for dense layers
 
 
 def test_quest_counts_page_metadata_bytes(tiny_93):

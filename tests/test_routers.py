@@ -15,10 +15,10 @@ from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.routers.adaptive import AdaptiveRouter, top_p_choice
 from kvbench.routers.base import ExpertRouter, fill_by_preference, position_blocks
-from kvbench.routers.centroids import AUX
-from kvbench.routers.eplb import EPLBRouter, device_reads, eplb_plan, imbalance, water_fill
+from kvbench.routers.centroids import EXPERT, Centroids
+from kvbench.routers.eplb import EPLBRouter, Placement, device_reads, eplb_plan, imbalance, water_fill
 from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
-from kvbench.routers.pikv import PREV, PikvRouter
+from kvbench.routers.pikv import PikvRouter, PreviousChoice
 from kvbench.routers.topk_balanced import TopKBalancedRouter
 from kvbench.schedulers.h2o import H2OScheduler
 
@@ -64,7 +64,7 @@ def expert_of(router, store, routable: torch.Tensor) -> torch.Tensor:
     """Each token's expert as the router's write defines it: position blocks or the stored assignment."""
     if isinstance(router, (AdaptiveRouter, HierarchicalRouter)):
         return position_blocks(store.view().pos, routable, router.num_experts)
-    held = store.aux(AUX).long() - 1
+    held = store.state(EXPERT).long() - 1
     return torch.where(routable, held, torch.full_like(held, -1))
 
 
@@ -118,8 +118,8 @@ def side_bytes_by_hand(router, store) -> int:
         slots = e + router.replicas  # loads are skewed enough that every extra slot is used
         total += e * 8 + router.num_devices * 8  # fp64 expert and device loads
         total += 2 * slots * 8 + e * 8  # slot -> expert, slot -> device, unreplicated placement
-        copies = torch.bincount(store.side["router.slot_expert"], minlength=e) - 1
-        held = store.aux(AUX).long()[store.view().valid] - 1
+        copies = torch.bincount(store.side(Placement).slot_expert, minlength=e) - 1
+        held = store.state(EXPERT).long()[store.view().valid] - 1
         replica_tokens = int(copies[held[held >= 0]].sum())
         assert replica_tokens > 0
         total += replica_tokens * d * 2 * 4  # copies of K and V, fp32
@@ -223,7 +223,7 @@ def test_topk_balanced_never_exceeds_write_or_read_capacity(tiny_93):
         loop.step(tiny_93, cache, ids[at : at + n])
         at += n
         for store in cache.stores:
-            held = store.aux(AUX).long()[0] - 1  # (H, T)
+            held = store.state(EXPERT).long()[0] - 1  # (H, T)
             live = torch.stack([(held == e).sum(-1) for e in range(4)], -1)  # (H, E)
             cap = torch.ceil(1.0 * (held >= 0).sum(-1) / 4)
             assert (live <= cap[:, None]).all()
@@ -271,17 +271,17 @@ def test_pikv_bonus_changes_the_choice_predictably():
     picks = {}
     for bonus in (0.0, 0.1, 0.5):
         store = LayerStore(1, 1, 4, torch.float32, torch.device("cpu"))  # head_dim 4: logit = score / 2
-        store.side[PREV] = torch.tensor([[[False, True, False, True]]])
+        store.set_side(PreviousChoice(torch.tensor([[[False, True, False, True]]])))
         chosen = PikvRouter(num_experts=4, top_k=1, locality_bonus=bonus).choose(0, store, score, None, qpos)
         picks[bonus] = int(chosen[0, 0, 0].nonzero())
-        assert torch.equal(store.side[PREV], chosen[:, :, 0])  # the next step's bonus goes to this choice
+        assert torch.equal(store.side(PreviousChoice).chosen, chosen[:, :, 0])  # the next step's bonus goes to this choice
     assert picks == {0.0: 0, 0.1: 0, 0.5: 1}  # the bonus wins once it exceeds the logit gap 0.2
 
 
 def test_pikv_large_bonus_keeps_reading_the_previous_experts(tiny_93):
     router = PikvRouter(top_k=2, locality_bonus=1e4)
     _, cache = run(tiny_93, router, sizes=[48, 8, 1])
-    prev = cache.stores[1].side[PREV].clone()  # experts read by the last query of the last step
+    prev = cache.stores[1].side(PreviousChoice).chosen.clone()  # experts read by the last query of the last step
     loop.forward(tiny_93, cache, [5])  # one more decode step, before the write
     chosen = router._last[1][3].chosen[:, :, -1]
     assert torch.equal(chosen, prev)
@@ -375,7 +375,7 @@ def test_assignment_is_kept_through_eviction(tiny, name):
         loop.step(tiny, cache, ids[at : at + n])
         at += n
         store = cache.stores[0]
-        view, held = store.view(), store.aux(AUX).long() - 1
+        view, held = store.view(), store.state(EXPERT).long() - 1
         routable = view.valid & ~stack.budget.protected_view(store)
         assert (held[routable] >= 0).all() and (held[~routable & view.valid] < 0).all()
         now = {
@@ -386,7 +386,7 @@ def test_assignment_is_kept_through_eviction(tiny, name):
         }
         assert all(seen[key] == e for key, e in now.items() if key in seen)
         seen.update(now)
-    assert isinstance(stack.router, ExpertRouter) and store.side["router.count"].sum() > 0
+    assert isinstance(stack.router, ExpertRouter) and store.side(Centroids).count.sum() > 0
 
 
 # --- padded batch equals one-by-one --------------------------------------------------------------

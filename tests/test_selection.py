@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from conftest import tiny_cfg
 from helpers import make_stack, run_chunks, tokens
 from kvbench import models
+from kvbench.cache.store import TokenState
 from kvbench.compressors.chain import ChainCompressor
 from kvbench.compressors.chunkkv import ChunkKVCompressor
 from kvbench.compressors.fastv import FastVCompressor
@@ -264,7 +265,7 @@ def test_chunkkv_keeps_whole_best_chunks(tiny):
     )
     store = cache.stores[1]
     pos = store.view().pos[0].clone()  # (H, T), position order
-    score = store.aux("obs16", 16).sum(-1)[0].clone()
+    score = store.state(TokenState("obs16", (16,))).sum(-1)[0].clone()
     tight = make_stack(tiny, compressor=ChunkKVCompressor(chunk_size=c), budget=0.4, sinks=2, window=4)
     tight.compressor.compress(1, store)
     slots = math.ceil(0.4 * 48) - 6

@@ -11,6 +11,7 @@ import torch
 from helpers import make_stack, run_chunks, tokens
 from kvbench.cache import quant
 from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
+from kvbench.schedulers.h2o import SCORE
 from kvbench.routers.base import BaseRouter, position_blocks
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
@@ -67,7 +68,7 @@ def test_h2o_keeps_heavy_hitters_plus_window(tiny):
         lm, make_stack(lm, scheduler=H2OScheduler(), budget=1.0, sinks=2, window=4), tokens(40), [40]
     )  # accumulate scores without evicting
     store = cache.stores[0]
-    acc, pos = store.aux("h2o").clone(), store.view().pos.clone()
+    acc, pos = store.state(SCORE).clone(), store.view().pos.clone()
     stack.scheduler.evict(0, store)
     cap = math.ceil(0.3 * 40)
     for b_h in range(pos.shape[1]):

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvbench.cache.store import LayerStore, Segment
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 
 
@@ -73,9 +73,11 @@ class Budget:
         """:meth:`protected` over ``store.view()``: ``(B, H, T)``."""
         return self.protected(store.view().pos, store.view_seen(), store.view_protect_from())
 
-    def protected_flat(self, store: LayerStore, seg: Segment) -> torch.Tensor:
-        """:meth:`protected` over the flat tokens of one segment: ``(N,)``."""
-        return self.protected(seg.pos, store.flat_seen(seg), store.flat_protect_from(seg))
+    def protected_fp(self, store: LayerStore) -> torch.Tensor:
+        """:meth:`protected` over the full-precision rows: ``(B * H, W)``."""
+        start = store.protect_from
+        start = None if start is None else start.repeat_interleave(store.kv_heads)[:, None]
+        return self.protected(store.fp_view("pos"), store.row_seen()[:, None], start)
 
     def scaled(self, depth: int) -> Budget:
         """The budget of the ``depth``-th selection of a stack: selections compose multiplicatively."""

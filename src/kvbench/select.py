@@ -13,8 +13,24 @@ import torch
 import torch.nn.functional as F
 
 from kvbench import allocation
-from kvbench.cache.store import LayerStore
+from kvbench.cache.store import LayerStore, TokenState
 from kvbench.roles import BindContext, Budget, keep_top
+
+
+def leaving_window(
+    store: LayerStore, budget: Budget, group_size: int, eligible: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(B * H, W)`` over the full-precision rows: the oldest whole groups of ``group_size``
+    unprotected tokens per head-row, the tokens a representation compressor moves out.
+
+    ``eligible`` (aligned the same way) restricts the candidates further.
+    """
+    ok = ~budget.protected_fp(store) & store.fp_valid()
+    if eligible is not None:
+        ok = ok & eligible
+    rank = ok.long().cumsum(-1)
+    whole = (ok.sum(-1) // group_size) * group_size
+    return ok & (rank <= whole[:, None])
 
 
 def evict_by_score(store: LayerStore, budget: Budget, score: torch.Tensor, cap: torch.Tensor) -> None:
@@ -59,26 +75,30 @@ class ObservationWindow:
 
     obs_window: int
     pool: int
-    AUX = "obs"
+
+    @property
+    def ring(self) -> TokenState:
+        """The ring's state; techniques with the same window share one (e.g. snapkv and adakv)."""
+        return TokenState(f"obs{self.obs_window}", (self.obs_window,))
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         w = self.obs_window
         recent = (qpos >= store.seen[:, None] - w) & (qpos >= 0)  # (B, q)
         if not bool(recent.any()):
             return
-        ring = store.aux(self.AUX, w)  # (B, H, T, w)
+        ring = store.state(self.ring)  # (B, H, T, w)
         summed = probs.sum(2)  # (B, H, q, T)
         for i in torch.nonzero(recent.any(0)).flatten().tolist():
             slot = qpos[:, i] % w  # (B,)
             rows = recent[:, i]
             onehot = F.one_hot(slot, w).bool() & rows[:, None]  # (B, w)
             ring = torch.where(onehot[:, None, None, :], summed[:, :, i, :, None], ring)
-        store.set_aux(self.AUX, ring)
+        store.set_state(self.ring, ring)
 
     def window_scores(self, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV)."""
         view = store.view()
-        score = store.aux(self.AUX, self.obs_window).sum(-1)
+        score = store.state(self.ring).sum(-1)
         return pool_scores(score, view.pos, view.valid, self.pool)
 
 

@@ -161,7 +161,7 @@ class KVCache(Cache):
             sliding_window is None
             and not padded
             and view.bias is None
-            and bool(view.valid.all())
+            and view.dense
             and (view.k.shape[2] == q_len or q_len == 1)
         )
         qreal = qpos >= 0

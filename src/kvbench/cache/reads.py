@@ -7,11 +7,8 @@ of every token a real query attends to, summed over layers, averaged over querie
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from kvbench.cache import ragged
 from kvbench.cache.store import GroupedSegment, LayerStore
 
 
@@ -24,13 +21,13 @@ def token_bytes(store: LayerStore) -> torch.Tensor:
     """
     parts = []
     for seg in store.segments:
-        per = sum(math.prod(f.shape[1:]) * f.element_size() for f in seg.data_fields().values())
-        flat = torch.full((seg.size,), float(per), dtype=torch.float64, device=store.device)
+        valid = seg.rows.valid()
+        padded = torch.zeros(valid.shape, dtype=torch.float64, device=store.device)
+        flat = torch.full((seg.size,), float(seg.token_nbytes()), dtype=torch.float64, device=store.device)
         if isinstance(seg, GroupedSegment) and seg.size:
-            group = sum(math.prod(f.shape[1:]) * f.element_size() for f in seg.group_fields().values())
-            group += seg.gcount.element_size()
-            flat = flat + group / seg.gcount.double()[seg.group_ids()]
-        parts.append(ragged.to_padded(flat, seg.lens)[0])
+            flat = flat + seg.group_nbytes() / seg.gcount.double()[seg.group_ids()]
+        padded[valid] = flat
+        parts.append(padded)
     return torch.cat(parts, dim=1).view(store.batch, store.kv_heads, -1)
 
 

@@ -1,42 +1,93 @@
-"""Per-layer KV storage: segments of ragged per-head tokens, with exact byte accounting.
+"""Per-layer KV storage: segments of per-head-row tokens, with exact byte accounting.
 
-A layer's cache is a list of segments. The last one is always full precision (``FPSegment``):
+A layer's cache is a list of segments. The last one is always full precision (:class:`FPSegment`):
 new tokens land there. Representation compressors move tokens out of it into segments of their
-own (packed integers, factors, ...), older first. Each token carries its original position and
-any per-token state a technique keeps (``aux``: e.g. H2O's accumulated attention), which follow
-the token through moves and evictions.
+own (packed integers, factors, merged units, ...) through :meth:`LayerStore.move_out`, older
+first; no technique assigns a segment or the list itself.
+
+Every segment keeps its tokens in a :class:`kvbench.cache.rows.Rows` table, per head-row, with
+their original positions (``pos``), any per-token technique state (:class:`TokenState`, e.g.
+H2O's accumulated attention), and the keys and values attention reads (``k``, ``v``). For the
+full-precision segment those *are* the stored data. A compressed segment stores its encoded
+form flat and head-major (``lens`` tokens per head-row: packed codes, factors; see its
+``data_fields``), and its ``k``/``v`` rows are the decoded working copy, decoded once when tokens
+arrive, so reading the cache never re-decodes it.
 
 Byte accounting: ``nbytes()`` counts every tensor needed to rebuild the keys and values that
-attention reads (data, scales, zero points, group counts, factors). Token positions and
-technique state are bookkeeping, reported apart as ``aux_nbytes()``.
+attention reads (data, scales, zero points, group counts, factors) plus the technique metadata
+attention needs (:class:`SideData`). Token positions and technique state are bookkeeping,
+reported apart as ``aux_nbytes()``; decoded working copies are neither.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from kvbench.cache import ragged
+from kvbench.cache.rows import Rows
+
+_KV = ("k", "v")
+_NOT_AUX = ("k", "v", "bias")
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+@dataclass(frozen=True)
+class TokenState:
+    """A named per-token state a technique keeps (float32, ``shape`` per token).
+
+    Declared once at module level by the technique that owns it, and read or written only
+    through the store's :meth:`LayerStore.state`, :meth:`LayerStore.add_state` and
+    :meth:`LayerStore.set_state`; it follows its token through moves and evictions.
+    """
+
+    name: str
+    shape: tuple[int, ...] = ()
+
+
+class SideData:
+    """Base of a technique's per-layer metadata that attention needs (page bounds, centroids,
+    bases, replicas): a dataclass whose tensor fields are counted in the layer's bytes.
+
+    A technique gets its own with ``store.side(MyData)`` (None until set) and sets it with
+    ``store.set_side(MyData(...))``.
+    """
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = []
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor):
+                out.append(value)
+        return out
+
+
+S = TypeVar("S", bound=SideData)
+
+
 @dataclass
 class Segment:
-    """Ragged tokens of one representation. Subclasses add data fields with leading dim N.
+    """Tokens of one compressed representation, stored flat and head-major.
+
+    Subclasses add data fields with leading dim N and implement :meth:`read` for flat tokens.
 
     Attributes:
         lens: ``(BH,)`` tokens per head-row.
-        pos: ``(N,)`` original position of each token.
-        aux: per-token technique state, ``name -> (N, *rest)`` float32.
+        pos: ``(N,)`` original position of each token (used by decoders that need it).
+        rows: the per-head-row table (positions, technique state, decoded keys and values),
+            filled by the store when the segment joins it.
     """
 
     lens: torch.Tensor
     pos: torch.Tensor
-    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    rows: Rows = dataclasses.field(default=None, repr=False)  # type: ignore[assignment]
 
     def data_fields(self) -> dict[str, torch.Tensor]:
         """Per-token stored tensors (leading dim N), counted in ``nbytes``."""
@@ -50,8 +101,16 @@ class Segment:
         """Keys and values of every token, flat ``(N, D)`` in ``dtype``."""
         raise NotImplementedError
 
+    def layout(self) -> tuple[Any, ...]:
+        """Segments of one type and layout merge into one (see :meth:`LayerStore.move_out`)."""
+        return ()
+
     def nbytes(self) -> int:
         return _nbytes(*self.data_fields().values())
+
+    def token_nbytes(self) -> int:
+        """Bytes of one token's per-token data."""
+        return sum(t[0].numel() * t.element_size() for t in self.data_fields().values()) if self.size else 0
 
     def bias(self) -> torch.Tensor | None:
         """Additive attention logit per token ``(N,)`` (merged tokens carry log(count)), or None."""
@@ -62,60 +121,58 @@ class Segment:
         return None
 
     def aux_nbytes(self) -> int:
-        return _nbytes(self.pos, *self.aux.values())
+        return self.size * self.rows.token_nbytes([n for n in self.rows.fields if n not in _NOT_AUX])
 
     def keep(self, keep: torch.Tensor) -> None:
-        """Keep the flat rows where ``keep`` ``(N,)`` is True; the rest are freed."""
+        """Keep the flat tokens where ``keep`` ``(N,)`` is True; the rest are freed."""
         ids = ragged.segment_ids(self.lens)
         self.lens = torch.bincount(ids[keep], minlength=self.lens.numel())
         self.pos = self.pos[keep]
-        self.aux = {k: v[keep] for k, v in self.aux.items()}
         self.set_data_fields({k: v[keep] for k, v in self.data_fields().items()})
+
+    def extend(self, other: Segment) -> None:
+        """Append ``other``'s flat tokens after this segment's, per head-row (same type and layout)."""
+        for name in [*self.data_fields(), "pos"]:
+            setattr(
+                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
+            )
+        self.lens = self.lens + other.lens
 
     @property
     def size(self) -> int:
         return int(self.pos.shape[0])
 
 
-@dataclass
-class FPSegment(Segment):
-    """Tokens at the model's precision. ``k``, ``v``: ``(N, D)``."""
+class FPSegment:
+    """Tokens at the model's precision: the ``k``, ``v`` rows are the stored data."""
 
-    k: torch.Tensor = None  # type: ignore[assignment]
-    v: torch.Tensor = None  # type: ignore[assignment]
+    def __init__(self, bh: int, device: torch.device):
+        self.rows = Rows(bh, device)
 
-    def data_fields(self) -> dict[str, torch.Tensor]:
-        return {"k": self.k, "v": self.v}
+    @property
+    def lens(self) -> torch.Tensor:
+        return self.rows.lens
 
-    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k.to(dtype), self.v.to(dtype)
+    @property
+    def size(self) -> int:
+        return self.rows.size()
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
-        """Append ``q`` new tokens to every head-row. ``k``, ``v``: ``(BH, q, D)``; ``pos``: ``(BH, q)``."""
-        bh, q = pos.shape
-        new_lens = torch.full((bh,), q, dtype=torch.long, device=pos.device)
-        self.k = ragged.concat(self.k, self.lens, k.reshape(bh * q, -1), new_lens)
-        self.v = ragged.concat(self.v, self.lens, v.reshape(bh * q, -1), new_lens)
-        self.pos = ragged.concat(self.pos, self.lens, pos.reshape(-1), new_lens)
-        self.aux = {
-            name: ragged.concat(val, self.lens, val.new_zeros(bh * q, *val.shape[1:]), new_lens)
-            for name, val in self.aux.items()
-        }
-        self.lens = self.lens + new_lens
+    def nbytes(self) -> int:
+        return self.size * self.token_nbytes() if self.rows.width else 0
 
-    def append_ragged(
-        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, new_lens: torch.Tensor
-    ) -> None:
-        """Append flat head-major tokens (``new_lens`` per head-row), e.g. a padded batch's real ones."""
-        self.k = ragged.concat(self.k, self.lens, k, new_lens)
-        self.v = ragged.concat(self.v, self.lens, v, new_lens)
-        self.pos = ragged.concat(self.pos, self.lens, pos, new_lens)
-        n = int(new_lens.sum())
-        self.aux = {
-            name: ragged.concat(val, self.lens, val.new_zeros(n, *val.shape[1:]), new_lens)
-            for name, val in self.aux.items()
-        }
-        self.lens = self.lens + new_lens
+    def token_nbytes(self) -> int:
+        return self.rows.token_nbytes(list(_KV)) if self.rows.capacity else 0
+
+    def aux_nbytes(self) -> int:
+        if not self.rows.capacity:
+            return 0
+        return self.size * self.rows.token_nbytes([n for n in self.rows.fields if n not in _NOT_AUX])
+
+    def bias(self) -> None:
+        return None
+
+    def members(self) -> None:
+        return None
 
 
 @dataclass
@@ -137,6 +194,11 @@ class GroupedSegment(Segment):
     def nbytes(self) -> int:
         return _nbytes(*self.data_fields().values(), *self.group_fields().values(), self.gcount)
 
+    def group_nbytes(self) -> int:
+        """Bytes of one group's parameters and live count."""
+        per = sum(t[0].numel() * t.element_size() for t in self.group_fields().values())
+        return per + self.gcount.element_size()
+
     def group_ids(self) -> torch.Tensor:
         """Group of every flat token ``(N,)``."""
         return torch.repeat_interleave(
@@ -153,18 +215,14 @@ class GroupedSegment(Segment):
         self.gcount = counts[live].to(self.gcount.dtype)
         super().keep(keep)
 
-    def extend(self, other: GroupedSegment) -> None:
-        """Append ``other``'s tokens and groups after this segment's, per head-row."""
-        for name in [*self.data_fields(), "pos"]:
-            setattr(
-                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
-            )
-        self.aux = {k: ragged.concat(v, self.lens, other.aux[k], other.lens) for k, v in self.aux.items()}
+    def extend(self, other: Segment) -> None:
+        assert isinstance(other, GroupedSegment)
         for name in [*self.group_fields(), "gcount"]:
             setattr(
                 self, name, ragged.concat(getattr(self, name), self.glens, getattr(other, name), other.glens)
             )
-        self.lens, self.glens = self.lens + other.lens, self.glens + other.glens
+        self.glens = self.glens + other.glens
+        super().extend(other)
 
 
 @dataclass
@@ -172,7 +230,8 @@ class PaddedView:
     """A rectangle over all segments of a layer, for attention and scoring.
 
     Shapes use ``(B, H, T, D)``; ``valid`` marks real tokens, ``widths`` the segment widths;
-    ``bias`` ``(B, H, T)`` is an additive logit per unit (merged tokens), or None.
+    ``bias`` ``(B, H, T)`` is an additive logit per unit (merged tokens), or None; ``dense`` is
+    True when every slot is a real token (``valid`` all True).
     """
 
     k: torch.Tensor
@@ -181,37 +240,48 @@ class PaddedView:
     valid: torch.Tensor
     widths: list[int]
     bias: torch.Tensor | None = None
+    dense: bool = False
+
+
+Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
 
 
 class LayerStore:
     """All cached tokens of one layer, for ``batch`` sequences and ``kv_heads`` heads.
 
     ``seen`` ``(B,)`` counts the real tokens each sequence has fed (its next position): in a padded
-    batch, sequences advance at their own pace and padding is never stored. ``side`` holds
-    technique metadata that attention needs (page bounds, centroids, bases, replicas); it is
-    counted in :meth:`nbytes`.
+    batch, sequences advance at their own pace and padding is never stored. Technique metadata
+    that attention needs lives in :class:`SideData` records, counted in :meth:`nbytes`.
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.batch, self.kv_heads, self.head_dim = batch, kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        zeros = torch.zeros(batch * kv_heads, dtype=torch.long, device=device)
-        empty = torch.empty(0, head_dim, dtype=dtype, device=device)
-        self.fp = FPSegment(lens=zeros, pos=torch.empty(0, dtype=torch.long, device=device), k=empty, v=empty)
-        self.compressed: list[Segment] = []  # older tokens in other representations
+        self._fp = FPSegment(batch * kv_heads, device)
+        self._compressed: list[Segment] = []  # older tokens in other representations
         self.seen = torch.zeros(batch, dtype=torch.long, device=device)
         self.protect_from: torch.Tensor | None = None  # (B,): positions >= this are never evicted
-        self.side: dict[str, torch.Tensor] = {}
+        self._side: dict[type, SideData] = {}
         self.last_qpos = torch.empty(batch, 0, dtype=torch.long, device=device)  # (B, q) of the last append
+        self._seen_max = 0
         self._view: PaddedView | None = None
 
+    # --- segments (read-only to techniques) ---------------------------------------------
     @property
-    def segments(self) -> list[Segment]:
-        return [*self.compressed, self.fp]
+    def fp(self) -> FPSegment:
+        return self._fp
+
+    @property
+    def compressed(self) -> tuple[Segment, ...]:
+        return tuple(self._compressed)
+
+    @property
+    def segments(self) -> list[Any]:
+        return [*self._compressed, self._fp]
 
     @property
     def seen_max(self) -> int:
-        return int(self.seen.max()) if self.batch else 0
+        return self._seen_max
 
     def set_protect_from(self, start: int | torch.Tensor | None) -> None:
         """Positions at or after ``start`` (one per sequence, or one for all) are never evicted."""
@@ -220,45 +290,134 @@ class LayerStore:
         else:
             self.protect_from = torch.as_tensor(start, device=self.device).expand(self.batch).clone()
 
+    # --- writing --------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None = None) -> None:
         """Store new tokens. ``k``, ``v``: ``(B, H, q, D)``; ``real`` ``(B, q)`` marks non-padding.
 
         Positions continue from each sequence's ``seen``; padding is dropped, never stored.
         """
         b, h, q, d = k.shape
+        rows = self._fp.rows
         if real is None:
             qpos = self.seen[:, None] + torch.arange(q, device=k.device)
             self.last_qpos = qpos
-            self.fp.append(k.reshape(b * h, q, d), v.reshape(b * h, q, d), qpos.repeat_interleave(h, dim=0))
+            rows.append(
+                {
+                    "k": k.reshape(b * h, q, d),
+                    "v": v.reshape(b * h, q, d),
+                    "pos": qpos.repeat_interleave(h, dim=0),
+                }
+            )
             self.seen = self.seen + q
+            self._seen_max += q
         else:
             real = real.to(k.device)
             pos = self.seen[:, None] + real.long().cumsum(-1) - 1  # (B, q)
             self.last_qpos = torch.where(real, pos, torch.full_like(pos, -1))
-            rows = real[:, None, :].expand(b, h, q).reshape(b * h, q)
-            new_lens = rows.sum(-1)
+            keep = real[:, None, :].expand(b, h, q).reshape(b * h, q)
             pos_rows = pos[:, None, :].expand(b, h, q).reshape(b * h, q)
-            self.fp.append_ragged(
-                k.reshape(b * h, q, d)[rows], v.reshape(b * h, q, d)[rows], pos_rows[rows], new_lens
+            rows.append_ragged(
+                {
+                    "k": k.reshape(b * h, q, d)[keep],
+                    "v": v.reshape(b * h, q, d)[keep],
+                    "pos": pos_rows[keep],
+                },
+                keep.sum(-1),
             )
             self.seen = self.seen + real.sum(-1)
+            self._seen_max = int(self.seen.max())
         self._view = None
+
+    def move_out(self, move: torch.Tensor, build: Build, first: bool = False) -> Segment | None:
+        """Move the full-precision tokens under ``move`` into the representation ``build`` makes.
+
+        The one way tokens leave the full-precision window. Their positions and technique state
+        follow them; the new segment merges into an existing one of the same type and
+        :meth:`Segment.layout`, else joins the list (last, or first with ``first``).
+
+        Args:
+            move: ``(B * H, W)`` bool over the full-precision rows (see :meth:`fp_view`).
+            build: ``(k (n, D), v (n, D), pos (n,), lens (BH,)) -> Segment`` for the moved tokens,
+                flat and head-major.
+
+        Returns:
+            The segment built (before merging), or None if nothing moved.
+        """
+        if not bool(move.any()):
+            return None
+        rows = self._fp.rows
+        move = move & rows.valid()
+        flat = {name: rows.take(name, move) for name in rows.fields}
+        seg = build(flat.pop("k"), flat.pop("v"), flat["pos"], move.sum(-1))
+        rows.keep(~move)
+        self.adopt(seg, {n: x for n, x in flat.items() if n != "pos"}, first)
+        return seg
+
+    def replace(self, sel: torch.Tensor, seg: Segment, state: dict[str, torch.Tensor]) -> None:
+        """Evict the units where ``sel`` ``(B, H, T)`` (aligned with ``view()``) holds and store ``seg``
+        (e.g. their merge) in their place, oldest first, with per-token ``state`` (flat)."""
+        self.keep(~sel)
+        self.adopt(seg, state, first=True)
+
+    def adopt(self, seg: Segment, state: dict[str, torch.Tensor], first: bool = False) -> None:
+        """Add a built segment's tokens (and their flat per-token ``state``), decoded once."""
+        k, v = seg.read(self.dtype)
+        new = {"pos": seg.pos, "k": k, "v": v, **state}
+        bias = seg.bias()
+        if bias is not None:
+            new["bias"] = bias
+        old = next((s for s in self._compressed if type(s) is type(seg) and s.layout() == seg.layout()), None)
+        if old is None:
+            seg.rows = Rows(self.batch * self.kv_heads, self.device)
+            seg.rows.append_ragged(new, seg.lens)
+            self._compressed.insert(0 if first else len(self._compressed), seg)
+        else:
+            old.extend(seg)
+            old.rows.append_ragged(new, seg.lens)
+        self._view = None
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Evict every token where ``mask`` ``(B, H, T)`` (aligned with ``view()``) is False."""
+        for seg, keep in zip(self.segments, self._split(mask)):
+            valid = seg.rows.valid()
+            if bool((keep | ~valid).all()):
+                continue
+            if isinstance(seg, Segment):
+                seg.keep(keep[valid])
+            seg.rows.keep(keep)
+        self._compressed = [s for s in self._compressed if s.rows.width > 0]
+        self._view = None
+
+    # --- reading --------------------------------------------------------------------------
+    def fp_view(self, name: str = "pos") -> torch.Tensor:
+        """A field of the full-precision rows ``(B * H, W, ...)``; ``move_out`` masks are aligned with it."""
+        return self._fp.rows.get(name)
+
+    def fp_valid(self) -> torch.Tensor:
+        return self._fp.rows.valid()
 
     def view(self) -> PaddedView:
         """Padded keys, values and positions over every segment, oldest representation first."""
         if self._view is None:
-            parts = [self._segment_view(s) for s in self.segments]
+            segs = self.segments
             shape = (self.batch, self.kv_heads, -1)
-            k, v, pos, valid = (torch.cat([p[i] for p in parts], dim=1) for i in range(4))
-            biases = [s.bias() for s in self.segments]
+
+            def cat(name: str) -> torch.Tensor:
+                parts = [s.rows.get(name) for s in segs]
+                return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+            k, v, pos = cat("k"), cat("v"), cat("pos")
+            valid = (
+                torch.cat([s.rows.valid() for s in segs], dim=1) if len(segs) > 1 else segs[0].rows.valid()
+            )
             bias = None
-            if any(x is not None for x in biases):
+            if any("bias" in s.rows for s in segs):
                 bias = torch.cat(
                     [
-                        ragged.to_padded(
-                            x if x is not None else s.pos.new_zeros(s.size, dtype=torch.float32), s.lens
-                        )[0]
-                        for s, x in zip(self.segments, biases)
+                        s.rows.get("bias")
+                        if "bias" in s.rows
+                        else s.rows.get("pos").new_zeros(s.rows.bh, s.rows.width, dtype=torch.float32)
+                        for s in segs
                     ],
                     dim=1,
                 ).view(shape)
@@ -268,91 +427,88 @@ class LayerStore:
                 v=v.view(*shape, d),
                 pos=pos.view(shape),
                 valid=valid.view(shape),
-                widths=[p[3].shape[1] for p in parts],
+                widths=[s.rows.width for s in segs],
                 bias=bias,
+                dense=all(s.rows.uniform for s in segs),
             )
         return self._view
-
-    def _segment_view(self, seg: Segment) -> tuple[torch.Tensor, ...]:
-        k, v = seg.read(self.dtype)
-        pk, valid = ragged.to_padded(k, seg.lens)
-        pv, _ = ragged.to_padded(v, seg.lens)
-        ppos, _ = ragged.to_padded(seg.pos, seg.lens, fill=-1)
-        return pk, pv, ppos, valid
 
     def units(self, positions: int) -> torch.Tensor:
         """Column of ``view()`` holding each original position ``(B, H, positions)``; -1 if not stored.
 
         A merged unit owns every position it absorbed.
         """
-        view = self.view()
         bh = self.batch * self.kv_heads
         out = torch.full((bh, positions), -1, dtype=torch.long, device=self.device)
         start = 0
-        for seg, width in zip(self.segments, view.widths):
-            if seg.size:
-                rows = ragged.segment_ids(seg.lens)
-                col = start + torch.arange(seg.size, device=self.device) - ragged.starts(seg.lens)[rows]
-                members = seg.members()
-                if members is None:
-                    out[rows, seg.pos] = col
-                else:
-                    mpos, owner = members
-                    out[rows[owner], mpos] = col[owner]
-            start += width
+        for seg in self.segments:
+            rows, cols = seg.rows.valid().nonzero(as_tuple=True)  # head-major, as flat tokens
+            cols = cols + start
+            members = seg.members()
+            if members is None:
+                out[rows, seg.rows.get("pos")[rows, cols - start]] = cols
+            else:
+                mpos, owner = members
+                out[rows[owner], mpos] = cols[owner]
+            start += seg.rows.width
         return out.view(self.batch, self.kv_heads, positions)
 
+    def flat_rows(self, seg: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head-row and original position of every token of ``seg``, flat and head-major."""
+        valid = seg.rows.valid()
+        return valid.nonzero(as_tuple=True)[0], seg.rows.get("pos")[valid]
+
     def _split(self, padded: torch.Tensor) -> list[torch.Tensor]:
-        """Split a ``(B, H, T, ...)`` tensor aligned with ``view()`` into flat per-segment tensors."""
-        view = self.view()
+        """Split a ``(B, H, T, ...)`` tensor aligned with ``view()`` into per-segment ``(BH, w, ...)``."""
         flat = padded.reshape(self.batch * self.kv_heads, padded.shape[2], *padded.shape[3:])
-        valid = view.valid.reshape(self.batch * self.kv_heads, -1)
         out, start = [], 0
-        for width in view.widths:
-            out.append(ragged.from_padded(flat[:, start : start + width], valid[:, start : start + width]))
-            start += width
+        for seg in self.segments:
+            out.append(flat[:, start : start + seg.rows.width])
+            start += seg.rows.width
         return out
 
-    def keep(self, mask: torch.Tensor) -> None:
-        """Evict every token where ``mask`` ``(B, H, T)`` (aligned with ``view()``) is False."""
-        for seg, keep in zip(self.segments, self._split(mask)):
-            if not bool(keep.all()):
-                seg.keep(keep)
-        self.compressed = [s for s in self.compressed if s.size > 0]
-        self._view = None
-
-    def aux(self, name: str, *shape: int) -> torch.Tensor:
-        """Per-token state ``name`` laid out like ``view()``: ``(B, H, T, *shape)``, 0 where absent."""
-        flats = []
+    # --- per-token technique state --------------------------------------------------------
+    def state(self, st: TokenState) -> torch.Tensor:
+        """Per-token state laid out like ``view()``: ``(B, H, T, *shape)``, 0 where never set."""
+        parts = []
         for seg in self.segments:
-            if name not in seg.aux:
-                seg.aux[name] = torch.zeros(seg.size, *shape, dtype=torch.float32, device=self.device)
-            flats.append(ragged.to_padded(seg.aux[name], seg.lens)[0])
-        return torch.cat(flats, dim=1).view(self.batch, self.kv_heads, -1, *flats[0].shape[2:])
+            seg.rows.ensure(st.name, st.shape, torch.float32)
+            parts.append(seg.rows.get(st.name))
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return flat.view(self.batch, self.kv_heads, -1, *st.shape)
 
-    def add_aux(self, name: str, values: torch.Tensor) -> None:
-        """Add ``values`` ``(B, H, T, ...)`` (aligned with ``view()``) to per-token state ``name``."""
-        self.aux(name, *values.shape[3:])  # make sure every segment has the field
+    def states(self) -> list[TokenState]:
+        """Every per-token state some segment of this layer holds."""
+        found: dict[str, tuple[int, ...]] = {}
+        for seg in self.segments:
+            for name, field in seg.rows.fields.items():
+                if name not in _NOT_AUX and name != "pos":
+                    found[name] = tuple(field.shape[2:])
+        return [TokenState(name, shape) for name, shape in found.items()]
+
+    def add_state(self, st: TokenState, values: torch.Tensor) -> None:
+        """Add ``values`` ``(B, H, T, *shape)`` (aligned with ``view()``) to the state."""
         for seg, add in zip(self.segments, self._split(values)):
-            seg.aux[name] = seg.aux[name] + add.float()
+            seg.rows.ensure(st.name, st.shape, torch.float32)
+            seg.rows.get(st.name).add_(add.float())
 
-    def set_aux(self, name: str, values: torch.Tensor) -> None:
-        """Replace per-token state ``name`` with ``values`` ``(B, H, T, ...)`` aligned with ``view()``."""
+    def set_state(self, st: TokenState, values: torch.Tensor) -> None:
+        """Replace the state with ``values`` ``(B, H, T, *shape)`` aligned with ``view()``."""
         for seg, new in zip(self.segments, self._split(values)):
-            seg.aux[name] = new.float().contiguous()
+            seg.rows.set(st.name, new.float())
 
+    # --- side data --------------------------------------------------------------------------
+    def side(self, kind: type[S]) -> S | None:
+        """The technique metadata of type ``kind`` set on this layer, or None."""
+        return self._side.get(kind)  # type: ignore[return-value]
+
+    def set_side(self, data: SideData) -> None:
+        self._side[type(data)] = data
+
+    # --- sequences ------------------------------------------------------------------------
     def row_seen(self) -> torch.Tensor:
         """``seen`` of each head-row ``(B * H,)``."""
         return self.seen.repeat_interleave(self.kv_heads)
-
-    def flat_seen(self, seg: Segment) -> torch.Tensor:
-        """``seen`` of the sequence of every flat token of ``seg`` ``(N,)``."""
-        return self.row_seen()[ragged.segment_ids(seg.lens)]
-
-    def flat_protect_from(self, seg: Segment) -> torch.Tensor | None:
-        if self.protect_from is None:
-            return None
-        return self.protect_from.repeat_interleave(self.kv_heads)[ragged.segment_ids(seg.lens)]
 
     def view_seen(self) -> torch.Tensor:
         """``seen`` broadcastable against ``(B, H, T)``: ``(B, 1, 1)``."""
@@ -361,11 +517,10 @@ class LayerStore:
     def view_protect_from(self) -> torch.Tensor | None:
         return None if self.protect_from is None else self.protect_from[:, None, None]
 
-    def invalidate(self) -> None:
-        self._view = None
-
+    # --- accounting -----------------------------------------------------------------------
     def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self.segments) + _nbytes(*self.side.values())
+        side = [t for data in self._side.values() for t in data.tensors()]
+        return sum(s.nbytes() for s in self.segments) + _nbytes(*side)
 
     def aux_nbytes(self) -> int:
         return sum(s.aux_nbytes() for s in self.segments)
@@ -375,4 +530,4 @@ class LayerStore:
 
     def row_tokens(self) -> torch.Tensor:
         """Stored tokens per head-row ``(B * H,)``."""
-        return sum((s.lens for s in self.segments), torch.zeros_like(self.fp.lens))
+        return sum((s.lens for s in self.segments), torch.zeros_like(self._fp.lens))

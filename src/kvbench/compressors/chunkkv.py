@@ -93,7 +93,6 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
                 f"compressor.reuse_layers={self.reuse_layers}: needs allocation=uniform "
                 "(reusing layers keep the first layer's positions)"
             )
-        self.AUX = f"obs{self.obs_window}"
         self._chosen: torch.Tensor | None = None  # (B, H, P) positions kept by the group's first layer
 
     def bind(self, ctx: BindContext) -> None:

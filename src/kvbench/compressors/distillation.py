@@ -72,25 +72,10 @@ class MergedSegment(Segment):
         rows = ragged.segment_ids(self.lens)
         return torch.zeros_like(self.lens).index_add_(0, rows, self.count.long())
 
-    def extend(self, other: MergedSegment) -> None:
-        """Append ``other``'s units after this segment's, per head-row."""
+    def extend(self, other: Segment) -> None:
+        assert isinstance(other, MergedSegment)
         self.mpos = ragged.concat(self.mpos, self.member_lens(), other.mpos, other.member_lens())
-        for name in ("k", "v", "count", "pos"):
-            setattr(
-                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
-            )
-        self.aux = {
-            name: ragged.concat(_state(self, name, other), self.lens, _state(other, name, self), other.lens)
-            for name in set(self.aux) | set(other.aux)
-        }
-        self.lens = self.lens + other.lens
-
-
-def _state(seg: Segment, name: str, like: Segment) -> torch.Tensor:
-    """``seg.aux[name]``, or zeros shaped like ``like``'s field where ``seg`` lacks it."""
-    if name in seg.aux:
-        return seg.aux[name]
-    return like.aux[name].new_zeros(seg.size, *like.aux[name].shape[1:])
+        super().extend(other)
 
 
 @dataclass
@@ -109,16 +94,22 @@ class _Units:
 
 def _padded(store: LayerStore, flats: list[torch.Tensor]) -> torch.Tensor:
     """Per-segment flat tensors laid out like ``store.view()``: ``(B * H, T)``."""
-    return torch.cat([ragged.to_padded(x, s.lens)[0] for s, x in zip(store.segments, flats)], dim=1)
+    parts = []
+    for seg, flat in zip(store.segments, flats):
+        valid = seg.rows.valid()
+        part = flat.new_zeros(valid.shape)
+        part[valid] = flat
+        parts.append(part)
+    return torch.cat(parts, dim=1)
 
 
-def _members(seg: Segment, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _members(store: LayerStore, seg, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Member positions of a segment's units with the (head-row, view column) owning each."""
-    rows = ragged.segment_ids(seg.lens)
-    col = start + torch.arange(seg.size, device=seg.pos.device) - ragged.starts(seg.lens)[rows]
+    rows, col = seg.rows.valid().nonzero(as_tuple=True)
+    col = col + start
     members = seg.members()
     if members is None:
-        return seg.pos, rows, col
+        return store.flat_rows(seg)[1], rows, col
     mpos, owner = members
     return mpos, rows[owner], col[owner]
 
@@ -132,7 +123,7 @@ def gather_units(store: LayerStore, sel: torch.Tensor) -> _Units:
     uid[flat_sel] = torch.arange(int(flat_sel.sum()), device=store.device)
     counts, mpos, munit, start = [], [], [], 0
     for seg, width in zip(store.segments, view.widths):
-        pos, rows, col = _members(seg, start)
+        pos, rows, col = _members(store, seg, start)
         owner = uid[rows, col]
         mpos.append(pos[owner >= 0])
         munit.append(owner[owner >= 0])
@@ -140,14 +131,13 @@ def gather_units(store: LayerStore, sel: torch.Tensor) -> _Units:
         ones = torch.ones(seg.size, dtype=torch.long, device=store.device)
         counts.append(ones if members is None else torch.bincount(members[1], minlength=seg.size))
         start += width
-    names = {name: seg.aux[name].shape[1:] for seg in store.segments for name in seg.aux}
     return _Units(
         k=view.k[sel].float(),
         v=view.v[sel].float(),
         count=_padded(store, counts)[flat_sel],
         pos=view.pos[sel],
         lens=flat_sel.sum(-1),
-        aux={name: store.aux(name, *rest)[sel] for name, rest in names.items()},
+        aux={st.name: store.state(st)[sel] for st in store.states()},
         mpos=torch.cat(mpos),
         munit=torch.cat(munit),
     )
@@ -210,8 +200,11 @@ def kmeans(
     return ragged.from_padded(assign, valid)
 
 
-def merge_units(units: _Units, slot: torch.Tensor, width: int, dtype: torch.dtype) -> MergedSegment:
-    """One merged unit per non-empty (head-row, slot): mean key, mean value, summed count and state.
+def merge_units(
+    units: _Units, slot: torch.Tensor, width: int, dtype: torch.dtype
+) -> tuple[MergedSegment, dict[str, torch.Tensor]]:
+    """One merged unit per non-empty (head-row, slot): mean key, mean value, summed count, and the
+    summed per-token state (flat, returned beside the segment).
 
     ``slot`` ``(S,)`` is each unit's cluster within its head-row (-1: dropped); ``width`` bounds it.
     """
@@ -239,15 +232,15 @@ def merge_units(units: _Units, slot: torch.Tensor, width: int, dtype: torch.dtyp
     mlive = mg >= 0
     span = int(units.mpos.max()) + 1 if units.mpos.numel() else 1
     order = (mg[mlive] * span + units.mpos[mlive]).argsort()
-    return MergedSegment(
+    seg = MergedSegment(
         lens=filled.view(bh, width).sum(-1),
         pos=pos,
-        aux=aux,
         k=(k / count[:, None]).to(dtype),
         v=(v / count[:, None]).to(dtype),
         count=count.to(torch.int32),
         mpos=units.mpos[mlive][order],
     )
+    return seg, aux
 
 
 @dataclass
@@ -279,14 +272,8 @@ class DistillationCompressor(Compressor):
         units = gather_units(store, sel)
         slots = torch.where(need, slots, torch.zeros_like(slots)).reshape(-1)
         slot = kmeans(units.k, units.count, units.pos, units.lens, slots, self.iters)
-        merged = merge_units(units, slot, max(1, int(slots.max())), store.dtype)
-        store.keep(~sel)
-        prev = next((s for s in store.compressed if isinstance(s, MergedSegment)), None)
-        if prev is None:
-            store.compressed.insert(0, merged)
-        else:
-            prev.extend(merged)
-        store.invalidate()
+        merged, state = merge_units(units, slot, max(1, int(slots.max())), store.dtype)
+        store.replace(sel, merged, state)
         self._units[0] += merged.size
         self._units[1] += int(merged.count.sum())
 

@@ -4,56 +4,24 @@ Keys are cached after rotary embedding; these compressors factor pre-RoPE keys, 
 Palu do: each token's rotation is undone at its original position before factoring and applied
 again on read. Values are never rotated.
 
-Here: moving tokens out of the full-precision window into a segment of one's own
-(:func:`move_out`), the calibrated bases of ``lora`` and ``lora_plus_plus``
+Here: the calibrated bases of ``lora`` and ``lora_plus_plus``
 (:func:`calibrated_bases`), their latent segment (:class:`LatentSegment`), and a measured
 reconstruction error (:class:`Residual`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvbench.cache import quant, ragged
 from kvbench.cache.rotary import Rotary
-from kvbench.cache.store import LayerStore, Segment
-from kvbench.compressors.quantized import leaving_window
+from kvbench.cache.store import LayerStore, Segment, SideData
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Budget
-
-Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
-
-
-def move_out(store: LayerStore, move: torch.Tensor, build: Build) -> None:
-    """Move the fp tokens under the flat mask ``move`` into the segment ``build`` makes.
-
-    Args:
-        store: the layer's storage.
-        move: ``(N_fp,)`` bool over ``store.fp``.
-        build: ``(k (n, D), v (n, D), pos (n,), lens (BH,)) -> Segment`` for the moved tokens; the
-            result is merged into an existing compressed segment of the same type and ``layout()``.
-    """
-    if not bool(move.any()):
-        return
-    fp = store.fp
-    lens = torch.bincount(ragged.segment_ids(fp.lens)[move], minlength=fp.lens.numel())
-    seg = build(fp.k[move], fp.v[move], fp.pos[move], lens)
-    seg.aux = {name: val[move] for name, val in fp.aux.items()}
-    fp.keep(~move)
-    old = next((s for s in store.compressed if _compatible(s, seg)), None)
-    if old is None:
-        store.compressed.append(seg)
-    else:
-        old.extend(seg)  # type: ignore[attr-defined]
-    store.invalidate()
-
-
-def _compatible(old: Segment, new: Segment) -> bool:
-    return type(old) is type(new) and old.layout() == new.layout()  # type: ignore[attr-defined]
+from kvbench.select import leaving_window
 
 
 def pre_rope(rotary: Rotary, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -97,17 +65,31 @@ def calibrated_bases(
     return {name: tensors[name] for name in want}
 
 
+@dataclass
+class LayerBases(SideData):
+    """One layer's key and value bases ``(H_kv, D, r)`` in the model dtype, per compressor ``prefix``
+    (counted in the layer's bytes once)."""
+
+    bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for pair in self.bases.values() for t in pair]
+
+
 def layer_bases(
     store: LayerStore, bases: dict[str, torch.Tensor], layer: int, prefix: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """This layer's key and value bases ``(H_kv, D, r)`` in ``store.side`` (counted in its bytes),
-    placed there in the model dtype on first use."""
-    for name in ("key", "value"):
-        if f"{prefix}.{name}_basis" not in store.side:
-            store.side[f"{prefix}.{name}_basis"] = (
-                bases[name][layer].to(store.device, store.dtype).contiguous()
-            )
-    return store.side[f"{prefix}.key_basis"], store.side[f"{prefix}.value_basis"]
+    """This layer's key and value bases ``(H_kv, D, r)``, placed in the store's side data (counted in
+    its bytes) in the model dtype on first use."""
+    side = store.side(LayerBases)
+    if side is None:
+        side = LayerBases()
+        store.set_side(side)
+    if prefix not in side.bases:
+        side.bases[prefix] = tuple(  # type: ignore[assignment]
+            bases[name][layer].to(store.device, store.dtype).contiguous() for name in ("key", "value")
+        )
+    return side.bases[prefix]
 
 
 @dataclass
@@ -116,7 +98,7 @@ class LatentSegment(Segment):
 
     Per token: ``klat`` ``(N, rk)`` and ``vlat`` ``(N, rv)`` in the model dtype, or, with ``bits``,
     packed codes ``(N, r * bits / 8)`` plus float16 ``kzero``/``kstep``/``vzero``/``vstep``
-    ``(N, 1)``. The bases ``(H_kv, D, r)`` live in ``store.side`` (counted once per layer there).
+    ``(N, 1)``. The bases ``(H_kv, D, r)`` live in the layer's :class:`LayerBases` (counted once there).
     """
 
     rotary: Any = None
@@ -200,15 +182,6 @@ class LatentSegment(Segment):
         out = torch.einsum("bhtr,hdr->bhtd", p.view(-1, h, *p.shape[1:]), basis.float())
         return ragged.from_padded(out.reshape(p.shape[0], p.shape[1], -1), valid)
 
-    def extend(self, other: LatentSegment) -> None:
-        """Append ``other``'s tokens after this segment's, per head-row."""
-        for name in [*self.data_fields(), "pos"]:
-            setattr(
-                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
-            )
-        self.aux = {k: ragged.concat(v, self.lens, other.aux[k], other.lens) for k, v in self.aux.items()}
-        self.lens = self.lens + other.lens
-
 
 @dataclass
 class Residual:
@@ -256,7 +229,7 @@ class LatentCache:
             kb, vb = layer_bases(store, self.bases, layer, self.prefix)
             return LatentSegment.encode(self.rotary, kb, vb, self.bits, k, v, pos, lens, self.residuals)
 
-        move_out(store, leaving_window(store, budget, 1), build)
+        store.move_out(leaving_window(store, budget, 1), build)
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         """Relative squared error of the pre-RoPE keys and of the values stored so far."""

@@ -26,16 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache import quant, ragged
-from kvbench.cache.store import LayerStore
-from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment, leaving_window
+from kvbench.cache import quant
+from kvbench.cache.rows import compact
+from kvbench.cache.store import LayerStore, TokenState
+from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
 from kvbench.compressors.snapkv import allocated_capacity
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags, keep_top
-from kvbench.select import Allocated, evict_by_score
+from kvbench.select import Allocated, evict_by_score, leaving_window
 
 GUARD_BITS = 8
-AUX = "pikv"
+AUX = TokenState("pikv")  # attention received, accumulated
 
 
 @dataclass
@@ -76,10 +77,10 @@ class PiKVCompressor(Allocated, Compressor):
         self._moved = [0, 0]
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
-        store.add_aux(AUX, probs.sum((2, 3)))
+        store.add_state(AUX, probs.sum((2, 3)))
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget_cfg, store.aux(AUX), allocated_capacity(self, layer, store))
+        evict_by_score(store, self.budget_cfg, store.state(AUX), allocated_capacity(self, layer, store))
         leaving = leaving_window(store, self.budget_cfg, self.group_size)
         if not bool(leaving.any()):
             return
@@ -87,11 +88,12 @@ class PiKVCompressor(Allocated, Compressor):
         low = leaving & ~high
         self._moved[0] += int(high.sum())
         self._moved[1] += int(low.sum())
-        self._kivi.move(store, high, GUARD_BITS, GUARD_BITS)
-        self._kivi.move(store, low[~high], self.key_bits, self.value_bits)
+        stays = store.fp_valid() & ~high
+        store.move_out(high, self._kivi.builder(GUARD_BITS, GUARD_BITS))
+        store.move_out(compact(low, stays), self._kivi.builder(self.key_bits, self.value_bits))
 
     def guarded(self, store: LayerStore, leaving: torch.Tensor) -> torch.Tensor:
-        """Flat mask over the fp segment: the most important of the ``leaving`` tokens, in whole
+        """Mask over the full-precision rows: the most important of the ``leaving`` tokens, in whole
         groups, as many as bring each head-row's stored 8-bit share closest to ``guard``."""
         fp, g = store.fp, self.group_size
         stored = {(s.key_bits, s.value_bits): s.lens for s in store.compressed if isinstance(s, QuantSegment)}
@@ -99,13 +101,12 @@ class PiKVCompressor(Allocated, Compressor):
         q8 = stored.get((GUARD_BITS, GUARD_BITS), zero)
         low_bits = (self.key_bits, self.value_bits)
         qlow = zero if low_bits == (GUARD_BITS, GUARD_BITS) else stored.get(low_bits, zero)
-        padded, valid = ragged.to_padded(leaving, fp.lens, fill=False)
-        moving = padded.sum(-1)  # (BH,) whole groups
+        moving = leaving.sum(-1)  # (BH,) whole groups
         want = self.guard * (q8 + qlow + moving).double() - q8.double()
         k = (torch.floor(want / g + 0.5).long() * g).clamp(min=0)
         k = torch.minimum(k, moving)
-        imp, _ = ragged.to_padded(fp.aux[AUX], fp.lens)
-        return ragged.from_padded(keep_top(imp[None], padded[None], k[None])[0], valid)
+        imp = store.fp_view(AUX.name)
+        return keep_top(imp[None], leaving[None], k[None])[0]
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         moved = sum(self._moved)

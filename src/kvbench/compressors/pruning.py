@@ -11,7 +11,7 @@ channels only.
 The channel set of each head-row (one sequence, one KV head) is chosen once, at the first
 compression point where that head-row has tokens to prune, and stays fixed after: every later
 token leaving the window is pruned to the same channels, and the indices are stored once per
-head-row (``store.side``, counted in bytes).
+head-row (:class:`KeptChannels`, the layer's side data, counted in bytes).
 
 Differences from the paper: ThinK prunes the prefill keys once and leaves the keys of decoded
 tokens whole; here every token that leaves the window is pruned with the head-row's fixed set, so
@@ -27,13 +27,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.cache import ragged
-from kvbench.cache.store import LayerStore, Segment
-from kvbench.compressors.quantized import leaving_window
+from kvbench.cache.rows import segment_ids
+from kvbench.cache.store import LayerStore, Segment, SideData
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
+from kvbench.select import leaving_window
 
-SIDE = "pruning.channels"  # (BH, d_keep) int16 kept key channels per head-row, in store.side
+
+@dataclass
+class KeptChannels(SideData):
+    """``channels`` ``(BH, d_keep)`` int16: the kept key channels of each head-row."""
+
+    channels: torch.Tensor
 
 
 @dataclass
@@ -41,7 +46,7 @@ class PrunedSegment(Segment):
     """Tokens with thinned keys. ``kp`` ``(N, d_keep)`` kept key channels, ``v`` ``(N, D)``.
 
     ``channels`` ``(BH, d_keep)`` int16 are the kept channel indices of each head-row; the same
-    tensor lives in ``store.side`` and is counted there, once.
+    tensor is the layer's :class:`KeptChannels` and is counted there, once.
     """
 
     head_dim: int = 64
@@ -53,31 +58,15 @@ class PrunedSegment(Segment):
         return {"kp": self.kp, "v": self.v}
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = ragged.segment_ids(self.lens)
+        rows = segment_ids(self.lens)
         k = torch.zeros(self.size, self.head_dim, dtype=dtype, device=self.kp.device)
         k = k.scatter(1, self.channels[rows].long(), self.kp.to(dtype))
         return k, self.v.to(dtype)
 
-    def extend(self, other: PrunedSegment) -> None:
-        """Append ``other``'s tokens after this segment's, per head-row."""
-        for name in ("kp", "v", "pos"):
-            setattr(
-                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
-            )
-        names = set(self.aux) | set(other.aux)
-        self.aux = {
-            k: ragged.concat(_aux(self, k, other), self.lens, _aux(other, k, self), other.lens) for k in names
-        }
-        self.lens = self.lens + other.lens
+    def extend(self, other: Segment) -> None:
+        assert isinstance(other, PrunedSegment)
+        super().extend(other)
         self.channels = other.channels
-
-
-def _aux(seg: Segment, name: str, like: Segment) -> torch.Tensor:
-    """``seg.aux[name]``, or zeros shaped like ``like``'s field when ``seg`` lacks it."""
-    if name in seg.aux:
-        return seg.aux[name]
-    ref = like.aux[name]
-    return ref.new_zeros(seg.size, *ref.shape[1:])
 
 
 @dataclass
@@ -141,9 +130,10 @@ class PruningCompressor(Compressor):
         """Kept channels ``(BH, d_keep)`` int16, chosen now for head-rows in ``need`` without a set."""
         bh, d = need.numel(), store.head_dim
         keep = self.kept_channels(d)
-        side = store.side.get(SIDE)
-        if side is None:
-            side = torch.zeros(bh, keep, dtype=torch.int16, device=store.device)
+        kept = store.side(KeptChannels)
+        side = (
+            torch.zeros(bh, keep, dtype=torch.int16, device=store.device) if kept is None else kept.channels
+        )
         chosen = self._chosen.get(store)
         if chosen is None:
             chosen = torch.zeros(bh, dtype=torch.bool, device=store.device)
@@ -153,30 +143,18 @@ class PruningCompressor(Compressor):
             side = torch.where(new[:, None], top.to(torch.int16), side)
             chosen = chosen | new
         self._chosen[store] = chosen
-        store.side[SIDE] = side
+        store.set_side(KeptChannels(side))
         return side
 
     def compress(self, layer: int, store: LayerStore) -> None:
         move = leaving_window(store, self.budget_cfg, 1)
         if not bool(move.any()):
             return
-        fp = store.fp
-        rows = ragged.segment_ids(fp.lens)[move]
-        lens = torch.bincount(rows, minlength=fp.lens.numel())
-        channels = self._channels(store, lens > 0)
-        seg = PrunedSegment(
-            lens=lens,
-            pos=fp.pos[move],
-            aux={k: v[move] for k, v in fp.aux.items()},
-            head_dim=store.head_dim,
-            kp=torch.gather(fp.k[move], 1, channels[rows].long()),
-            v=fp.v[move],
-            channels=channels,
-        )
-        fp.keep(~move)
-        old = next((s for s in store.compressed if isinstance(s, PrunedSegment)), None)
-        if old is None:
-            store.compressed.append(seg)
-        else:
-            old.extend(seg)
-        store.invalidate()
+        channels = self._channels(store, move.any(-1))
+        store.move_out(move, lambda k, v, pos, lens: self._prune(k, v, pos, lens, channels, store.head_dim))
+
+    @staticmethod
+    def _prune(k, v, pos, lens, channels: torch.Tensor, head_dim: int) -> PrunedSegment:
+        rows = segment_ids(lens)
+        kp = torch.gather(k, 1, channels[rows].long())
+        return PrunedSegment(lens=lens, pos=pos, head_dim=head_dim, kp=kp, v=v, channels=channels)

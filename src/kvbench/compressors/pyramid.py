@@ -14,9 +14,10 @@ from fractions import Fraction
 
 from kvbench.cache import quant
 from kvbench.cache.store import LayerStore
-from kvbench.compressors.quantized import QuantizedCompressor, leaving_window
+from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags
+from kvbench.select import leaving_window
 
 
 def layer_bits(num_layers: int, bits_max: int, bits_min: int) -> list[int]:
@@ -61,4 +62,4 @@ class PyramidCompressor(Compressor):
 
     def compress(self, layer: int, store: LayerStore) -> None:
         move = leaving_window(store, self.budget_cfg, self.group_size)
-        self.kivi.move(store, move, self.bits[layer], self.bits[layer])
+        store.move_out(move, self.kivi.builder(self.bits[layer], self.bits[layer]))

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.cache import quant, ragged
-from kvbench.cache.store import GroupedSegment, LayerStore
+from kvbench.cache import quant
+from kvbench.cache.store import Build, GroupedSegment, LayerStore
 from kvbench.errors import ConfigError
-from kvbench.roles import Budget, Compressor, Flags
+from kvbench.roles import Compressor, Flags
+from kvbench.select import leaving_window
 
 
 @dataclass
@@ -42,6 +43,9 @@ class QuantSegment(GroupedSegment):
 
     def group_fields(self) -> dict[str, torch.Tensor]:
         return {"kzero": self.kzero, "kstep": self.kstep}
+
+    def layout(self) -> tuple[int, int]:
+        return (self.key_bits, self.value_bits)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         gid = self.group_ids()
@@ -77,58 +81,13 @@ class QuantizedCompressor(Compressor):
             raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        self.move(
-            store, leaving_window(store, self.budget_cfg, self.group_size), self.key_bits, self.value_bits
-        )
+        move = leaving_window(store, self.budget_cfg, self.group_size)
+        store.move_out(move, self.builder(self.key_bits, self.value_bits))
 
-    def move(self, store: LayerStore, move: torch.Tensor, key_bits, value_bits) -> None:
-        """Quantize the fp tokens under the flat mask ``move`` into the segment of these bit widths."""
-        if not bool(move.any()):
-            return
-        fp = store.fp
-        seg = self._quantize(
-            fp.k[move],
-            fp.v[move],
-            fp.pos[move],
-            torch.bincount(ragged.segment_ids(fp.lens)[move], minlength=fp.lens.numel()),
-            int(key_bits),
-            int(value_bits),
-        )
-        seg.aux = {k: v[move] for k, v in fp.aux.items()}
-        fp.keep(~move)
-        old = [
-            s
-            for s in store.compressed
-            if isinstance(s, QuantSegment) and (s.key_bits, s.value_bits) == (seg.key_bits, seg.value_bits)
-        ]
-        if old:
-            old[0].extend(seg)
-        else:
-            store.compressed.append(seg)
-        store.invalidate()
-
-    def _quantize(
-        self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, kb: int, vb: int
-    ) -> QuantSegment:
-        return quantize_tokens(k, v, pos, lens, kb, vb, self.group_size)
-
-
-def leaving_window(
-    store: LayerStore, budget: Budget, group_size: int, eligible: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Flat mask over the fp segment: the oldest whole groups of unprotected tokens per head-row.
-
-    ``eligible`` (flat, over the fp segment) restricts the candidates further.
-    """
-    fp = store.fp
-    ok = ~budget.protected_flat(store, fp)
-    if eligible is not None:
-        ok = ok & eligible
-    padded, valid = ragged.to_padded(ok, fp.lens, fill=False)
-    rank = padded.long().cumsum(-1)
-    whole = (padded.sum(-1) // group_size) * group_size
-    move = padded & (rank <= whole[:, None])
-    return ragged.from_padded(move, valid)
+    def builder(self, key_bits, value_bits) -> Build:
+        """Quantizes moved tokens (whole groups per head-row) at these bit widths."""
+        kb, vb, g = int(key_bits), int(value_bits), self.group_size
+        return lambda k, v, pos, lens: quantize_tokens(k, v, pos, lens, kb, vb, g)
 
 
 def quantize_tokens(

@@ -64,7 +64,6 @@ class SnapKVCompressor(Allocated, ObservationWindow, Compressor):
     def __post_init__(self) -> None:
         self.check_allocation()
         check_window(self.role, self.obs_window, self.pool)
-        self.AUX = f"obs{self.obs_window}"  # stages with the same window share one ring
 
     def bind(self, ctx: BindContext) -> None:
         super().bind(ctx)

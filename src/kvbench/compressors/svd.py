@@ -23,10 +23,10 @@ import torch
 
 from kvbench.cache import ragged
 from kvbench.cache.store import GroupedSegment, LayerStore
-from kvbench.compressors.lowrank import Residual, check_rank, move_out, pre_rope
-from kvbench.compressors.quantized import leaving_window
+from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags
+from kvbench.select import leaving_window
 
 
 @dataclass
@@ -101,7 +101,7 @@ class SVDCompressor(Compressor):
         self.residuals = (Residual(), Residual())
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        move_out(store, leaving_window(store, self.budget_cfg, self.block_size), self._factor)
+        store.move_out(leaving_window(store, self.budget_cfg, self.block_size), self._factor)
 
     def _factor(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> SVDSegment:
         n, dtype = self.block_size, k.dtype

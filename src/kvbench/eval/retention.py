@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.cache import ragged
 from kvbench.cache.engine import KVCache
 
 
@@ -19,8 +18,12 @@ def _row_positions(store, seq: int) -> list[torch.Tensor]:
     rows = range(seq * store.kv_heads, (seq + 1) * store.kv_heads)
     parts: list[list[torch.Tensor]] = [[] for _ in rows]
     for seg in store.segments:
+        unit_rows, pos = store.flat_rows(seg)
         merged = seg.members()
-        pos, owner = merged if merged is not None else (seg.pos, ragged.segment_ids(seg.lens))
+        if merged is None:
+            owner = unit_rows
+        else:  # every member position belongs to its unit's head-row
+            pos, owner = merged[0], unit_rows[merged[1]]
         for i, r in enumerate(rows):
             parts[i].append(pos[owner == r])
     return [torch.cat(p).unique() if p else torch.empty(0, dtype=torch.long) for p in parts]

@@ -14,20 +14,31 @@ never held a token is seeded by one new token (MacQueen's online k-means).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.store import LayerStore, SideData, TokenState
 from kvbench.roles import Budget
 from kvbench.routers.base import block_means, expert_onehot, expert_sums, position_blocks
 
-AUX = "expert"
-CENTROID, COUNT = "router.centroid", "router.count"
+EXPERT = TokenState("expert")  # 1 + the token's expert, 0 while unassigned
+
+
+@dataclass
+class Centroids(SideData):
+    """Running centroids ``(B, H, E, D)`` and their member counts ``(B, H, E)``."""
+
+    centroid: torch.Tensor
+    count: torch.Tensor
+
+
 LLOYD_ITERS = 3
 
 
 def held_experts(store: LayerStore, experts: int) -> torch.Tensor:
     """Stored assignment ``(B, H, T)`` aligned with ``store.view()``: expert id, -1 if none."""
-    return store.aux(AUX).round().long().clamp(0, experts) - 1
+    return store.state(EXPERT).round().long().clamp(0, experts) - 1
 
 
 def sq_dist(keys: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
@@ -97,11 +108,15 @@ class CentroidExperts:
 
     def state(self, store: LayerStore) -> tuple[torch.Tensor, torch.Tensor]:
         """Running centroids ``(B, H, E, D)`` and counts ``(B, H, E)`` (zeros before any write)."""
-        if CENTROID not in store.side:
+        side = store.side(Centroids)
+        if side is None:
             shape = (store.batch, store.kv_heads, self.num_experts)
-            store.side[CENTROID] = torch.zeros(*shape, store.head_dim, device=store.device)
-            store.side[COUNT] = torch.zeros(*shape, device=store.device)
-        return store.side[CENTROID], store.side[COUNT]
+            side = Centroids(
+                torch.zeros(*shape, store.head_dim, device=store.device),
+                torch.zeros(*shape, device=store.device),
+            )
+            store.set_side(side)
+        return side.centroid, side.count
 
     def write(self, layer: int, store: LayerStore) -> None:
         """Write routing: tokens leaving the window join an expert (the routing is stale after)."""
@@ -121,9 +136,9 @@ class CentroidExperts:
         cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
         eid = self.place(keys, cent, defined, new, seeded, held, view.valid)
         cent, count = self.update(cent, count, keys, eid, new, view.pos)
-        store.side[CENTROID], store.side[COUNT] = cent.contiguous(), count.contiguous()
+        store.set_side(Centroids(cent.contiguous(), count.contiguous()))
         held = torch.where(new, eid, held)
-        store.set_aux(AUX, (held + 1).float())
+        store.set_state(EXPERT, (held + 1).float())
         return torch.where(view.valid, held, torch.full_like(held, -1))
 
     def place(

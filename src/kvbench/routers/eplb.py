@@ -9,8 +9,8 @@ slot at a time goes to the expert with the highest load per replica (at most one
 device); (2) packing: slots by decreasing load per replica, each to the least-loaded device that
 has fewer than ⌈slots / devices⌉ slots and no replica of that expert yet. The replicas are real:
 copies of the replicated experts' keys and values (at the cache's dtype, as attention reads them)
-live in ``store.side`` and are counted in the cache's bytes, as are the centroids, the loads and
-the plan. Read: top-k experts by q · centroid; a replicated expert's reads go to its
+live in the layer's side data (:class:`Placement`) and are counted in the cache's bytes, as are
+the centroids, the loads and the plan. Read: top-k experts by q · centroid; a replicated expert's reads go to its
 least-loaded replica's device (read by read, so they fill the replicas' devices from the
 least-loaded up).
 
@@ -29,14 +29,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.store import LayerStore, SideData
 from kvbench.errors import ConfigError
 from kvbench.routers.base import ExpertRouter, top_k_choice
 from kvbench.routers.centroids import CentroidExperts
 
-LOAD, DEVICE_LOAD = "router.load", "router.device_load"
-SLOT_EXPERT, SLOT_DEVICE, BASE_DEVICE = "router.slot_expert", "router.slot_device", "router.base_device"
-REPLICA_K, REPLICA_V = "router.replica_k", "router.replica_v"
+
+@dataclass
+class Placement(SideData):
+    """One layer's plan: read load per expert ``(E,)`` and per device, the expert and device of
+    every slot, the devices without replication, and the replicas' keys and values ``(n, D)``."""
+
+    load: torch.Tensor
+    device_load: torch.Tensor
+    slot_expert: torch.Tensor | None = None
+    slot_device: torch.Tensor | None = None
+    base_device: torch.Tensor | None = None
+    replica_k: torch.Tensor | None = None
+    replica_v: torch.Tensor | None = None
 
 
 def replicate(load: list[float], devices: int, replicas: int) -> list[int]:
@@ -148,39 +158,44 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     def write(self, layer: int, store: LayerStore) -> None:
         self.forget(layer)
         held = self.assign_new(store)
-        self.plan(store)
-        reps = torch.bincount(store.side[SLOT_EXPERT], minlength=self.num_experts)
+        side = self.plan(store)
+        assert side.slot_expert is not None
+        reps = torch.bincount(side.slot_expert, minlength=self.num_experts)
         extra = torch.where(held >= 0, reps[held.clamp(min=0)] - 1, torch.zeros_like(held))
         copy = extra > 0
         view = store.view()
-        store.side[REPLICA_K] = view.k[copy].repeat_interleave(extra[copy], dim=0)
-        store.side[REPLICA_V] = view.v[copy].repeat_interleave(extra[copy], dim=0)
+        side.replica_k = view.k[copy].repeat_interleave(extra[copy], dim=0)
+        side.replica_v = view.v[copy].repeat_interleave(extra[copy], dim=0)
 
-    def plan(self, store: LayerStore) -> None:
+    def plan(self, store: LayerStore) -> Placement:
         """Refresh the placement from the loads so far (created empty on first use)."""
-        if LOAD not in store.side:
-            store.side[LOAD] = torch.zeros(self.num_experts, dtype=torch.float64, device=store.device)
-            store.side[DEVICE_LOAD] = torch.zeros(self.num_devices, dtype=torch.float64, device=store.device)
-        load = store.side[LOAD].cpu()
+        side = store.side(Placement)
+        if side is None:
+            side = Placement(
+                torch.zeros(self.num_experts, dtype=torch.float64, device=store.device),
+                torch.zeros(self.num_devices, dtype=torch.float64, device=store.device),
+            )
+            store.set_side(side)
+        load = side.load.cpu()
         slot_expert, slot_device = eplb_plan(load, self.num_devices, self.replicas)
-        store.side[SLOT_EXPERT], store.side[SLOT_DEVICE] = (
-            slot_expert.to(store.device),
-            slot_device.to(store.device),
-        )
-        store.side[BASE_DEVICE] = eplb_plan(load, self.num_devices, 0)[1].to(store.device)
+        side.slot_expert, side.slot_device = slot_expert.to(store.device), slot_device.to(store.device)
+        side.base_device = eplb_plan(load, self.num_devices, 0)[1].to(store.device)
+        return side
 
     def choose(
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         chosen = top_k_choice(score, self.top_k)
-        if SLOT_EXPERT not in store.side:
-            self.plan(store)
+        plan = store.side(Placement)
+        if plan is None or plan.slot_expert is None:
+            plan = self.plan(store)
+        assert plan.slot_expert is not None and plan.slot_device is not None and plan.base_device is not None
         reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
-        store.side[LOAD] = store.side[LOAD] + reads
-        side = {k: store.side[k].cpu() for k in (SLOT_EXPERT, SLOT_DEVICE, BASE_DEVICE, DEVICE_LOAD)}
-        after = device_reads(reads.cpu(), side[SLOT_EXPERT], side[SLOT_DEVICE], side[DEVICE_LOAD])
-        before = torch.zeros_like(after).index_add_(0, side[BASE_DEVICE], reads.cpu())
-        store.side[DEVICE_LOAD] = (side[DEVICE_LOAD] + after).to(store.device)
+        plan.load = plan.load + reads
+        device_load = plan.device_load.cpu()
+        after = device_reads(reads.cpu(), plan.slot_expert.cpu(), plan.slot_device.cpu(), device_load)
+        before = torch.zeros_like(after).index_add_(0, plan.base_device.cpu(), reads.cpu())
+        plan.device_load = (device_load + after).to(store.device)
         zero = torch.zeros_like(after)
         self.after[layer] = self.after.get(layer, zero) + after
         self.before[layer] = self.before.get(layer, zero) + before

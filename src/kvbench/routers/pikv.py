@@ -7,7 +7,7 @@ exponential moving average, ``μ ← λ·μ + (1 − λ)·k`` per assigned key i
 ``top_k`` experts by Σ_g q_g · μ_e / √D + ``locality_bonus`` · [e was read at the previous step
 by this KV head]. "The previous step" is the last real query of the previous forward (a decode
 step, or a chunk); every query of a chunk uses it. The previous choice ``(B, H, E)`` bool is kept
-in ``store.side`` with the centroids, so its bytes are counted.
+in the layer's side data with the centroids, so its bytes are counted.
 
 Differences from the Routing Transformer: there, queries and keys share centroids on the unit
 sphere (keys and queries are layer-normalised) and the EMA is taken over a batch's sum; here the
@@ -22,12 +22,17 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.store import LayerStore, SideData
 from kvbench.errors import ConfigError
 from kvbench.routers.base import ExpertRouter, expert_onehot, expert_sums, top_k_choice
 from kvbench.routers.centroids import CentroidExperts
 
-PREV = "router.prev"
+
+@dataclass
+class PreviousChoice(SideData):
+    """``chosen`` ``(B, H, E)`` bool: the experts each KV head read at the previous step."""
+
+    chosen: torch.Tensor
 
 
 def ema_update(
@@ -89,12 +94,13 @@ class PikvRouter(CentroidExperts, ExpertRouter):
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         b, h, _, e = score.shape
-        prev = store.side.get(PREV)
+        side = store.side(PreviousChoice)
+        prev = None if side is None else side.chosen
         if prev is None:
             prev = torch.zeros(b, h, e, dtype=torch.bool, device=score.device)
         total = score * store.head_dim**-0.5 + self.locality_bonus * prev[:, :, None, :].float()
         chosen = top_k_choice(total, self.top_k)
         last = qpos.argmax(-1)[:, None, None, None].expand(b, h, 1, e)  # the last real query
         now = chosen.gather(2, last).squeeze(2)
-        store.side[PREV] = torch.where((qpos >= 0).any(-1)[:, None, None], now, prev)
+        store.set_side(PreviousChoice(torch.where((qpos >= 0).any(-1)[:, None, None], now, prev)))
         return chosen

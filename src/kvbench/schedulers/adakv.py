@@ -58,7 +58,6 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
             raise ConfigError(f"scheduler.obs_window={self.obs_window}: must be >= 1")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ConfigError(f"scheduler.pool={self.pool}: must be an odd integer >= 1 (1: no pooling)")
-        self.AUX = f"obs{self.obs_window}"  # the ring a snapkv stage with the same window shares
 
     def evict(self, layer: int, store: LayerStore) -> None:
         cap = self.budget_cfg.capacity(store.seen)  # (B,) per head on average

@@ -40,18 +40,13 @@ from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Flags, Scheduler
 
 
-def _row_size(fields: dict[str, torch.Tensor]) -> int:
-    """Bytes of one row (leading index) of every field."""
-    return sum(math.prod(f.shape[1:]) * f.element_size() for f in fields.values())
-
-
 def row_bytes(store: LayerStore) -> torch.Tensor:
     """Stored bytes of every head-row ``(B * H,)`` int64, from each segment's fields."""
     rows = torch.zeros(store.batch * store.kv_heads, dtype=torch.long, device=store.device)
     for seg in store.segments:
-        rows = rows + seg.lens * _row_size(seg.data_fields())
-        if isinstance(seg, GroupedSegment):
-            rows = rows + seg.glens * (_row_size(seg.group_fields()) + seg.gcount.element_size())
+        rows = rows + seg.lens * seg.token_nbytes()
+        if isinstance(seg, GroupedSegment) and seg.size:
+            rows = rows + seg.glens * seg.group_nbytes()
     return rows
 
 
@@ -101,9 +96,9 @@ class FlexGenScheduler(Scheduler):
         before = seen_before.repeat_interleave(store.kv_heads)
         new = torch.zeros_like(per_row)
         for seg in store.segments:
-            rows = torch.repeat_interleave(torch.arange(new.numel(), device=new.device), seg.lens)
-            new = new + torch.bincount(rows[seg.pos >= before[rows]], minlength=new.numel())
-        token = _row_size({"k": store.fp.k, "v": store.fp.v})  # one token's K and V as produced
+            rows, pos = store.flat_rows(seg)
+            new = new + torch.bincount(rows[pos >= before[rows]], minlength=new.numel())
+        token = store.fp.token_nbytes()  # one token's K and V as produced
         self._step["moved"] += int(new[~fast].sum()) * token
         self._seen[store] = store.seen.clone()
         if layer == self.num_layers - 1:

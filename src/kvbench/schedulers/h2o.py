@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.store import LayerStore, TokenState
 from kvbench.roles import BindContext, Flags, Scheduler
 from kvbench.select import Allocated, evict_by_score
+
+SCORE = TokenState("h2o")  # attention received, accumulated over every query
 
 
 @dataclass
@@ -31,7 +33,7 @@ class H2OScheduler(Allocated, Scheduler):
         self.bind_allocation(ctx)
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
-        store.add_aux("h2o", probs.sum((2, 3)))
+        store.add_state(SCORE, probs.sum((2, 3)))
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget_cfg, store.aux("h2o"), self.layer_capacity(layer, store))
+        evict_by_score(store, self.budget_cfg, store.state(SCORE), self.layer_capacity(layer, store))

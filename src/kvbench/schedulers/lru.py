@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.store import LayerStore, TokenState
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 from kvbench.select import evict_by_score
@@ -52,7 +52,7 @@ class LRUScheduler(Scheduler):
     name: str = "lru"
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
-    AUX = "lru"
+    LAST = TokenState("lru")  # last position at which the token was used
 
     def __post_init__(self) -> None:
         if not 0.0 < self.tau <= 1.0:
@@ -62,12 +62,12 @@ class LRUScheduler(Scheduler):
         view = store.view()
         hit = used(probs, qpos, self.tau)
         last = torch.where(hit, qpos[:, None, :, None], -1).amax(2)  # (B, H, T), -1 if unused
-        state = torch.maximum(store.aux(self.AUX), view.pos.float())  # arrival position initially
-        store.set_aux(self.AUX, torch.maximum(state, last.float()))
+        state = torch.maximum(store.state(self.LAST), view.pos.float())  # arrival position initially
+        store.set_state(self.LAST, torch.maximum(state, last.float()))
 
     def last_used(self, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` last position at which each stored token was used (arrival if never)."""
-        return torch.maximum(store.aux(self.AUX), store.view().pos.float())
+        return torch.maximum(store.state(self.LAST), store.view().pos.float())
 
     def evict(self, layer: int, store: LayerStore) -> None:
         view = store.view()

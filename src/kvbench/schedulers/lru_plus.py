@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.store import LayerStore, TokenState
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 from kvbench.schedulers.lru import ranked, used
@@ -40,7 +40,8 @@ class LRUPlusScheduler(Scheduler):
     decay: float = 0.9
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
-    AUX, SEEN = "lrfu", "lrfu_on"
+    SCORE = TokenState("lrfu")  # log of the decayed use count
+    SEEN = TokenState("lrfu_on")  # 1 once the token has been scored
 
     def __post_init__(self) -> None:
         if not 0.0 < self.decay <= 1.0:
@@ -60,13 +61,13 @@ class LRUPlusScheduler(Scheduler):
         age = (now[:, None] - qpos).float() * log_decay  # (B, q) log decay ** (now - t)
         hit = used(probs, qpos, self.tau)
         gained = age[:, None, :, None].masked_fill(~hit, float("-inf")).logsumexp(2)  # (B, H, T)
-        old = torch.where(store.aux(self.SEEN) > 0, store.aux(self.AUX), float("-inf"))
-        store.set_aux(self.AUX, torch.logaddexp(old + (delta * log_decay)[:, None, None], gained))
-        store.set_aux(self.SEEN, torch.ones_like(old))
+        old = torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
+        store.set_state(self.SCORE, torch.logaddexp(old + (delta * log_decay)[:, None, None], gained))
+        store.set_state(self.SEEN, torch.ones_like(old))
 
     def log_scores(self, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` log score of every stored token at its sequence's latest query (-inf: unused)."""
-        return torch.where(store.aux(self.SEEN) > 0, store.aux(self.AUX), float("-inf"))
+        return torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
 
     def evict(self, layer: int, store: LayerStore) -> None:
         score = ranked(self.log_scores(store), store.view().pos)

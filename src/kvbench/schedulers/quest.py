@@ -2,8 +2,8 @@
 
 Each KV head-row's stored tokens, in position order, form pages of ``page_size`` tokens. Every
 full page carries the per-channel minimum and maximum of its keys (as attention reads them:
-dequantized when a compressor packed them), kept flat in ``store.side`` so ``store.nbytes()``
-counts them. For a query ``q`` the page bound ``Σ_i max(q_i·min_i, q_i·max_i)`` is never below
+dequantized when a compressor packed them), kept flat in the layer's side data
+(:class:`PageBounds`) so ``store.nbytes()`` counts them. For a query ``q`` the page bound ``Σ_i max(q_i·min_i, q_i·max_i)`` is never below
 ``q·k`` for any key of the page. Each query reads the top pages by bound so that the tokens read
 per head-row come to ``ceil(budget × stored tokens)``, rounded to whole pages.
 
@@ -30,11 +30,17 @@ import torch
 
 from kvbench.cache import ragged
 from kvbench.cache.reads import read_per_query
-from kvbench.cache.store import LayerStore
+from kvbench.cache.store import LayerStore, SideData
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 
-KMIN, KMAX = "quest_kmin", "quest_kmax"
+
+@dataclass
+class PageBounds(SideData):
+    """Per-channel minimum and maximum keys ``(M, D)`` of every full page, head-major."""
+
+    kmin: torch.Tensor
+    kmax: torch.Tensor
 
 
 def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
@@ -105,7 +111,7 @@ class QuestScheduler(Scheduler):
         keys = torch.nn.functional.pad(keys, (0, 0, 0, npages * p - t)).view(b, h, npages, p, d)
         full = torch.arange(npages, device=keys.device) < (view.valid.sum(-1) // p)[..., None]  # (B, H, P)
         kmin, kmax = keys.amin(3)[full].contiguous(), keys.amax(3)[full].contiguous()
-        store.side[KMIN], store.side[KMAX] = kmin, kmax  # (M, D): every full page, head-major
+        store.set_side(PageBounds(kmin, kmax))
         self._meta_bytes[layer] = (kmin.numel() + kmax.numel()) * kmin.element_size()
 
     def read_mask(
@@ -120,7 +126,8 @@ class QuestScheduler(Scheduler):
             return mask
         start = chunk_start(store, qpos)[:, None, None]
         page, in_page, n_full = self.layout(view.pos, view.valid & (view.pos < start))
-        if KMIN not in store.side or int(n_full.sum()) != store.side[KMIN].shape[0]:
+        bounds = store.side(PageBounds)
+        if bounds is None or int(n_full.sum()) != bounds.kmin.shape[0]:
             raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
         protected = self.budget_cfg.protected(view.pos, start, store.view_protect_from())
         always = view.valid & (protected | ~in_page)  # with the chunk and the partial last page
@@ -130,8 +137,8 @@ class QuestScheduler(Scheduler):
             mask = always[:, :, None, :].expand(b, h, q, t)
             self._account(layer, store, query, qpos, mask, n_full * 0)
             return mask
-        kmin = ragged.to_padded(store.side[KMIN], n_full.flatten())[0].view(b, h, width, d)
-        kmax = ragged.to_padded(store.side[KMAX], n_full.flatten())[0].view(b, h, width, d)
+        kmin = ragged.to_padded(bounds.kmin, n_full.flatten())[0].view(b, h, width, d)
+        kmax = ragged.to_padded(bounds.kmax, n_full.flatten())[0].view(b, h, width, d)
         bound = page_bounds(query, kmin, kmax).amax(2)  # (B, H, q, P): max over the query group
         page_idx = torch.where(pageable, page, torch.full_like(page, width))
         cost = torch.zeros(b, h, width + 1, dtype=torch.long, device=view.k.device)
@@ -140,7 +147,7 @@ class QuestScheduler(Scheduler):
         take = self.take_pages(bound, cost, extra)
         tok = torch.gather(take, -1, page_idx.clamp(max=max(width - 1, 0))[:, :, None, :].expand(b, h, q, t))
         mask = (tok & pageable[:, :, None, :]) | always[:, :, None, :]
-        self._account(layer, store, query, qpos, mask, n_full * 2 * d * store.side[KMIN].element_size())
+        self._account(layer, store, query, qpos, mask, n_full * 2 * d * bounds.kmin.element_size())
         return mask
 
     def layout(self, pos: torch.Tensor, prior: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -1,0 +1,170 @@
+"""Per-head-row token tables: the layout attention, kernels and techniques read.
+
+Every KV head of every sequence (a *head-row*) keeps its own tokens, so heads can keep different
+numbers of tokens and an evicted token is really freed from the count. A :class:`Rows` holds named
+fields of shape ``(BH, capacity, *rest)``: row ``i``'s live tokens are its first ``lens[i]`` slots,
+in the order they arrived, and ``[:, :width]`` (``width = lens.max()``) is the padded rectangle
+attention reads, a free slice. Keys, values and positions sit side by side, so a GPU kernel can
+read row ``i`` at ``field[i, :lens[i]]``.
+
+Costs: appending ``q`` tokens writes ``q`` slots per row (capacity grows by a quarter at a time,
+amortised O(1) per token); keeping a subset compacts the kept slots to the front of each row,
+once, in order; nothing is rebuilt per step. ``width`` and whether every row is full (``uniform``)
+are kept on the host, so reading the rectangle needs no device synchronisation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MIN_GROWTH = 64
+
+
+def segment_ids(lens: torch.Tensor) -> torch.Tensor:
+    """Head-row index of every token of a flat head-major tensor: ``(N,)``."""
+    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+
+
+def starts(lens: torch.Tensor) -> torch.Tensor:
+    """Flat index of the first token of each head-row ``(BH,)``."""
+    return lens.cumsum(0) - lens
+
+
+def valid_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
+    """Boolean ``(BH, width)``, True for the first ``lens[i]`` slots of row ``i``."""
+    return torch.arange(width, device=lens.device)[None, :] < lens[:, None]
+
+
+def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``values`` ``(BH, W, ...)`` without the slots where ``keep`` ``(BH, W)`` is False, per row, in
+    order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
+    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices
+    counts = keep.sum(-1)
+    width = int(counts.max()) if counts.numel() else 0
+    trail = [1] * (values.dim() - 2)
+    out = torch.gather(values, 1, order.view(*order.shape, *trail).expand_as(values))[:, :width]
+    return out.masked_fill(~valid_mask(counts, width).view(*out.shape[:2], *trail), 0)
+
+
+class Rows:
+    """Named per-token fields ``(BH, capacity, *rest)`` with ``lens`` ``(BH,)`` live tokens per row.
+
+    Args:
+        bh: head-rows (batch x KV heads).
+        device: where the fields live.
+    """
+
+    def __init__(self, bh: int, device: torch.device):
+        self.bh, self.device = bh, device
+        self.lens = torch.zeros(bh, dtype=torch.long, device=device)
+        self.width = 0  # lens.max(), on the host
+        self.uniform = True  # every row holds ``width`` tokens
+        self.capacity = 0
+        self.fields: dict[str, torch.Tensor] = {}
+
+    # --- reading ---------------------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self.fields
+
+    def get(self, name: str) -> torch.Tensor:
+        """The padded rectangle of a field: ``(BH, width, *rest)``, a view (slots past a row's
+        length hold stale values)."""
+        return self.fields[name][:, : self.width]
+
+    def valid(self) -> torch.Tensor:
+        """``(BH, width)`` bool: the live slots."""
+        if self.uniform:
+            return torch.ones(self.bh, self.width, dtype=torch.bool, device=self.device)
+        return valid_mask(self.lens, self.width)
+
+    def take(self, name: str, mask: torch.Tensor) -> torch.Tensor:
+        """The tokens of ``name`` where ``mask`` ``(BH, width)`` holds, flat and head-major ``(n, *rest)``."""
+        return self.get(name)[mask]
+
+    def size(self) -> int:
+        """Live tokens over all rows."""
+        return self.bh * self.width if self.uniform else int(self.lens.sum())
+
+    def token_nbytes(self, names: list[str]) -> int:
+        """Bytes of one token's ``names`` fields."""
+        return sum(self.fields[n][0, 0].numel() * self.fields[n].element_size() for n in names)
+
+    # --- writing ---------------------------------------------------------------------------
+    def ensure(self, name: str, rest: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Create field ``name`` (zeros for the tokens already stored) unless it exists."""
+        if name not in self.fields:
+            self.fields[name] = torch.zeros(self.bh, self.capacity, *rest, dtype=dtype, device=self.device)
+        return self.fields[name]
+
+    def set(self, name: str, values: torch.Tensor) -> None:
+        """Overwrite field ``name`` with ``values`` ``(BH, width, *rest)`` (padding slots included)."""
+        self.ensure(name, tuple(values.shape[2:]), values.dtype)[:, : self.width] = values
+
+    def _reserve(self, need: int) -> None:
+        if need <= self.capacity:
+            return
+        cap = need + max(_MIN_GROWTH, need // 4)
+        for name, old in self.fields.items():
+            new = old.new_zeros(self.bh, cap, *old.shape[2:])
+            new[:, : self.width] = old[:, : self.width]
+            self.fields[name] = new
+        self.capacity = cap
+
+    def _open(self, width: int) -> None:
+        """Make room for ``width`` slots and zero the new span past the current width."""
+        self._reserve(width)
+        for field in self.fields.values():
+            field[:, self.width : width] = 0
+
+    def append(self, new: dict[str, torch.Tensor]) -> None:
+        """Append ``q`` tokens to every row: ``new[name]`` ``(BH, q, *rest)``; fields not given get zeros."""
+        q = next(iter(new.values())).shape[1]
+        for name, value in new.items():
+            self.ensure(name, tuple(value.shape[2:]), value.dtype)
+        if self.uniform:
+            self._reserve(self.width + q)
+            for name, field in self.fields.items():
+                field[:, self.width : self.width + q] = new.get(name, 0)
+        else:
+            self._open(self.width + q)
+            cols = self.lens[:, None] + torch.arange(q, device=self.device)  # (BH, q)
+            rows = torch.arange(self.bh, device=self.device)[:, None].expand_as(cols)
+            for name, value in new.items():
+                self.fields[name][rows, cols] = value
+        self.lens = self.lens + q
+        self.width += q
+
+    def append_ragged(self, new: dict[str, torch.Tensor], new_lens: torch.Tensor) -> None:
+        """Append flat head-major tokens, ``new_lens`` ``(BH,)`` per row: ``new[name]`` ``(n, *rest)``."""
+        for name, value in new.items():
+            self.ensure(name, tuple(value.shape[1:]), value.dtype)
+        lens = self.lens + new_lens
+        most = int(lens.max())
+        self._open(most)
+        rows = segment_ids(new_lens)
+        cols = self.lens[rows] + torch.arange(rows.numel(), device=self.device) - starts(new_lens)[rows]
+        for name, value in new.items():
+            self.fields[name][rows, cols] = value
+        self.lens = lens
+        self.width = most
+        self.uniform = bool((lens == most).all())
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Keep the slots where ``mask`` ``(BH, width)`` holds, in order, compacted to each row's front.
+
+        Writes new tensors: rectangles read before (a layer's view) keep what they showed.
+        """
+        mask = mask & self.valid()
+        order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices  # kept slots first
+        self.lens = mask.sum(-1)
+        dead = ~valid_mask(self.lens, self.width)  # freed slots read as zeros, as padding does
+        for name, field in self.fields.items():
+            span = field[:, : self.width]
+            trail = [1] * (field.dim() - 2)
+            kept = torch.gather(span, 1, order.view(*order.shape, *trail).expand_as(span))
+            new = torch.empty_like(field)
+            new[:, : self.width] = kept.masked_fill_(dead.view(*dead.shape, *trail), 0)
+            self.fields[name] = new
+        low, high = torch.aminmax(self.lens)
+        low_i, high_i = (int(x) for x in torch.stack([low, high]).tolist())
+        self.width, self.uniform = high_i, low_i == high_i
