@@ -17,8 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from kvbench import calibration, models
-from kvbench.allocation import CALIBRATION_TOKENS
-from kvbench.calibration.artifacts import LORA_TOKENS
+from kvbench.calibration.artifacts import CALIBRATION_TOKENS, LORA_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("lora", "duo", "rankkv")

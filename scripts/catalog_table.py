@@ -74,7 +74,7 @@ def compose_cell(overrides: list[str]):
 def measure(cfg, lm, ids) -> tuple[float, float | None]:
     """Compression at the end of the prefill, and the read fraction of one scored chunk."""
     stack = config.validate(cfg)
-    stack.bind(BindContext.for_model(lm, stack.budget, int(cfg.seed)))
+    stack.bind(BindContext.for_model(lm, int(cfg.seed)))
     cache = loop.new_cache(lm, stack)
     loop.step(lm, cache, ids[: cfg.dataset.prefill])
     compression = cache.reference_bytes() / cache.nbytes()

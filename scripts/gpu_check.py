@@ -53,7 +53,7 @@ def technique(role: str, name: str):
 
 def run(lm, role, name, ids, budget, batch=None):
     stack = Stack(**{role: technique(role, name)}, budget=budget)
-    stack.bind(BindContext.for_model(lm, stack.budget))
+    stack.bind(BindContext.for_model(lm))
     cache = loop.new_cache(lm, stack, batch=1 if batch is None else 2)
     if batch is None:
         outs = [loop.step(lm, cache, ids[:200])]
@@ -76,7 +76,7 @@ def main() -> int:
         return 2
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (264,), generator=g).tolist()
-    budget = Budget(budget=0.3, sinks=4, window=16)
+    budget = Budget(fraction=0.3, budget_tokens=None, sinks=4, window=16)
     lms = {}
     for dev, dt in (("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")):
         lms[(dev, dt)] = models.load(OmegaConf.create({**TINY, "dtype": dt}), dev)
@@ -117,7 +117,7 @@ def main() -> int:
 
 def _solo(lm, role, name, seq, budget):
     stack = Stack(**{role: technique(role, name)}, budget=budget)
-    stack.bind(BindContext.for_model(lm, stack.budget))
+    stack.bind(BindContext.for_model(lm))
     cache = loop.new_cache(lm, stack)
     return loop.step(lm, cache, seq)[-1]
 

@@ -9,9 +9,16 @@ from kvbench.roles import BindContext, Budget
 from kvbench.stack import Stack
 
 
+def budget_of(
+    budget: float = 1.0, budget_tokens: int | None = None, sinks: int = 4, window: int = 32
+) -> Budget:
+    """A budget for tests, keeping every token unless told (kvbench's own defaults live in the config)."""
+    return Budget(fraction=budget, budget_tokens=budget_tokens, sinks=sinks, window=window)
+
+
 def make_stack(lm, router=None, compressor=None, scheduler=None, **budget) -> Stack:
-    stack = Stack(router=router, compressor=compressor, scheduler=scheduler, budget=Budget(**budget))
-    stack.bind(BindContext.for_model(lm, stack.budget))
+    stack = Stack(router=router, compressor=compressor, scheduler=scheduler, budget=budget_of(**budget))
+    stack.bind(BindContext.for_model(lm))
     return stack
 
 

@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from helpers import make_stack, padded_batch_vs_solo, run_chunks, tokens
+from helpers import budget_of, make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
-from kvbench.roles import BindContext, Budget
+from kvbench.roles import BindContext
 from kvbench.routers.base import BaseRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
 from kvbench.schedulers.duo_attention import DuoAttentionScheduler
@@ -338,8 +338,8 @@ def test_duo_fits_gates_once_and_records_them(tiny, tmp_path, monkeypatch):
     binds = []
     for _ in range(2):
         sched = DuoAttentionScheduler(retrieval_ratio=0.5, **FAST_FIT)
-        stack = Stack(scheduler=sched, budget=Budget(budget=0.3, sinks=2, window=4))
-        ctx = stack.bind(BindContext.for_model(tiny, stack.budget))
+        stack = Stack(scheduler=sched, budget=budget_of(budget=0.3, sinks=2, window=4))
+        ctx = stack.bind(BindContext.for_model(tiny))
         binds.append((sched.gates, ctx.calibrations))
     assert len(calls) == 1  # the second bind read the artifact
     (g1, rec1), (g2, rec2) = binds

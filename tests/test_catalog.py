@@ -18,11 +18,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from conftest import tiny_cfg
-from helpers import padded_batch_vs_solo, tokens
+from helpers import budget_of, padded_batch_vs_solo, tokens
 from kvbench import config, models
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
-from kvbench.roles import BindContext, Budget
+from kvbench.roles import BindContext
 from kvbench.stack import Stack, build_technique
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -73,8 +73,8 @@ def technique(role: str, option: str, **knobs):
 
 
 def stack_of(lm, parts: dict, **budget) -> Stack:
-    stack = Stack(**parts, budget=Budget(**budget))
-    stack.bind(BindContext.for_model(lm, stack.budget))
+    stack = Stack(**parts, budget=budget_of(**budget))
+    stack.bind(BindContext.for_model(lm))
     return stack
 
 

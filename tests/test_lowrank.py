@@ -4,13 +4,14 @@ their stored bytes match an independent count, and each keeps its own invariant.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import tiny_cfg
-from helpers import make_stack, run_chunks, tokens
+from helpers import budget_of, make_stack, run_chunks, tokens
 from kvbench import models
 from kvbench.cache.quant import SUPPORTED_BITS
 from kvbench.cache.rotary import Rotary
@@ -24,7 +25,7 @@ from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
 from kvbench.compressors.svd import SVDCompressor, SVDSegment
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
-from kvbench.roles import BindContext, Budget
+from kvbench.roles import BindContext
 from kvbench.routers.base import BaseRouter
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
@@ -247,7 +248,7 @@ def _store(lm, batch: int = 2, n: int = 40, seed: int = 0) -> tuple[LayerStore, 
 
 
 def _bound(lm, tech, sinks=SINKS, window=WINDOW):
-    tech.bind(BindContext.for_model(lm, Budget(sinks=sinks, window=window)))
+    tech.bind(replace(BindContext.for_model(lm), budget=budget_of(sinks=sinks, window=window)))
     return tech
 
 
@@ -405,4 +406,4 @@ def test_rank_above_head_dim_or_no_model_is_refused(tiny, name):
     with pytest.raises(ConfigError, match="key_rank=32"):
         _bound(tiny, make(name, key_rank=32, **({"block_size": 64} if name == "svd" else {})))
     with pytest.raises(ConfigError, match="rotary"):
-        make(name).bind(BindContext(budget=Budget(), num_layers=2))
+        make(name).bind(BindContext(num_layers=2))

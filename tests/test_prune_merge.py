@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_cfg
-from helpers import make_stack, padded_batch_vs_solo, run_chunks, tokens
+from helpers import budget_of, make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench import models
 from kvbench.cache import attention as att
 from kvbench.cache.engine import HitProbe
@@ -20,7 +20,7 @@ from kvbench.compressors.distillation import DistillationCompressor, MergedSegme
 from kvbench.compressors.pruning import KeptChannels, PrunedSegment, PruningCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
-from kvbench.roles import BindContext, Budget
+from kvbench.roles import BindContext
 from kvbench.routers.base import BaseRouter
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
@@ -124,7 +124,9 @@ def test_pruning_keeps_top_channels_by_query_key_score(tiny):
         loop.step(tiny, cache, ids[at : at + n])
         at += n
     for store, chans in zip(cache.stores, first):
-        assert torch.equal(store.side(KeptChannels).channels.long(), chans)  # chosen once, at the first compression point
+        assert torch.equal(
+            store.side(KeptChannels).channels.long(), chans
+        )  # chosen once, at the first compression point
 
 
 # --- distillation ----------------------------------------------------------------------------
@@ -233,7 +235,7 @@ def test_compress_merges_identical_keys_without_changing_attention():
     before = attend()
     comp = DistillationCompressor()
     comp.bind(
-        BindContext(budget=Budget(budget_tokens=6, sinks=1, window=2), num_layers=1)
+        BindContext(budget=budget_of(budget_tokens=6, sinks=1, window=2), num_layers=1)
     )  # 3 units + 3 protected
     comp.compress(0, store)
     seg = store.compressed[0]

@@ -274,14 +274,18 @@ def test_pikv_bonus_changes_the_choice_predictably():
         store.set_side(PreviousChoice(torch.tensor([[[False, True, False, True]]])))
         chosen = PikvRouter(num_experts=4, top_k=1, locality_bonus=bonus).choose(0, store, score, None, qpos)
         picks[bonus] = int(chosen[0, 0, 0].nonzero())
-        assert torch.equal(store.side(PreviousChoice).chosen, chosen[:, :, 0])  # the next step's bonus goes to this choice
+        assert torch.equal(
+            store.side(PreviousChoice).chosen, chosen[:, :, 0]
+        )  # the next step's bonus goes to this choice
     assert picks == {0.0: 0, 0.1: 0, 0.5: 1}  # the bonus wins once it exceeds the logit gap 0.2
 
 
 def test_pikv_large_bonus_keeps_reading_the_previous_experts(tiny_93):
     router = PikvRouter(top_k=2, locality_bonus=1e4)
     _, cache = run(tiny_93, router, sizes=[48, 8, 1])
-    prev = cache.stores[1].side(PreviousChoice).chosen.clone()  # experts read by the last query of the last step
+    prev = (
+        cache.stores[1].side(PreviousChoice).chosen.clone()
+    )  # experts read by the last query of the last step
     loop.forward(tiny_93, cache, [5])  # one more decode step, before the write
     chosen = router._last[1][3].chosen[:, :, -1]
     assert torch.equal(chosen, prev)

@@ -11,9 +11,8 @@ import torch
 from helpers import make_stack, run_chunks, tokens
 from kvbench.cache import quant
 from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
-from kvbench.schedulers.h2o import SCORE
 from kvbench.routers.base import BaseRouter, position_blocks
-from kvbench.schedulers.h2o import H2OScheduler
+from kvbench.schedulers.h2o import SCORE, H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 
 SIZES = [48, 8, 8, 1, 1]  # prefill, two chunks, two decode steps

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.calibration.artifacts import rankkv_artifact
 from kvbench.errors import ConfigError
 
 ALLOCATIONS = ("uniform", "pyramid", "rankkv", "random", "inverse")
-CALIBRATION_TOKENS = 1024
 
 
 def check(key: str, value: str) -> None:
@@ -52,22 +52,11 @@ def layer_weights(kind: str, ctx, beta: float = 20.0, seed: int = 0) -> torch.Te
 
 def effective_ranks(ctx) -> torch.Tensor:
     """Per-layer effective rank of attention on calibration text, cached on disk and recorded."""
-    from kvbench import calibration
-    from kvbench.data.calibration import calibration_ids
-    from kvbench.models import model_identity
-
     if ctx.model is None:
         raise ConfigError(
             "allocation=rankkv needs the model's attention on calibration text (bind with a model)"
         )
-    lm = ctx.model
-    settings = {"tokens": CALIBRATION_TOKENS}
-    tensors, record = calibration.get_or_compute(
-        "rankkv",
-        model_identity(lm.cfg),
-        settings,
-        lambda: {"ranks": calibration.effective_ranks(lm, calibration_ids(lm, CALIBRATION_TOKENS))},
-    )
+    tensors, record = rankkv_artifact(ctx.model)
     if record not in ctx.calibrations:
         ctx.calibrations.append(record)
     return tensors["ranks"].double()

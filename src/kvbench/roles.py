@@ -35,20 +35,37 @@ class Budget:
     """The stack-wide budget: fraction (or absolute count) of seen tokens kept, sinks and window.
 
     Sinks (first tokens) and the window (most recent tokens, full precision) count inside the budget.
+    Built from the config's ``budget``, ``budget_tokens``, ``sinks`` and ``window``
+    (:meth:`from_config`); their one default is ``conf/config.yaml``'s.
     """
 
-    budget: float = 1.0
-    budget_tokens: int | None = None
-    sinks: int = 4
-    window: int = 32
+    fraction: float
+    budget_tokens: int | None
+    sinks: int
+    window: int
 
     def __post_init__(self) -> None:
-        if not 0.0 < self.budget <= 1.0:
-            raise ConfigError(f"budget={self.budget}: must be in (0, 1] (fraction of seen tokens kept)")
+        if not 0.0 < self.fraction <= 1.0:
+            raise ConfigError(f"budget={self.fraction}: must be in (0, 1] (fraction of seen tokens kept)")
         if self.budget_tokens is not None and self.budget_tokens < 1:
             raise ConfigError(f"budget_tokens={self.budget_tokens}: must be a positive integer or null")
         if self.sinks < 0 or self.window < 1:
             raise ConfigError(f"sinks={self.sinks}, window={self.window}: need sinks >= 0 and window >= 1")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Budget:
+        """The budget a resolved config sets: its ``budget``, ``budget_tokens``, ``sinks``, ``window``."""
+        return cls(
+            fraction=float(cfg.budget),
+            budget_tokens=cfg.budget_tokens,
+            sinks=int(cfg.sinks),
+            window=int(cfg.window),
+        )
+
+    @classmethod
+    def keep_all(cls) -> Budget:
+        """Every token kept: the budget of a stack with no token selection (read by nothing)."""
+        return cls(fraction=1.0, budget_tokens=None, sinks=0, window=1)
 
     def capacity(self, seen: torch.Tensor, weight: float = 1.0) -> torch.Tensor:
         """Tokens a head-row may keep after ``seen`` ``(B,)`` tokens: ``(B,)``, never fewer than
@@ -56,7 +73,7 @@ class Budget:
         if self.budget_tokens is not None:
             cap = torch.full_like(seen, math.ceil(self.budget_tokens * weight))
         else:
-            cap = torch.ceil(self.budget * weight * seen.double() - 1e-9).long()
+            cap = torch.ceil(self.fraction * weight * seen.double() - 1e-9).long()
         return torch.minimum(cap.clamp(min=self.sinks + self.window), seen)
 
     def protected(
@@ -81,7 +98,7 @@ class Budget:
 
     def scaled(self, depth: int) -> Budget:
         """The budget of the ``depth``-th selection of a stack: selections compose multiplicatively."""
-        return self if depth <= 1 else replace(self, budget=self.budget**depth)
+        return self if depth <= 1 else replace(self, fraction=self.fraction**depth)
 
 
 @dataclass
@@ -89,13 +106,14 @@ class BindContext:
     """What a technique may know before the first forward.
 
     Attributes:
-        budget: the stack-wide budget, already scaled for this technique's place among selections.
+        budget: the stack-wide budget, already scaled for this technique's place among selections
+            (set by :meth:`kvbench.stack.Stack.bind`).
         model: the :class:`kvbench.models.LoadedModel` (for rotary and calibration), or None.
         calibrations: records of every calibration artifact the stack used (filled by techniques).
     """
 
-    budget: Budget
     num_layers: int
+    budget: Budget = field(default_factory=Budget.keep_all)
     kv_heads: int = 1
     q_heads: int = 1
     head_dim: int = 64
@@ -104,9 +122,8 @@ class BindContext:
     calibrations: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
-    def for_model(cls, lm: Any, budget: Budget, seed: int = 0) -> BindContext:
+    def for_model(cls, lm: Any, seed: int = 0) -> BindContext:
         return cls(
-            budget=budget,
             num_layers=lm.num_layers,
             kv_heads=lm.kv_heads,
             q_heads=int(lm.info.get("heads", lm.kv_heads)),
@@ -125,7 +142,13 @@ class BindContext:
 
 
 class Technique:
-    """Base of every router, compressor and scheduler."""
+    """Base of every router, compressor and scheduler.
+
+    A template: a technique's class (and each mixin) may define ``check_knobs()``, run once its
+    knobs are set (refuse bad values with a :class:`ConfigError` naming the key), and
+    ``on_bind(ctx)``, run when the stack binds it; the base runs every class's own, base classes
+    first, so no technique calls another's.
+    """
 
     role: ClassVar[str] = ""
     flags: ClassVar[Flags] = Flags()
@@ -133,11 +156,25 @@ class Technique:
 
     wants_queries: ClassVar[bool] = False  # receive the rotated queries of every forward
 
+    def __post_init__(self) -> None:
+        for klass in reversed(type(self).__mro__):
+            check = klass.__dict__.get("check_knobs")
+            if check is not None:
+                check(self)
+
     def bind(self, ctx: BindContext) -> None:
         """Receive the stack-wide budget (and the model) once, before the first forward."""
         self.ctx = ctx
-        self.budget_cfg = ctx.budget
         self.num_layers = ctx.num_layers
+        for klass in reversed(type(self).__mro__):
+            hook = klass.__dict__.get("on_bind")
+            if hook is not None:
+                hook(self, ctx)
+
+    @property
+    def budget(self) -> Budget:
+        """This technique's budget (bound by the stack; scaled for its place among selections)."""
+        return self.ctx.budget
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         """Attention probabilities of a block of queries (only for ``needs_attention_scores``).

@@ -216,7 +216,7 @@ def _release_memory(kind: str) -> None:
 
 
 def _evaluate(cfg, lm, stack, data, ident, record) -> None:
-    stack.bind(BindContext.for_model(lm, stack.budget, int(cfg.seed)))  # may calibrate (cached)
+    stack.bind(BindContext.for_model(lm, int(cfg.seed)))  # may calibrate (cached)
     base = baselines.get(cfg, lm, data, ident) if stack.order else None  # once per model x dataset
     measure.reset_peak(lm.device)
     t0 = time.perf_counter()

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from kvbench import allocation
 from kvbench.cache.store import LayerStore, TokenState
-from kvbench.roles import BindContext, Budget, keep_top
+from kvbench.errors import ConfigError
+from kvbench.roles import BindContext, Budget, Technique, keep_top
 
 
 def leaving_window(
@@ -45,24 +46,42 @@ def evict_by_score(store: LayerStore, budget: Budget, score: torch.Tensor, cap: 
 
 
 @dataclass
-class Allocated:
-    """Mixin: the budget split across layers by ``allocation`` (see :mod:`kvbench.allocation`)."""
+class Allocated(Technique):
+    """Mixin: the budget split across layers by ``allocation`` (see :mod:`kvbench.allocation`).
+
+    Its knobs are checked and its per-layer weights computed by the technique template
+    (:meth:`check_knobs`, :meth:`on_bind`); a technique only inherits it.
+    """
 
     allocation: str = "uniform"
     beta: float = 20.0  # pyramid: the top layer keeps 1/beta of the mean
 
-    def check_allocation(self, key: str = "allocation") -> None:
-        allocation.check(f"{self.role}.{key}", self.allocation)  # type: ignore[attr-defined]
+    def check_knobs(self) -> None:
+        allocation.check(f"{self.role}.allocation", self.allocation)
         if self.beta <= 1:
-            from kvbench.errors import ConfigError
+            raise ConfigError(f"{self.role}.beta={self.beta}: must be > 1")
 
-            raise ConfigError(f"{self.role}.beta={self.beta}: must be > 1")  # type: ignore[attr-defined]
-
-    def bind_allocation(self, ctx: BindContext) -> None:
+    def on_bind(self, ctx: BindContext) -> None:
         self.weights = allocation.layer_weights(self.allocation, ctx, self.beta, ctx.seed).tolist()
 
     def layer_capacity(self, layer: int, store: LayerStore) -> torch.Tensor:
-        return self.budget_cfg.capacity(store.seen, self.weights[layer])  # type: ignore[attr-defined]
+        return self.budget.capacity(store.seen, self.weights[layer])
+
+    def allocated_capacity(self, layer: int, store: LayerStore) -> torch.Tensor:
+        """``(B,)`` the layer's capacity, or every seen token where the uniform capacity already keeps
+        them all (PyramidKV keeps the whole prompt when it fits the budget, so a budget of 1 stays
+        lossless under any allocation)."""
+        cap = self.layer_capacity(layer, store)
+        fits = self.budget.capacity(store.seen) >= store.seen
+        return torch.where(fits, store.seen, cap)
+
+
+def check_window(role: str, obs_window: int, pool: int) -> None:
+    """Refuse an empty observation window or an even pooling kernel."""
+    if obs_window < 1:
+        raise ConfigError(f"{role}.obs_window={obs_window}: must be >= 1")
+    if pool < 1 or pool % 2 == 0:
+        raise ConfigError(f"{role}.pool={pool}: must be an odd integer >= 1 (1: no pooling)")
 
 
 class ObservationWindow:

@@ -24,7 +24,7 @@ class Stack:
     router: Router | None = None
     compressor: Compressor | None = None
     scheduler: Scheduler | None = None
-    budget: Budget = field(default_factory=Budget)
+    budget: Budget = field(default_factory=Budget.keep_all)
 
     def __post_init__(self) -> None:
         check_legal(self.techniques)
@@ -69,7 +69,7 @@ class Stack:
         ``ctx`` may be a bare layer count (no model: techniques that need one refuse).
         """
         if isinstance(ctx, int):
-            ctx = BindContext(budget=self.budget, num_layers=ctx)
+            ctx = BindContext(num_layers=ctx)
         ctx = replace(ctx, budget=self.budget)
         depth = 0
         for tech in self.techniques:
@@ -140,14 +140,8 @@ def build_technique(node: DictConfig | None, role: str) -> Technique | None:
 
 def build_stack(cfg: DictConfig) -> Stack:
     """Build and validate the stack of a resolved config (no model needed)."""
-    budget = Budget(
-        budget=float(cfg.budget),
-        budget_tokens=cfg.budget_tokens,
-        sinks=int(cfg.sinks),
-        window=int(cfg.window),
-    )
     parts = {role: build_technique(cfg.get(role), role) for role in ROLES}
-    return Stack(**parts, budget=budget)  # type: ignore[arg-type]
+    return Stack(**parts, budget=Budget.from_config(cfg))  # type: ignore[arg-type]
 
 
 def stack_identity(cfg: DictConfig, stack: Stack) -> dict[str, Any]:

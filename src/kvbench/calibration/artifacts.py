@@ -10,22 +10,21 @@ from typing import Any
 
 import torch
 
-from kvbench.allocation import CALIBRATION_TOKENS
 from kvbench.calibration.bases import kv_bases
 from kvbench.calibration.duo import duo_gates, passkey_samples
 from kvbench.calibration.ranks import effective_ranks
 from kvbench.calibration.store import get_or_compute
 from kvbench.data.calibration import calibration_ids
 from kvbench.errors import ConfigError
+from kvbench.models import model_identity
 
 Artifact = tuple[dict[str, torch.Tensor], dict[str, Any]]
+CALIBRATION_TOKENS = 1024  # rankkv's calibration text
 LORA_TOKENS = 2048
 
 
 def identity(lm) -> dict[str, Any]:
     """The model identity artifacts are keyed by (:func:`kvbench.models.model_identity`)."""
-    from kvbench.models import model_identity
-
     if lm.cfg is None:
         raise ConfigError("calibration needs the model's config (load it with kvbench.models.load)")
     return model_identity(lm.cfg)

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
-from kvbench.roles import BindContext, Compressor, Flags, Technique
+from kvbench.roles import Compressor, Flags, Technique
 
 FORBIDDEN = ("chain", "none")
 
@@ -60,7 +60,7 @@ class ChainCompressor(Compressor):
     stages: list[Any] = field(default_factory=list)
     flags = Flags()
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         from kvbench.stack import build_technique, check_legal
 
         raw = list(self.stages)
@@ -83,9 +83,6 @@ class ChainCompressor(Compressor):
         union = {k: any(getattr(f, k) for f in flags) for k in Flags.__dataclass_fields__}
         union["lossless"] = all(f.lossless for f in flags)  # a chain is lossless only if every stage is
         self.flags = Flags(**union)  # type: ignore[misc]  # per instance: the union of its stages
-
-    def bind(self, ctx: BindContext) -> None:  # stages are bound by the stack, each at its depth
-        super().bind(ctx)
 
     def compress(self, layer: int, store: LayerStore) -> None:
         for stage in self.stages:

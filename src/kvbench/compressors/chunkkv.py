@@ -25,10 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache.store import LayerStore
-from kvbench.compressors.snapkv import allocated_capacity, check_window
 from kvbench.errors import ConfigError
-from kvbench.roles import BindContext, Compressor, Flags
-from kvbench.select import Allocated, ObservationWindow
+from kvbench.roles import Compressor, Flags
+from kvbench.select import Allocated, ObservationWindow, check_window
 
 
 def chunk_keep(
@@ -81,8 +80,7 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
     pool: int = 1
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
-    def __post_init__(self) -> None:
-        self.check_allocation()
+    def check_knobs(self) -> None:
         check_window(self.role, self.obs_window, self.pool)
         if self.chunk_size < 1:
             raise ConfigError(f"compressor.chunk_size={self.chunk_size}: must be >= 1")
@@ -95,19 +93,15 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
             )
         self._chosen: torch.Tensor | None = None  # (B, H, P) positions kept by the group's first layer
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
-        self.bind_allocation(ctx)
-
     def compress(self, layer: int, store: LayerStore) -> None:
         view = store.view()
-        protected = self.budget_cfg.protected_view(store) & view.valid
+        protected = self.budget.protected_view(store) & view.valid
         chosen = self._chosen
         if layer % self.reuse_layers and chosen is not None and chosen.shape[:2] == view.pos.shape[:2]:
             chosen = F.pad(chosen, (0, max(0, store.seen_max - chosen.shape[-1])))
             keep = protected | (view.valid & torch.gather(chosen, -1, view.pos.clamp(min=0)))
         else:
-            cap = allocated_capacity(self, layer, store)  # (B,)
+            cap = self.allocated_capacity(layer, store)  # (B,)
             slots = (cap[:, None] - protected.sum(-1)).clamp(min=0)
             cand = view.valid & ~protected
             keep = protected | chunk_keep(self.window_scores(store), view.pos, cand, slots, self.chunk_size)

@@ -256,15 +256,15 @@ class DistillationCompressor(Compressor):
     flags = Flags(evicts_tokens=True)
     _units: list[int] = field(default_factory=lambda: [0, 0], init=False, repr=False)  # merged units, tokens
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if self.iters < 0:
             raise ConfigError(f"compressor.iters={self.iters}: must be >= 0")
 
     def compress(self, layer: int, store: LayerStore) -> None:
         view = store.view()
-        protected = self.budget_cfg.protected_view(store) & view.valid
+        protected = self.budget.protected_view(store) & view.valid
         old = view.valid & ~protected
-        slots = (self.budget_cfg.capacity(store.seen)[:, None] - protected.sum(-1)).clamp(min=0)  # (B, H)
+        slots = (self.budget.capacity(store.seen)[:, None] - protected.sum(-1)).clamp(min=0)  # (B, H)
         need = old.sum(-1) > slots
         if not bool(need.any()):
             return

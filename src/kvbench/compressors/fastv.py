@@ -37,14 +37,13 @@ class FastVCompressor(Compressor):
     layer: int = 2
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if self.layer < 1:
             raise ConfigError(f"compressor.layer={self.layer}: must be >= 1 (layer K-1 ranks the tokens)")
         self._score: torch.Tensor | None = None  # (B, P) head-averaged attention of the last query
         self._plan: tuple[torch.Tensor, torch.Tensor] | None = None  # (seen at planning, keep (B, P))
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
+    def on_bind(self, ctx: BindContext) -> None:
         if self.layer >= ctx.num_layers:
             raise ConfigError(
                 f"compressor.layer={self.layer}: must be < the model's {ctx.num_layers} layers (and >= 1)"
@@ -97,7 +96,7 @@ class FastVCompressor(Compressor):
             score[:, :known] = self._score[:, :known]
         allpos = torch.arange(width, device=store.device)
         protect_from = None if store.protect_from is None else store.protect_from[:, None]
-        protected = self.budget_cfg.protected(allpos[None, :], store.seen[:, None], protect_from)
+        protected = self.budget.protected(allpos[None, :], store.seen[:, None], protect_from)
         score = score.masked_fill(protected, float("inf"))
-        cap = self.budget_cfg.capacity(store.seen)
+        cap = self.budget.capacity(store.seen)
         return keep_top(score[:, None], present[:, None], cap)[:, 0]

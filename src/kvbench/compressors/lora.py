@@ -41,20 +41,19 @@ class LoraCompressor(Compressor):
     calibration_tokens: int = 2048
     flags = Flags(changes_representation=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         check_rank("compressor.key_rank", self.key_rank)
         check_rank("compressor.value_rank", self.value_rank)
         if self.calibration_tokens < 1:
             raise ConfigError(f"compressor.calibration_tokens={self.calibration_tokens}: must be >= 1")
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
+    def on_bind(self, ctx: BindContext) -> None:
         self.cache = LatentCache.bind(
             ctx, self.name, self.key_rank, self.value_rank, self.calibration_tokens, bits=None
         )
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        self.cache.compress(layer, store, self.budget_cfg)
+        self.cache.compress(layer, store, self.budget)
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         return self.cache.metrics() if hasattr(self, "cache") else {}

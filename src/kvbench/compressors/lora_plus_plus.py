@@ -37,7 +37,7 @@ class LoraPlusPlusCompressor(Compressor):
     calibration_tokens: int = 2048
     flags = Flags(changes_representation=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if self.latent_bits not in LATENT_BITS:
             raise ConfigError(f"compressor.latent_bits={self.latent_bits}: allowed 4, 8")
         for key in ("key_rank", "value_rank"):
@@ -48,14 +48,13 @@ class LoraPlusPlusCompressor(Compressor):
         if self.calibration_tokens < 1:
             raise ConfigError(f"compressor.calibration_tokens={self.calibration_tokens}: must be >= 1")
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
+    def on_bind(self, ctx: BindContext) -> None:
         self.cache = LatentCache.bind(
             ctx, self.name, self.key_rank, self.value_rank, self.calibration_tokens, bits=self.latent_bits
         )
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        self.cache.compress(layer, store, self.budget_cfg)
+        self.cache.compress(layer, store, self.budget)
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         return self.cache.metrics() if hasattr(self, "cache") else {}

@@ -30,7 +30,6 @@ from kvbench.cache import quant
 from kvbench.cache.rows import compact
 from kvbench.cache.store import LayerStore, TokenState
 from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
-from kvbench.compressors.snapkv import allocated_capacity
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags, keep_top
 from kvbench.select import Allocated, evict_by_score, leaving_window
@@ -58,8 +57,7 @@ class PiKVCompressor(Allocated, Compressor):
     group_size: int = 32
     flags = Flags(needs_attention_scores=True, evicts_tokens=True, changes_representation=True)
 
-    def __post_init__(self) -> None:
-        self.check_allocation()
+    def check_knobs(self) -> None:
         for key in ("key_bits", "value_bits"):
             if getattr(self, key) not in quant.SUPPORTED_BITS:
                 allowed = ", ".join(map(str, quant.SUPPORTED_BITS))
@@ -71,17 +69,15 @@ class PiKVCompressor(Allocated, Compressor):
         self._kivi = QuantizedCompressor(bits=GUARD_BITS, group_size=self.group_size)
         self._moved = [0, 0]  # tokens quantized at 8 bits, at the low widths
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
-        self.bind_allocation(ctx)
+    def on_bind(self, ctx: BindContext) -> None:
         self._moved = [0, 0]
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         store.add_state(AUX, probs.sum((2, 3)))
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget_cfg, store.state(AUX), allocated_capacity(self, layer, store))
-        leaving = leaving_window(store, self.budget_cfg, self.group_size)
+        evict_by_score(store, self.budget, store.state(AUX), self.allocated_capacity(layer, store))
+        leaving = leaving_window(store, self.budget, self.group_size)
         if not bool(leaving.any()):
             return
         high = self.guarded(store, leaving)

@@ -92,7 +92,7 @@ class PruningCompressor(Compressor):
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False
     )
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if not 0.0 < self.keep_ratio <= 1.0:
             raise ConfigError(f"compressor.keep_ratio={self.keep_ratio}: must be in (0, 1]")
         if self.obs_window < 1:
@@ -147,7 +147,7 @@ class PruningCompressor(Compressor):
         return side
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        move = leaving_window(store, self.budget_cfg, 1)
+        move = leaving_window(store, self.budget, 1)
         if not bool(move.any()):
             return
         channels = self._channels(store, move.any(-1))

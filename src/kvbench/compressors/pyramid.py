@@ -45,7 +45,7 @@ class PyramidCompressor(Compressor):
     group_size: int = 32
     flags = Flags(changes_representation=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         allowed = ", ".join(map(str, quant.SUPPORTED_BITS))
         for key in ("bits_max", "bits_min"):
             if getattr(self, key) not in quant.SUPPORTED_BITS:
@@ -56,10 +56,9 @@ class PyramidCompressor(Compressor):
             raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
         self.kivi = QuantizedCompressor(bits=self.bits_min, group_size=self.group_size)
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
+    def on_bind(self, ctx: BindContext) -> None:
         self.bits = layer_bits(ctx.num_layers, self.bits_max, self.bits_min)
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        move = leaving_window(store, self.budget_cfg, self.group_size)
+        move = leaving_window(store, self.budget, self.group_size)
         store.move_out(move, self.kivi.builder(self.bits[layer], self.bits[layer]))

@@ -70,7 +70,7 @@ class QuantizedCompressor(Compressor):
     group_size: int = 32
     flags = Flags(changes_representation=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         self.key_bits = self.bits if self.key_bits is None else self.key_bits
         self.value_bits = self.bits if self.value_bits is None else self.value_bits
         for key in ("bits", "key_bits", "value_bits"):
@@ -81,7 +81,7 @@ class QuantizedCompressor(Compressor):
             raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        move = leaving_window(store, self.budget_cfg, self.group_size)
+        move = leaving_window(store, self.budget, self.group_size)
         store.move_out(move, self.builder(self.key_bits, self.value_bits))
 
     def builder(self, key_bits, value_bits) -> Build:

@@ -32,8 +32,7 @@ class RandomCompressor(Compressor):
     seed: int = 0
     flags = Flags(evicts_tokens=True)
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
+    def on_bind(self, ctx: BindContext) -> None:
         self._tables: dict[int, torch.Tensor] = {}
 
     def priorities(self, layer: int, heads: int, width: int, device: torch.device) -> torch.Tensor:
@@ -50,4 +49,4 @@ class RandomCompressor(Compressor):
         view = store.view()
         prio = self.priorities(layer, store.kv_heads, store.seen_max, store.device)
         score = torch.gather(prio.expand(store.batch, -1, -1), -1, view.pos.clamp(min=0))
-        evict_by_score(store, self.budget_cfg, score, self.budget_cfg.capacity(store.seen))
+        evict_by_score(store, self.budget, score, self.budget.capacity(store.seen))

@@ -20,29 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
-from kvbench.roles import BindContext, Compressor, Flags
-from kvbench.select import Allocated, ObservationWindow, evict_by_score
-
-
-def allocated_capacity(tech: Allocated, layer: int, store: LayerStore) -> torch.Tensor:
-    """``(B,)`` the layer's capacity under ``tech.allocation``, or every seen token where the uniform
-    capacity already keeps them all (PyramidKV keeps the whole prompt when it fits the budget, so a
-    budget of 1 stays lossless under any allocation)."""
-    cap = tech.layer_capacity(layer, store)
-    fits = tech.budget_cfg.capacity(store.seen) >= store.seen  # type: ignore[attr-defined]
-    return torch.where(fits, store.seen, cap)
-
-
-def check_window(role: str, obs_window: int, pool: int) -> None:
-    """Refuse an empty observation window or an even pooling kernel."""
-    if obs_window < 1:
-        raise ConfigError(f"{role}.obs_window={obs_window}: must be >= 1")
-    if pool < 1 or pool % 2 == 0:
-        raise ConfigError(f"{role}.pool={pool}: must be an odd integer >= 1 (1: no pooling)")
+from kvbench.roles import Compressor, Flags
+from kvbench.select import Allocated, ObservationWindow, check_window, evict_by_score
 
 
 @dataclass
@@ -61,17 +42,12 @@ class SnapKVCompressor(Allocated, ObservationWindow, Compressor):
     pool: int = 7
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
-    def __post_init__(self) -> None:
-        self.check_allocation()
+    def check_knobs(self) -> None:
         check_window(self.role, self.obs_window, self.pool)
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
-        self.bind_allocation(ctx)
-
     def compress(self, layer: int, store: LayerStore) -> None:
-        cap = allocated_capacity(self, layer, store)
-        evict_by_score(store, self.budget_cfg, self.window_scores(store), cap)
+        cap = self.allocated_capacity(layer, store)
+        evict_by_score(store, self.budget, self.window_scores(store), cap)
 
 
 @dataclass
@@ -81,10 +57,9 @@ class PyramidKVCompressor(SnapKVCompressor):
     name: str = "pyramidkv"
     allocation: str = "pyramid"
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if self.allocation != "pyramid":
             raise ConfigError(
                 f"compressor.allocation={self.allocation}: pyramidkv is snapkv with allocation=pyramid; "
                 "use compressor=snapkv for other allocations"
             )
-        super().__post_init__()

@@ -87,21 +87,20 @@ class SVDCompressor(Compressor):
     block_size: int = 64
     flags = Flags(changes_representation=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if self.block_size < 1:
             raise ConfigError(f"compressor.block_size={self.block_size}: must be >= 1")
         check_rank("compressor.key_rank", self.key_rank, self.block_size, "block_size")
         check_rank("compressor.value_rank", self.value_rank, self.block_size, "block_size", nullable=True)
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
+    def on_bind(self, ctx: BindContext) -> None:
         self.rotary = ctx.rotary()
         check_rank("compressor.key_rank", self.key_rank, ctx.head_dim, "head_dim")
         check_rank("compressor.value_rank", self.value_rank, ctx.head_dim, "head_dim", nullable=True)
         self.residuals = (Residual(), Residual())
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        store.move_out(leaving_window(store, self.budget_cfg, self.block_size), self._factor)
+        store.move_out(leaving_window(store, self.budget, self.block_size), self._factor)
 
     def _factor(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> SVDSegment:
         n, dtype = self.block_size, k.dtype

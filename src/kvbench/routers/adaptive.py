@@ -48,7 +48,7 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     k_max: int = 4
     experts_read: list[float] = field(default_factory=list, init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         self.check_experts()
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"router.top_p={self.top_p}: must be in (0, 1]")

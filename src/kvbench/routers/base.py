@@ -202,7 +202,7 @@ class ExpertRouter(Router):
             and torch.equal(last[2], query)
         ):
             return last[3]
-        routable = view.valid & ~always_read(self.budget_cfg, store, qpos)
+        routable = view.valid & ~always_read(self.budget, store, qpos)
         eid = self.experts(layer, store, routable)
         routed = routable & (eid >= 0)
         eid = torch.where(routed, eid, torch.full_like(eid, -1))
@@ -270,7 +270,7 @@ class BaseRouter(PositionExperts, ExpertRouter):
     num_experts: int = 8
     top_k: int = 2
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         self.check_experts()
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")

@@ -95,7 +95,7 @@ class CentroidExperts:
     """
 
     num_experts: int
-    budget_cfg: Budget
+    budget: Budget
 
     def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
         held = held_experts(store, self.num_experts)
@@ -126,7 +126,7 @@ class CentroidExperts:
     def assign_new(self, store: LayerStore) -> torch.Tensor:
         """Assign the tokens that became routable; returns the assignment ``(B, H, T)`` (-1: none)."""
         view = store.view()
-        routable = view.valid & ~self.budget_cfg.protected_view(store)
+        routable = view.valid & ~self.budget.protected_view(store)
         held = held_experts(store, self.num_experts)
         new = routable & (held < 0)
         if not bool(new.any()):

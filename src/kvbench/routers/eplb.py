@@ -4,15 +4,15 @@ devices, the hottest experts replicated into ``replicas`` extra slots so per-dev
 balances.
 
 Write: as ``topk_balanced`` without capacity (nearest running centroid, online mean). Then, per
-layer, a plan from the read load each expert has received so far: (1) replication: one extra
-slot at a time goes to the expert with the highest load per replica (at most one replica per
-device); (2) packing: slots by decreasing load per replica, each to the least-loaded device that
-has fewer than ⌈slots / devices⌉ slots and no replica of that expert yet. The replicas are real:
-copies of the replicated experts' keys and values (at the cache's dtype, as attention reads them)
-live in the layer's side data (:class:`Placement`) and are counted in the cache's bytes, as are
-the centroids, the loads and the plan. Read: top-k experts by q · centroid; a replicated expert's reads go to its
-least-loaded replica's device (read by read, so they fill the replicas' devices from the
-least-loaded up).
+layer, a plan from the read load each expert has received so far: (1) replication: one extra slot
+at a time goes to the expert with the highest load per replica (at most one replica per device);
+(2) packing: slots by decreasing load per replica, each to the least-loaded device that has fewer
+than ⌈slots / devices⌉ slots and no replica of that expert yet. The replicas are real: copies of
+the replicated experts' keys and values (at the cache's dtype, as attention reads them) live in
+the layer's side data (:class:`Placement`) and are counted in the cache's bytes, as are the
+centroids, the loads and the plan. Read: top-k experts by q · centroid; a replicated expert's
+reads go to its least-loaded replica's device (read by read, so they fill the replicas' devices
+from the least-loaded up).
 
 On one machine the devices are logical: attention still reads the primary copy, and the
 per-device figures (reads, max/mean imbalance, with and without replication — the latter by
@@ -141,7 +141,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     after: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
     before: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         self.check_experts()
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")

@@ -46,7 +46,7 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
     top_groups: int = 2
     top_k: int = 4
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         self.check_experts()
         if self.num_groups < 1 or self.num_experts % self.num_groups:
             raise ConfigError(

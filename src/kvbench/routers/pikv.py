@@ -70,7 +70,7 @@ class PikvRouter(CentroidExperts, ExpertRouter):
     locality_bonus: float = 0.5
     centroid_decay: float = 0.99
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         self.check_experts()
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")

@@ -42,7 +42,7 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
     capacity_factor: float = 1.25
     short: list[float] = field(default_factory=list, init=False, repr=False)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         self.check_experts()
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")

@@ -51,7 +51,7 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
     pool: int = 7
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"scheduler.alpha={self.alpha}: must be in [0, 1]")
         if self.obs_window < 1:
@@ -60,7 +60,7 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
             raise ConfigError(f"scheduler.pool={self.pool}: must be an odd integer >= 1 (1: no pooling)")
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        cap = self.budget_cfg.capacity(store.seen)  # (B,) per head on average
+        cap = self.budget.capacity(store.seen)  # (B,) per head on average
         total = store.view().valid.sum((1, 2))  # (B,)
         if bool((total > cap * store.kv_heads).any()):
             store.keep(self.select(store, self.window_scores(store), cap))
@@ -73,7 +73,7 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
             cap: ``(B,)`` mean tokens per head-row; a sequence keeps at most ``cap * H`` tokens.
         """
         view = store.view()
-        prot = self.budget_cfg.protected_view(store) & view.valid
+        prot = self.budget.protected_view(store) & view.valid
         free = (cap[:, None] - prot.sum(-1)).clamp(min=0)  # (B, H) selectable slots of each head
         floor = torch.floor(free.double() * self.alpha + 1e-9).long()
         cand = view.valid & ~prot

@@ -56,7 +56,7 @@ class DuoAttentionScheduler(Scheduler):
     seed: int = 0
     flags = Flags(evicts_tokens=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if self.retrieval_ratio is not None and self.threshold is not None:
             raise ConfigError(
                 f"scheduler.threshold={self.threshold}: give retrieval_ratio or threshold, not both"
@@ -80,11 +80,10 @@ class DuoAttentionScheduler(Scheduler):
     def inject_gates(self, gates: torch.Tensor) -> None:
         """Use ``gates`` ``(L, H_kv)`` instead of fitting them (before or after ``bind``)."""
         self.gates, self.injected = gates.detach().float().cpu(), True
-        if hasattr(self, "budget_cfg"):
+        if hasattr(self, "budget"):
             self.retrieval = self.select_heads(self.gates)
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
+    def on_bind(self, ctx: BindContext) -> None:
         gates = self.gates if self.injected and self.gates is not None else self.fit(ctx)
         if tuple(gates.shape) != (ctx.num_layers, ctx.kv_heads):
             raise ConfigError(
@@ -103,8 +102,8 @@ class DuoAttentionScheduler(Scheduler):
             )
         tensors, record = calibration.duo_artifact(
             ctx.model,
-            sinks=self.budget_cfg.sinks,
-            window=self.budget_cfg.window,
+            sinks=self.budget.sinks,
+            window=self.budget.window,
             samples=self.samples,
             length=self.length,
             steps=self.steps,
@@ -122,12 +121,12 @@ class DuoAttentionScheduler(Scheduler):
             return gates > self.threshold
         ratio = self.retrieval_ratio
         if ratio is None:
-            if self.budget_cfg.budget_tokens is not None:
+            if self.budget.budget_tokens is not None:
                 raise ConfigError(
                     "scheduler.retrieval_ratio=null: the stack's budget is budget_tokens, not a fraction; "
                     "set retrieval_ratio or threshold"
                 )
-            ratio = self.budget_cfg.budget
+            ratio = self.budget.fraction
         n = gates.numel()
         top = gates.flatten().argsort(descending=True, stable=True)[: math.ceil(ratio * n - 1e-9)]
         chosen = torch.zeros(n, dtype=torch.bool)
@@ -137,7 +136,7 @@ class DuoAttentionScheduler(Scheduler):
     def evict(self, layer: int, store: LayerStore) -> None:
         assert self.retrieval is not None, "duo_attention: bind before the first forward"
         full = self.retrieval[layer].to(store.device)[None, :, None]  # (1, H, 1)
-        keep = self.budget_cfg.protected_view(store) | full
+        keep = self.budget.protected_view(store) | full
         if bool((store.view().valid & ~keep).any()):
             store.keep(keep)
 

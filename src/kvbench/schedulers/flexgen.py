@@ -63,7 +63,7 @@ class FlexGenScheduler(Scheduler):
     flags = Flags(places_tiers=True, lossless=True)
     wants_queries = True
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if not 0 <= self.fast_percent <= 100:
             raise ConfigError(f"scheduler.fast_percent={self.fast_percent}: must be in [0, 100]")
         self._seen: weakref.WeakKeyDictionary[LayerStore, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -74,8 +74,7 @@ class FlexGenScheduler(Scheduler):
         self._slow_ms: list[float] = []
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
+    def on_bind(self, ctx: BindContext) -> None:
         self.slow_device = torch.device("cpu")
         self.pinned = torch.cuda.is_available()
 

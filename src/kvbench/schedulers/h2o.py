@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache.store import LayerStore, TokenState
-from kvbench.roles import BindContext, Flags, Scheduler
+from kvbench.roles import Flags, Scheduler
 from kvbench.select import Allocated, evict_by_score
 
 SCORE = TokenState("h2o")  # attention received, accumulated over every query
@@ -25,15 +25,8 @@ class H2OScheduler(Allocated, Scheduler):
     name: str = "h2o"
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
-    def __post_init__(self) -> None:
-        self.check_allocation()
-
-    def bind(self, ctx: BindContext) -> None:
-        super().bind(ctx)
-        self.bind_allocation(ctx)
-
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         store.add_state(SCORE, probs.sum((2, 3)))
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget_cfg, store.state(SCORE), self.layer_capacity(layer, store))
+        evict_by_score(store, self.budget, store.state(SCORE), self.layer_capacity(layer, store))

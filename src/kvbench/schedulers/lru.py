@@ -54,7 +54,7 @@ class LRUScheduler(Scheduler):
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
     LAST = TokenState("lru")  # last position at which the token was used
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if not 0.0 < self.tau <= 1.0:
             raise ConfigError(f"scheduler.tau={self.tau}: must be in (0, 1]")
 
@@ -72,4 +72,4 @@ class LRUScheduler(Scheduler):
     def evict(self, layer: int, store: LayerStore) -> None:
         view = store.view()
         score = ranked(self.last_used(store), view.pos)
-        evict_by_score(store, self.budget_cfg, score, self.budget_cfg.capacity(store.seen))
+        evict_by_score(store, self.budget, score, self.budget.capacity(store.seen))

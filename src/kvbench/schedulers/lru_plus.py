@@ -43,7 +43,7 @@ class LRUPlusScheduler(Scheduler):
     SCORE = TokenState("lrfu")  # log of the decayed use count
     SEEN = TokenState("lrfu_on")  # 1 once the token has been scored
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if not 0.0 < self.decay <= 1.0:
             raise ConfigError(f"scheduler.decay={self.decay}: must be in (0, 1]")
         if not 0.0 < self.tau <= 1.0:
@@ -71,4 +71,4 @@ class LRUPlusScheduler(Scheduler):
 
     def evict(self, layer: int, store: LayerStore) -> None:
         score = ranked(self.log_scores(store), store.view().pos)
-        evict_by_score(store, self.budget_cfg, score, self.budget_cfg.capacity(store.seen))
+        evict_by_score(store, self.budget, score, self.budget.capacity(store.seen))

@@ -3,9 +3,10 @@
 Each KV head-row's stored tokens, in position order, form pages of ``page_size`` tokens. Every
 full page carries the per-channel minimum and maximum of its keys (as attention reads them:
 dequantized when a compressor packed them), kept flat in the layer's side data
-(:class:`PageBounds`) so ``store.nbytes()`` counts them. For a query ``q`` the page bound ``Σ_i max(q_i·min_i, q_i·max_i)`` is never below
-``q·k`` for any key of the page. Each query reads the top pages by bound so that the tokens read
-per head-row come to ``ceil(budget × stored tokens)``, rounded to whole pages.
+(:class:`PageBounds`) so ``store.nbytes()`` counts them. For a query ``q`` the page bound ``Σ_i
+max(q_i·min_i, q_i·max_i)`` is never below ``q·k`` for any key of the page. Each query reads the
+top pages by bound so that the tokens read per head-row come to ``ceil(budget × stored tokens)``,
+rounded to whole pages.
 
 Deviations from the paper, kvbench's choices:
 
@@ -86,7 +87,7 @@ class QuestScheduler(Scheduler):
     dense_layers: int = 2
     flags = Flags(selects_reads=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if self.page_size < 1:
             raise ConfigError(f"scheduler.page_size={self.page_size}: must be >= 1")
         if self.dense_layers < 0:
@@ -129,7 +130,7 @@ class QuestScheduler(Scheduler):
         bounds = store.side(PageBounds)
         if bounds is None or int(n_full.sum()) != bounds.kmin.shape[0]:
             raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
-        protected = self.budget_cfg.protected(view.pos, start, store.view_protect_from())
+        protected = self.budget.protected(view.pos, start, store.view_protect_from())
         always = view.valid & (protected | ~in_page)  # with the chunk and the partial last page
         pageable = in_page & ~always
         width = int(n_full.max()) if n_full.numel() else 0
@@ -143,7 +144,7 @@ class QuestScheduler(Scheduler):
         page_idx = torch.where(pageable, page, torch.full_like(page, width))
         cost = torch.zeros(b, h, width + 1, dtype=torch.long, device=view.k.device)
         cost = cost.scatter_add_(-1, page_idx, pageable.long())[..., :width]  # unread tokens per page
-        extra = self.budget_cfg.capacity(view.valid.sum(-1)) - always.sum(-1)  # (B, H)
+        extra = self.budget.capacity(view.valid.sum(-1)) - always.sum(-1)  # (B, H)
         take = self.take_pages(bound, cost, extra)
         tok = torch.gather(take, -1, page_idx.clamp(max=max(width - 1, 0))[:, :, None, :].expand(b, h, q, t))
         mask = (tok & pageable[:, :, None, :]) | always[:, :, None, :]

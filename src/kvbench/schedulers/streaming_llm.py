@@ -24,7 +24,7 @@ class StreamingLLMScheduler(Scheduler):
     position_mode: str = "original"
     flags = Flags(evicts_tokens=True)
 
-    def __post_init__(self) -> None:
+    def check_knobs(self) -> None:
         if self.position_mode != "original":
             raise ConfigError(
                 f"scheduler.position_mode={self.position_mode!r}: only 'original' is implemented"
@@ -32,4 +32,4 @@ class StreamingLLMScheduler(Scheduler):
 
     def evict(self, layer: int, store: LayerStore) -> None:
         view = store.view()
-        evict_by_score(store, self.budget_cfg, view.pos.float(), self.budget_cfg.capacity(store.seen))
+        evict_by_score(store, self.budget, view.pos.float(), self.budget.capacity(store.seen))
