@@ -6,18 +6,22 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from kvbench import config
+from kvbench import config, models
 from kvbench.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_PPL = ["model=tiny_random", "dataset=pydoc", "dataset.prefill=48", "dataset.chunk=8"]
 TINY_PPL += ["dataset.chunks_per_window=2", "dataset.windows=2", "window=8", "sinks=2"]
+UNREACHABLE = "http://127.0.0.1:9"  # the discard port: refused at once, with or without a network
 
 
 def kvbench(*args: str, tmp: Path, **env: str | None) -> subprocess.CompletedProcess:
@@ -57,6 +61,12 @@ def refused(tmp: Path, *overrides: str) -> str:
     ("args", "env", "needle"),
     [
         (["device=tpu"], {}, "device='tpu': allowed auto, cpu, cuda, cuda:N"),
+        (
+            ["model=qwen2_5_0_5b"],
+            {"HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None, "HF_ENDPOINT": UNREACHABLE},
+            f"model.hf_id='Qwen/Qwen2.5-0.5B-Instruct' (model=qwen2_5_0_5b): not in the local HF cache "
+            f"and {UNREACHABLE} is unreachable",
+        ),
     ],
 )
 def test_the_cli_refuses_in_one_line(tmp_path, args, env, needle):
@@ -112,3 +122,78 @@ def test_threads_below_one_are_refused(tmp_path, threads):
 def test_threads_null_or_positive_pass(tmp_path):
     config.validate(cell(tmp_path, "threads=null"))
     config.validate(cell(tmp_path, "threads=1"))
+
+
+# hub models without a network
+
+
+HUB = OmegaConf.create(
+    {
+        "name": "tiny_hub",
+        "source": "hub",
+        "hf_id": "kvbench-tests/tiny-llama",
+        "revision": "main",
+        "dtype": "float32",
+        "device_map": None,
+        "description": "test",
+    }
+)
+
+
+@pytest.fixture
+def no_hub(monkeypatch, tmp_path):
+    """An empty HF cache and a hub that refuses connections; offline mode off."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", UNREACHABLE)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    return tmp_path / "hub"
+
+
+def test_an_uncached_hub_model_without_network_is_refused_at_once(no_hub):
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        models.validate(HUB)
+    assert time.perf_counter() - start < 5
+    assert one_line(str(info.value)).startswith(
+        f"model.hf_id='kvbench-tests/tiny-llama' (model=tiny_hub): not in the local HF cache and "
+        f"{UNREACHABLE} is unreachable (ConnectError: "
+    )
+
+
+def test_hf_hub_offline_is_honoured(no_hub, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ConfigError) as info:
+        models.validate(HUB)
+    assert one_line(str(info.value)) == (
+        "model.hf_id='kvbench-tests/tiny-llama' (model=tiny_hub): not in the local HF cache and "
+        "HF_HUB_OFFLINE is set; unset it, or download it where there is a network "
+        "(hf download kvbench-tests/tiny-llama)"
+    )
+
+
+def test_a_cached_hub_model_loads_without_network(no_hub, monkeypatch):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    repo = no_hub / "models--kvbench-tests--tiny-llama"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    config_ = LlamaConfig(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    LlamaForCausalLM(config_).save_pretrained(snapshot)
+    words = WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>")
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words), unk_token="<unk>").save_pretrained(snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(models, "_LOADED", {})
+    start = time.perf_counter()
+    models.validate(HUB)
+    lm = models.load(HUB, "cpu")
+    assert time.perf_counter() - start < 5  # no retries against the unreachable hub
+    assert lm.num_layers == 1 and lm.kv_heads == 1

