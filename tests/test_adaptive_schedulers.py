@@ -15,7 +15,7 @@ from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.roles import BindContext
-from kvbench.routers.base import BaseRouter
+from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
 from kvbench.schedulers.duo_attention import DuoAttentionScheduler
 from kvbench.schedulers.lru import LRUScheduler, used

@@ -21,7 +21,7 @@ from kvbench.compressors.pruning import KeptChannels, PrunedSegment, PruningComp
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.roles import BindContext
-from kvbench.routers.base import BaseRouter
+from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 

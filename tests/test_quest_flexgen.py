@@ -13,7 +13,7 @@ from kvbench.cache import attention as att
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
-from kvbench.routers.base import BaseRouter
+from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.flexgen import FlexGenScheduler
 from kvbench.schedulers.quest import PageBounds, QuestScheduler, page_bounds
 

@@ -14,9 +14,9 @@ from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.routers.adaptive import AdaptiveRouter, top_p_choice
-from kvbench.routers.base import ExpertRouter, fill_by_preference, position_blocks
 from kvbench.routers.centroids import EXPERT, Centroids
 from kvbench.routers.eplb import EPLBRouter, Placement, device_reads, eplb_plan, imbalance, water_fill
+from kvbench.routers.expert import ExpertRouter, fill_by_preference, position_blocks
 from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
 from kvbench.routers.pikv import PikvRouter, PreviousChoice
 from kvbench.routers.topk_balanced import TopKBalancedRouter
@@ -172,7 +172,7 @@ def test_reads_exactly_chosen_experts_plus_always_read(tiny_93, name):
 @pytest.mark.parametrize("name", ["base", *NAMES])
 def test_bytes_read_per_step_count_by_hand(tiny_93, name):
     """One decode step on a float32 cache: every read token costs 2 x head_dim x 4 bytes (K and V)."""
-    from kvbench.routers.base import BaseRouter
+    from kvbench.routers.moba import BaseRouter
 
     router = BaseRouter(top_k=2) if name == "base" else ROUTERS[name][0]()
     stack = make_stack(tiny_93, router=router, sinks=SINKS, window=WINDOW)

@@ -18,12 +18,13 @@ from kvbench.compressors.chain import ChainCompressor
 from kvbench.compressors.chunkkv import ChunkKVCompressor
 from kvbench.compressors.fastv import FastVCompressor
 from kvbench.compressors.pikv import PiKVCompressor
+from kvbench.compressors.pyramidkv import PyramidKVCompressor
 from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
 from kvbench.compressors.random_select import RandomCompressor
-from kvbench.compressors.snapkv import PyramidKVCompressor, SnapKVCompressor
+from kvbench.compressors.snapkv import SnapKVCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
-from kvbench.routers.base import BaseRouter
+from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 

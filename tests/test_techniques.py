@@ -11,7 +11,8 @@ import torch
 from helpers import make_stack, run_chunks, tokens
 from kvbench.cache import quant
 from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
-from kvbench.routers.base import BaseRouter, position_blocks
+from kvbench.routers.expert import position_blocks
+from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.h2o import SCORE, H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 

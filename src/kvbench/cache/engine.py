@@ -1,4 +1,9 @@
-"""The one place where kvbench touches transformers: a ``Cache`` subclass and an attention function.
+"""kvbench's cache as transformers sees it: a ``Cache`` subclass and an attention function.
+
+Everything in kvbench that touches transformers internals lives in :mod:`kvbench.cache` (this
+module; :mod:`~kvbench.cache.rotary`, which reads the model's ``rotary_emb``;
+:mod:`~kvbench.cache.capture`, the calibration attention) or in :mod:`kvbench.models` (loading,
+and the model geometry read from its attention modules). Techniques see only the store.
 
 transformers calls ``cache.update(k, v, layer_idx)`` with rotated keys, then the registered
 attention function. ``update`` stores the new tokens in kvbench's own per-layer storage and

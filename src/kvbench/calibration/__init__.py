@@ -2,16 +2,16 @@
 reused, and recorded in results (docs/methods.md rows ``lora``, ``duo_attention``, ``allocation=rankkv``).
 
 - :mod:`~kvbench.calibration.store`: the on-disk artifact store (:func:`get_or_compute`).
-- :mod:`~kvbench.calibration.capture`: the ``"kvbench_calib"`` attention that exposes keys, values and
+- :mod:`~kvbench.cache.capture`: the ``"kvbench_calib"`` attention that exposes keys, values and
   attention probabilities, and mixes in streaming heads.
 - :mod:`~kvbench.calibration.ranks`, :mod:`~kvbench.calibration.bases`,
   :mod:`~kvbench.calibration.duo`: the three fits.
 - :mod:`~kvbench.calibration.artifacts`: each technique's artifact with its settings.
 """
 
+from kvbench.cache.capture import CALIB_NAME, Capture, capturing, register, run
 from kvbench.calibration.artifacts import duo_artifact, lora_artifact, rankkv_artifact
 from kvbench.calibration.bases import kv_bases, prerope_kv, principal_basis
-from kvbench.calibration.capture import CALIB_NAME, Capture, capturing, register, run
 from kvbench.calibration.duo import duo_gates, passkey_samples
 from kvbench.calibration.ranks import effective_rank, effective_ranks
 from kvbench.calibration.store import get_or_compute

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvbench.cache.capture import Capture, run
 from kvbench.cache.rotary import Rotary
-from kvbench.calibration.capture import Capture, run
 from kvbench.errors import ConfigError
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from tqdm import tqdm
 
-from kvbench.calibration.capture import Capture, run
+from kvbench.cache.capture import Capture, run
 from kvbench.data.calibration import calibration_ids
 from kvbench.errors import ConfigError
 

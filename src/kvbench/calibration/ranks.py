@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvbench.calibration.capture import Capture, run
+from kvbench.cache.capture import Capture, run
 
 
 def effective_rank(matrix: torch.Tensor) -> torch.Tensor:

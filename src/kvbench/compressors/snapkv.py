@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.cache.store import LayerStore
-from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
 from kvbench.select import Allocated, ObservationWindow, check_window, evict_by_score
 
@@ -48,18 +47,3 @@ class SnapKVCompressor(Allocated, ObservationWindow, Compressor):
     def compress(self, layer: int, store: LayerStore) -> None:
         cap = self.allocated_capacity(layer, store)
         evict_by_score(store, self.budget, self.window_scores(store), cap)
-
-
-@dataclass
-class PyramidKVCompressor(SnapKVCompressor):
-    """SnapKV with PyramidKV's arithmetic layer schedule; any other allocation is refused."""
-
-    name: str = "pyramidkv"
-    allocation: str = "pyramid"
-
-    def check_knobs(self) -> None:
-        if self.allocation != "pyramid":
-            raise ConfigError(
-                f"compressor.allocation={self.allocation}: pyramidkv is snapkv with allocation=pyramid; "
-                "use compressor=snapkv for other allocations"
-            )

@@ -14,7 +14,7 @@ import torch
 
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
-from kvbench.routers.base import ExpertRouter, PositionExperts
+from kvbench.routers.expert import ExpertRouter, PositionExperts
 
 
 def top_p_choice(

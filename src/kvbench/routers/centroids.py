@@ -20,7 +20,7 @@ import torch
 
 from kvbench.cache.store import LayerStore, SideData, TokenState
 from kvbench.roles import Budget
-from kvbench.routers.base import block_means, expert_onehot, expert_sums, position_blocks
+from kvbench.routers.expert import block_means, expert_onehot, expert_sums, position_blocks
 
 EXPERT = TokenState("expert")  # 1 + the token's expert, 0 while unassigned
 
@@ -88,7 +88,7 @@ def seed(
 
 
 class CentroidExperts:
-    """Mixin for an :class:`~kvbench.routers.base.ExpertRouter`: nearest-running-centroid write.
+    """Mixin for an :class:`~kvbench.routers.expert.ExpertRouter`: nearest-running-centroid write.
 
     Subclasses may override :meth:`place` (default: nearest defined centroid) and
     :meth:`update` (default: running mean over every token ever assigned).

@@ -14,7 +14,7 @@ import torch
 
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
-from kvbench.routers.base import ExpertRouter, PositionExperts, top_k_choice
+from kvbench.routers.expert import ExpertRouter, PositionExperts, top_k_choice
 
 
 def group_choice(

@@ -24,8 +24,8 @@ import torch
 
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.errors import ConfigError
-from kvbench.routers.base import ExpertRouter, expert_onehot, expert_sums, top_k_choice
 from kvbench.routers.centroids import CentroidExperts
+from kvbench.routers.expert import ExpertRouter, expert_onehot, expert_sums, top_k_choice
 
 
 @dataclass

@@ -23,8 +23,8 @@ import torch
 
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
-from kvbench.routers.base import ExpertRouter, expert_onehot, fill_by_preference
 from kvbench.routers.centroids import CentroidExperts, sq_dist
+from kvbench.routers.expert import ExpertRouter, expert_onehot, fill_by_preference
 
 
 def capacity(factor: float, demand: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:

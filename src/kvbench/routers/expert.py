@@ -1,9 +1,7 @@
-"""MoBA-style block routing: contiguous position blocks, each query reads the top-k blocks by
-q · mean(K_block) (arXiv:2502.13189). Sinks, the window and the current chunk are always read.
-
-Also the machinery every router shares (:class:`ExpertRouter`): which tokens are routable, expert
-centroids and sizes, per-KV-head scores summed over the query group, the token read mask built
-from the chosen experts, and the measured read figures.
+"""What every router shares (:class:`ExpertRouter`): which tokens are routable, expert centroids
+and sizes, per-KV-head scores summed over the query group, the token read mask built from the
+chosen experts, and the measured read figures; and :class:`PositionExperts`, experts as
+contiguous position blocks (``base``, ``adaptive``, ``hierarchical``).
 """
 
 from __future__ import annotations
@@ -260,22 +258,3 @@ class PositionExperts:
 
     def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
         return position_blocks(store.view().pos, routable, self.num_experts)
-
-
-@dataclass
-class BaseRouter(PositionExperts, ExpertRouter):
-    """Splits each layer's stored tokens into ``num_experts`` position blocks; reads ``top_k``."""
-
-    name: str = "base"
-    num_experts: int = 8
-    top_k: int = 2
-
-    def check_knobs(self) -> None:
-        self.check_experts()
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")
-
-    def choose(
-        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
-    ) -> torch.Tensor:
-        return top_k_choice(score, self.top_k)
