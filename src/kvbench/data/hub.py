@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from kvbench.data.corpus import DEFAULT_FIELD, _get, _joiner, _summary, _take_documents
+from kvbench.data.documents import DEFAULT_FIELD, _get, _joiner, _summary, _take_documents
 from kvbench.errors import ConfigError, DatasetLoadError
 
 

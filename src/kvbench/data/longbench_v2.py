@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvbench.data import longbench
-from kvbench.data.corpus import _summary
+from kvbench.data.documents import _summary
 from kvbench.errors import ConfigError, DatasetLoadError
 
 HF_PATH = "THUDM/LongBench-v2"
