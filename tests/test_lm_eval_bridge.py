@@ -19,10 +19,10 @@ from conftest import tiny_cfg
 from helpers import make_stack
 from kvbench import models, results
 from kvbench.cache import engine
+from kvbench.codec import HFCodec
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError, DatasetLoadError
 from kvbench.eval import lm_eval_bridge
-from kvbench.eval.codec import HFCodec
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 
 pytest.importorskip("lm_eval")

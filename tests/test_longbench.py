@@ -13,10 +13,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tests.test_cli import ROOT, kvbench
 
-from kvbench import config, run
+from kvbench import codec, config, run
+from kvbench.data import longbench_tasks as tasks
 from kvbench.errors import ConfigError
-from kvbench.eval import codec, longbench
-from kvbench.eval import longbench_tasks as tasks
+from kvbench.eval import longbench
 
 CONF = ROOT / "conf"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from kvbench import config, run
+from kvbench import codec, config, run
 from kvbench.data import longbench_v2 as data
 from kvbench.errors import ConfigError, DatasetLoadError
-from kvbench.eval import codec, longbench, longbench_v2
+from kvbench.eval import longbench, longbench_v2
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -7,7 +7,7 @@ from tests.test_cli import ROOT
 from tests.test_wandb import NEEDLE
 
 from kvbench import config, run
-from kvbench.eval.codec import ByteCodec
+from kvbench.codec import ByteCodec
 from kvbench.eval.retention import needle_span
 from kvbench.report.__main__ import write_report
 

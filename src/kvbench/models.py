@@ -24,6 +24,7 @@ import transformers
 from omegaconf import DictConfig
 
 from kvbench.cache import engine
+from kvbench.codec import ByteCodec, HFCodec
 from kvbench.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -37,7 +38,7 @@ class LoadedModel:
     """A model ready for kvbench's cache engine, with what the record needs to know about it."""
 
     model: Any
-    codec: Any  # kvbench.eval.codec.TextCodec
+    codec: Any  # kvbench.codec: HFCodec or ByteCodec
     info: dict[str, Any]
     num_layers: int
     kv_heads: int
@@ -189,8 +190,6 @@ def load(cfg: DictConfig, device: str = "auto") -> LoadedModel:
 
 
 def _load(cfg: DictConfig, device: torch.device) -> LoadedModel:
-    from kvbench.eval.codec import ByteCodec, HFCodec
-
     engine.register()
     if not sys.stderr.isatty():  # transformers' own bars would fill a sweep's log, one per cell
         transformers.utils.logging.disable_progress_bar()

@@ -24,8 +24,8 @@ from dataclasses import replace
 from functools import cache
 
 from kvbench.data import corpus
+from kvbench.data import longbench_tasks as tasks
 from kvbench.errors import ConfigError
-from kvbench.eval import longbench_tasks as tasks
 
 NAMES = ("passage_retrieval", "passage_count", "kv_retrieval")
 KV_TEMPLATE = (

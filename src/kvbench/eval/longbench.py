@@ -23,9 +23,9 @@ from typing import Any
 from kvbench import metrics
 from kvbench.data import longbench as data
 from kvbench.data import longbench_synthetic as synthetic
+from kvbench.data import longbench_tasks as tasks
 from kvbench.errors import ConfigError
 from kvbench.eval import generate
-from kvbench.eval import longbench_tasks as tasks
 from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score, check_int, sha256_json
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack

@@ -28,10 +28,10 @@ from typing import Any
 import yaml
 
 from kvbench import metrics
+from kvbench.data import longbench_tasks as tasks
 from kvbench.data import longbench_v2 as data
 from kvbench.errors import ConfigError
 from kvbench.eval import generate, longbench
-from kvbench.eval import longbench_tasks as tasks
 from kvbench.eval.protocol import Dataset, Evaluation, Metrics, Score, check_int, sha256_json
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
