@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from kvbench.report.breakdowns import render_breakdowns
+from kvbench.report.document import render_report
 from kvbench.report.matrix import render_matrix_report
 from kvbench.report.records import merge_seeds
 from kvbench.report.settings import row_settings
-from kvbench.report.tables import render_report
 
 
 def _record(cell_id: str, compressor: str = "none", scheduler: str = "none", **metrics: object) -> dict:

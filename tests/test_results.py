@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvbench import cellstate
 from kvbench.results import (
     cell_hash,
-    is_done,
     load_records,
     read_record,
     record_path,
@@ -156,13 +156,18 @@ def test_read_record_missing_or_broken(tmp_path: Path) -> None:
     assert read_record(tmp_path / "list.json") is None
 
 
-def test_is_done(tmp_path: Path) -> None:
+def test_cell_state_and_whether_it_runs(tmp_path: Path) -> None:
     done, failed = record_path(tmp_path, "exp", "d"), record_path(tmp_path, "exp", "f")
     write_record(done, _record("exp", "d"))
     write_record(failed, _record("exp", "f", status="failed"))
-    assert is_done(done)
-    assert not is_done(failed)
-    assert not is_done(record_path(tmp_path, "exp", "missing"))
+    missing, killed = record_path(tmp_path, "exp", "missing"), record_path(tmp_path, "exp", "k")
+    cellstate.begin(killed)
+    states = {p.stem: cellstate.status(read_record(p), p) for p in (done, failed, missing, killed)}
+    assert states == {"d": "done", "f": "failed", "missing": "pending", "k": "interrupted"}
+    runs = lambda state, **kw: cellstate.needs_run(state, **{"force": False, "retry_failed": False, **kw})
+    assert [runs(s) for s in ("done", "failed", "pending", "interrupted")] == [False, False, True, True]
+    assert runs("failed", retry_failed=True) and not runs("done", retry_failed=True)
+    assert runs("done", force=True)
 
 
 def test_load_records_sorts_and_skips_temp_and_broken_files(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvbench.report import sanity
-from kvbench.report.tables import render_report
+from kvbench.report.document import render_report
 
 
 def _r(cell_id, scheduler="none", compressor="none", ppl=12.0, comp=1.0, **metrics):

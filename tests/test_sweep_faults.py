@@ -14,9 +14,8 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from tests.test_cli import ROOT, TINY, kvbench
 
-from kvbench import config, run
+from kvbench import cellstate, config, run
 from kvbench.eval import perplexity
-from kvbench.sweep import state
 
 CONF = ROOT / "conf"
 config.register()
@@ -138,12 +137,12 @@ def test_nan_perplexity_fails_the_cell(tmp_path, monkeypatch):
 def test_a_cell_started_twice_without_finishing_is_recorded_killed(tmp_path):
     cfg = _cfg(tmp_path, "scheduler=streaming_llm")
     cell = run.plan(cfg)
-    state.begin(cell.path)  # two starts that never finished (their processes were killed)
-    state.begin(cell.path)
+    cellstate.begin(cell.path)  # two starts that never finished (their processes were killed)
+    cellstate.begin(cell.path)
     outcome = run.execute(cfg)
     assert outcome.record["status"] == "failed" and outcome.record["failure"] == "killed"
     assert outcome.record["error"].startswith("killed: started 2 times without finishing (last on ")
-    assert not state.starts(cell.path)
+    assert not cellstate.starts(cell.path)
     # retry_failed tries it again from a clean count
     with initialize_config_dir(str(CONF), version_base="1.3"):
         retry = compose(

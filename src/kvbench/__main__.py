@@ -6,43 +6,44 @@ fails with one line naming the key, the value and what is allowed, before any mo
 
 from __future__ import annotations
 
-import itertools
 import sys
-from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.plugins import Plugins
 from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench import config
+import hydra_plugins.kvbench_plugins as own
+from kvbench import config, logger, run
 from kvbench.errors import ConfigError, DatasetLoadError
+from kvbench.paths import CONF_DIR
+from kvbench.report.tables import render_table
 from kvbench.sweep.plan import compose_error
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-config.register()
+
+def register() -> None:
+    """Registers the config schema, and kvbench's Hydra plugins by hand.
+
+    Hydra finds plugins by walking the ``hydra_plugins`` folders on disk, which misses a package
+    installed in editable mode (``pip install -e``); registering them directly works for both.
+    """
+    config.register()
+    for plugin in (own.MatrixSweeper, own.SlurmLauncher, own.LocalLauncher):
+        Plugins.instance().register(plugin)
+
+
+register()
 
 
 def _fail(message: str) -> None:
     print(f"kvbench: error: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def cells(overrides: list[str]) -> list[list[str]]:
-    """Expand comma sweeps (``a=1,2``) into the list of per-cell override lists."""
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    choices = []
-    for ov in parsed:
-        if ov.is_sweep_override():
-            choices.append([f"{ov.get_key_element()}={v}" for v in ov.sweep_string_iterator()])
-        else:
-            choices.append([str(ov.input_line)])
-    return [list(c) for c in itertools.product(*choices)]
 
 
 def _compose(combo: list[str]) -> DictConfig:
@@ -56,18 +57,17 @@ def _compose(combo: list[str]) -> DictConfig:
 def prevalidate(argv: list[str]) -> int:
     """Checks the command before Hydra starts; returns the number of cells checked.
 
-    A single run is composed and validated whole. A multirun is composed without its sweeps (an
-    unknown option or a syntax error fails here, in one line); its sweeper then composes,
-    validates and identifies every cell before anything launches.
+    A single run is composed and validated whole (a sweep without ``-m`` fails to compose). A
+    multirun is composed without its sweeps (an unknown option or a syntax error fails here, in one
+    line); its sweeper then expands, composes, validates and identifies every cell
+    (:mod:`kvbench.sweep.plan`) before anything launches.
     """
     overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
     multirun = any(a in ("-m", "--multirun") for a in argv)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         if not multirun:
-            combos = cells(overrides)
-            for combo in combos:
-                config.validate(_compose(combo))
-            return len(combos)
+            config.validate(_compose(overrides))
+            return 1
         parsed = OverridesParser.create().parse_overrides(overrides)
         _compose([str(ov.input_line) for ov in parsed if not ov.is_sweep_override()])
     return 0
@@ -76,9 +76,6 @@ def prevalidate(argv: list[str]) -> int:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def _app(cfg: DictConfig) -> dict[str, Any] | None:
     """One cell. In a multirun it returns the cell's outcome to the sweeper instead of printing."""
-    from kvbench import logger, run
-    from kvbench.report.tables import render_table
-
     try:
         outcome = run.execute(cfg)
     except (ConfigError, DatasetLoadError) as err:

@@ -40,18 +40,8 @@ class Schema:
 
 
 def register() -> None:
-    """Registers the schema, and kvbench's Hydra plugins by hand.
-
-    Hydra finds plugins by walking the ``hydra_plugins`` folders on disk, which misses a package
-    installed in editable mode (``pip install -e``); registering them directly works for both.
-    """
-    from hydra.core.plugins import Plugins
-
-    import hydra_plugins.kvbench_plugins as own
-
+    """Registers the schema that ``config.yaml`` extends (the entry point registers the plugins)."""
     ConfigStore.instance().store(name="schema", node=Schema)
-    for plugin in (own.MatrixSweeper, own.SlurmLauncher, own.LocalLauncher):
-        Plugins.instance().register(plugin)
 
 
 def validate_protocol(cfg: DictConfig, order: int) -> None:

@@ -23,6 +23,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from kvbench.report import plots
+from kvbench.report.tables import qualified_stack
+
 JOB_TYPES = {0: "baseline", 1: "single", 2: "double", 3: "triple"}
 
 
@@ -104,9 +107,6 @@ def log(cfg: DictConfig, record: dict[str, Any]) -> None:
     if not enabled(cfg) or not record:
         return
     import wandb
-
-    from kvbench.report import plots
-    from kvbench.report.tables import qualified_stack
 
     stack = record["stack"]
     run = _init(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 CELL_ID_LENGTH = 16
+MANIFEST = "sweep.plan"  # a matrix sweep's shape, beside its records: JSON, but never read as a record
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
 
@@ -181,19 +182,6 @@ def read_record(path: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def is_done(path: Path) -> bool:
-    """Tells whether a cell is finished: a record exists at ``path`` with status ``done``.
-
-    Args:
-        path: The record's path.
-
-    Returns:
-        True for a readable record with ``status == "done"``; False when missing, failed or broken.
-    """
-    record = read_record(path)
-    return record is not None and record.get("status") == "done"
-
-
 def load_records(directory: str | Path) -> list[dict]:
     """Loads every record under ``directory``, recursively.
 
@@ -216,3 +204,13 @@ def load_records(directory: str | Path) -> list[dict]:
             found.append((str(record.get("experiment", "")), str(record["cell_id"]), str(path), record))
     found.sort(key=lambda item: item[:3])
     return [item[3] for item in found]
+
+
+def read_manifest(folder: str | Path) -> dict[str, Any] | None:
+    """The ``sweep.plan`` a matrix sweep wrote into ``folder`` (:mod:`kvbench.sweep.plan`); None
+    when there is none or it is not one."""
+    try:
+        value = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) and value.get("kind") == "kvbench-sweep" else None

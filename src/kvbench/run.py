@@ -22,11 +22,10 @@ from omegaconf import DictConfig, OmegaConf
 
 import kvbench
 from kvbench import baseline as baselines
-from kvbench import config, limits, models, results
+from kvbench import cellstate, config, limits, models, results
 from kvbench.eval import measure, protocol
 from kvbench.roles import BindContext
 from kvbench.stack import Stack, stack_identity
-from kvbench.sweep import state
 
 _DATA: dict[str, protocol.Dataset] = {}
 
@@ -124,14 +123,6 @@ def plan(cfg: DictConfig) -> CellPlan:
     )
 
 
-def needs_run(record: dict[str, Any] | None, cfg: DictConfig) -> bool:
-    """A cell runs unless it has a complete record: done, or failed (then ``retry_failed`` reruns it)."""
-    if record is None or cfg.force:
-        return True
-    status = record.get("status")
-    return status not in ("done", "failed") or (status == "failed" and bool(cfg.get("retry_failed")))
-
-
 def run(cfg: DictConfig) -> dict[str, Any]:
     """Run one cell and return its record (or the existing record when the cell is complete)."""
     return execute(cfg).record
@@ -142,23 +133,23 @@ def execute(cfg: DictConfig, cell: CellPlan | None = None) -> Outcome:
 
     An exception, running out of memory, a NaN or infinite metric or ``timeout_s`` (checked
     between chunks) ends the cell with status ``failed`` and a one-line reason; the caller goes on.
-    A cell found started :data:`~kvbench.sweep.state.MAX_STARTS` times without finishing (its
+    A cell found started :data:`~kvbench.cellstate.MAX_STARTS` times without finishing (its
     process was killed) is recorded ``failed: killed`` instead of being tried again.
     """
     cell = cell or plan(cfg)
     existing = results.read_record(cell.path)
-    if not needs_run(existing, cfg):
+    status = cellstate.status(existing, cell.path)
+    if not cellstate.needs_run(status, force=bool(cfg.force), retry_failed=bool(cfg.get("retry_failed"))):
         assert existing is not None
-        status = existing.get("status")
         hint = "retry_failed=true retries it" if status == "failed" else "force=true redoes it"
         print(f"kvbench: cell {cell.cell_id} is {status} ({cell.path}); {hint}", file=sys.stderr)
         return Outcome(existing, ran=False)
-    if existing is not None and existing.get("status") == "failed":
-        state.clear(cell.path)  # a retry starts its count afresh
+    if status == "failed":
+        cellstate.clear(cell.path)  # a retry starts its count afresh
     record = _skeleton(cfg, cell.stack, cell.ident, cell.cell_id, cell.source)
-    before = state.begin(cell.path)
-    if len(before) >= state.MAX_STARTS:
-        record.update(status="failed", error=state.killed_reason(before), failure="killed")
+    before = cellstate.begin(cell.path)
+    if len(before) >= cellstate.MAX_STARTS:
+        record.update(status="failed", error=cellstate.killed_reason(before), failure="killed")
         return Outcome(_finish(cell.path, record), ran=True)
     threads = thread_count(cfg.threads)
     if threads:
@@ -183,7 +174,7 @@ def execute(cfg: DictConfig, cell: CellPlan | None = None) -> Outcome:
 
 def _finish(path: Path, record: dict[str, Any]) -> dict[str, Any]:
     results.write_record(path, record)
-    state.clear(path)
+    cellstate.clear(path)
     return record
 
 

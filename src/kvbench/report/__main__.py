@@ -13,10 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvbench.report import plots
+from kvbench.report.document import render_report
 from kvbench.report.matrix import render_matrix_report
-from kvbench.report.tables import render_report
-from kvbench.results import load_records, write_text_atomic
-from kvbench.sweep.plan import read_manifest
+from kvbench.report.wandb_report import create_or_explain
+from kvbench.results import load_records, read_manifest, write_text_atomic
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -55,8 +55,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     sys.stdout.write(path.read_text(encoding="utf-8"))
     if args.wandb_report:
-        from kvbench.report.wandb_report import create_or_explain
-
         _, lines = create_or_explain(directory, args.project, args.entity)
         print("\n".join(lines), file=sys.stderr)
     return 0

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from kvbench.report import sanity
 from kvbench.report.breakdowns import render_breakdowns
+from kvbench.report.document import drop_legend, render_failed, render_report
 from kvbench.report.records import merge_seeds
 from kvbench.report.tables import (
     _ALIGN,
@@ -18,12 +19,9 @@ from kvbench.report.tables import (
     ROLES,
     _distinct,
     _first,
-    drop_legend,
     format_row,
     markdown_table,
-    render_failed,
     render_footer,
-    render_report,
     table_header,
     with_settings,
 )

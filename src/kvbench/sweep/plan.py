@@ -23,12 +23,10 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench import results
+from kvbench import cellstate, results, run
 from kvbench.errors import ConfigError, IllegalStack
-from kvbench.sweep import state
 from kvbench.sweep.matrix import ORDER_SECTION, ROLES, MatrixSpec, StackCell, expand, parse_order, stack_label
 
-MANIFEST = "sweep.plan"  # JSON, but not *.json: never read as a record
 Compose = Callable[[list[str]], DictConfig]
 
 
@@ -73,8 +71,9 @@ class SweepPlan:
 
     def to_run(self, retry_failed: bool, force: bool) -> list[PlannedCell]:
         """Cells without a complete record (failed ones too with ``retry_failed``), in launch order."""
-        run = {"pending", "interrupted"} | ({"failed"} if retry_failed else set())
-        return [c for c in self.cells if force or c.status in run]
+        return [
+            c for c in self.cells if cellstate.needs_run(c.status, force=force, retry_failed=retry_failed)
+        ]
 
     def counts(self) -> dict[str, int]:
         out = {"done": 0, "failed": 0, "interrupted": 0, "pending": 0}
@@ -205,8 +204,6 @@ def build(
     Raises:
         ConfigError: A value is invalid (not merely an illegal combination, which is dropped).
     """
-    from kvbench import run
-
     spec = spec_from(sweeper)
     params = _plain(sweeper.get("params")) if sweeper is not None else None
     fixed, dims, knobs = split_arguments(arguments, spec, params)
@@ -237,11 +234,9 @@ def build(
                 by_id[cell.cell_id].rows.append(row)
             continue
         record = results.read_record(cell.path)
-        status = str(record.get("status")) if record else "pending"
-        if status not in ("done", "failed"):
-            status = "interrupted" if state.starts(cell.path) else "pending"
-        elif state.starts(cell.path):
-            state.clear(cell.path)  # killed between writing its record and removing its marker
+        status = cellstate.status(record, cell.path)
+        if status in cellstate.COMPLETE and cellstate.starts(cell.path):
+            cellstate.clear(cell.path)  # killed between writing its record and removing its marker
         launch = [o for o in overrides if not o.startswith("results_dir=")]
         launch.append(f"results_dir={Path(cfg.results_dir).resolve()}")
         by_id[cell.cell_id] = PlannedCell(
@@ -277,15 +272,7 @@ def write_manifests(plan: SweepPlan, command: Sequence[str]) -> list[Path]:
             "cells": [c.manifest() for c in cells],
             "dropped": [{"section": d.section, "label": d.label, "reason": d.reason} for d in plan.dropped],
         }
-        path = folder / MANIFEST
+        path = folder / results.MANIFEST
         results.write_text_atomic(path, json.dumps(manifest, indent=2) + "\n")
         written.append(path)
     return written
-
-
-def read_manifest(folder: Path) -> dict[str, Any] | None:
-    try:
-        value = json.loads((Path(folder) / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) and value.get("kind") == "kvbench-sweep" else None

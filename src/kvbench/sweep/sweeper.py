@@ -23,9 +23,11 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from kvbench import logger
 from kvbench.errors import ConfigError, DatasetLoadError
+from kvbench.paths import CONF_DIR
+from kvbench.report.__main__ import write_report
 from kvbench.results import read_record
-from kvbench.stack import CONF_DIR
 from kvbench.sweep.plan import PlannedCell, SweepPlan, build, write_manifests
 
 
@@ -188,8 +190,6 @@ class MatrixSweeper(Sweeper):
 
     def _log_sweep(self, folder: Path, cells: list[PlannedCell]) -> None:
         """The sweep's summary run on W&B (``logger=wandb``): the matrix as one table, the report."""
-        from kvbench import logger
-
         assert self.config is not None
         if not logger.enabled(self.config):
             return
@@ -216,8 +216,6 @@ class MatrixSweeper(Sweeper):
 
     @staticmethod
     def _report(folder: Path) -> None:
-        from kvbench.report.__main__ import write_report
-
         started = time.perf_counter()
         path = write_report(folder)
         if path is not None:

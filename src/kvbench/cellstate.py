@@ -1,9 +1,11 @@
-"""Start markers: how a cell killed outright (kill -9, a cancelled job, the OOM killer) is noticed.
+"""A cell's state on disk: done or failed (it has a complete record), interrupted, or pending; and
+whether it runs. The one place that decides "is this cell done", for the runner and the sweep's plan.
 
+Start markers are how a cell killed outright (kill -9, a cancelled job, the OOM killer) is noticed.
 A killed process writes no record. Before a cell runs, the runner appends a start to
 ``<results>/<experiment>/.<cell_id>.starts`` (a dot-file: never read as a record); writing the
-record removes it. A cell found with unfinished starts was killed; after ``MAX_STARTS`` of them
-the runner records it ``failed`` (``killed: ...``) instead of trying it forever.
+record removes it. A cell found with unfinished starts was killed (interrupted); after
+``MAX_STARTS`` of them the runner records it ``failed`` (``killed: ...``) instead of trying it forever.
 """
 
 from __future__ import annotations
@@ -18,6 +20,22 @@ from typing import Any
 from kvbench.results import write_text_atomic
 
 MAX_STARTS = 2
+COMPLETE = ("done", "failed")  # a record with one of these statuses is the cell's result
+
+
+def status(record: dict[str, Any] | None, record_path: Path) -> str:
+    """``done`` or ``failed`` (the cell's complete record), ``interrupted`` (started, never
+    finished) or ``pending``."""
+    recorded = str(record.get("status")) if record else ""
+    if recorded in COMPLETE:
+        return recorded
+    return "interrupted" if starts(record_path) else "pending"
+
+
+def needs_run(state: str, *, force: bool, retry_failed: bool) -> bool:
+    """A cell runs unless it is complete: done, or failed (``retry_failed`` reruns those); ``force``
+    reruns any."""
+    return force or state not in COMPLETE or (state == "failed" and retry_failed)
 
 
 def marker_path(record_path: Path) -> Path:
