@@ -146,14 +146,14 @@ def execute(cfg: DictConfig, cell: CellPlan | None = None) -> Outcome:
         return Outcome(existing, ran=False)
     if status == "failed":
         cellstate.clear(cell.path)  # a retry starts its count afresh
+    threads = thread_count(cfg.threads)
+    if threads:
+        torch.set_num_threads(threads)
     record = _skeleton(cfg, cell.stack, cell.ident, cell.cell_id, cell.source)
     before = cellstate.begin(cell.path)
     if len(before) >= cellstate.MAX_STARTS:
         record.update(status="failed", error=cellstate.killed_reason(before), failure="killed")
         return Outcome(_finish(cell.path, record), ran=True)
-    threads = thread_count(cfg.threads)
-    if threads:
-        torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     start = time.perf_counter()
     try:
@@ -252,6 +252,9 @@ def cell_command() -> str | None:
 
 
 def _skeleton(cfg, stack, ident, cell_id, source) -> dict[str, Any]:
+    """The record before the cell runs. Each fact is written once: the versions of kvbench (top
+    level) and of torch, transformers and Python (``device``, rewritten for the loaded model's
+    device), the data's sha256 in ``dataset`` (and, hashed, in ``identity``)."""
     container = _container(cfg)
     container.pop("hydra", None)
     return {
@@ -276,18 +279,12 @@ def _skeleton(cfg, stack, ident, cell_id, source) -> dict[str, Any]:
             "name": cfg.dataset.name,
             "task": cfg.dataset.task,
             "sha256": source["sha256"],
-            "source": source,
+            "source": {k: v for k, v in source.items() if k != "sha256"},
         },
-        "device": {"type": models.resolve_device(cfg.device).type},
+        "device": device_info(models.resolve_device(cfg.device)),
         "metrics": {},
         "per_layer_bytes": [],
         "calibrations": [],
         "timings": {"load_s": None, "eval_s": None, "total_s": None},
-        "versions": {
-            "kvbench": kvbench.__version__,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-        },
         "created": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
