@@ -1,14 +1,17 @@
 """kvbench's import graph, read with ``ast`` (nothing is imported): cycles, imports inside functions,
 lines per file.
 
-    python scripts/import_graph.py            # the three sections below
-    python scripts/import_graph.py --json     # the same, as JSON (what tests/test_layering.py reads)
+    python scripts/import_graph.py            # the four sections below
+    python scripts/import_graph.py --json     # the same, as JSON
 
 (a) Import cycles: the strongly connected components of the graph of project imports, counting the
     imports placed inside functions as well as those at module level (an import inside a function
     still makes the two modules depend on each other; it only hides the loop from Python).
 (b) Every import of a project module placed inside a function, as ``file:line``.
 (c) Lines per file: max and median over the project's ``.py`` files, and the largest ones.
+(d) Imports that reach up the layering (:data:`LAYERS`), and the modules no layer holds.
+
+tests/test_layering.py asserts on (a), (b) and (d).
 
 Project modules are those under ``src/kvbench``, ``src/hydra_plugins`` and ``kernels`` (shipped as
 ``kvbench.kernels``). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
@@ -35,6 +38,44 @@ SOURCES = {
     ROOT / "src" / "hydra_plugins": "hydra_plugins",
     ROOT / "kernels": "kvbench.kernels",
 }
+# The layering, top to bottom: a module may import its own layer and those below it. A module
+# belongs to the layer naming its longest prefix. Reports read records only: below them is storage.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("entry", ("kvbench.__main__", "hydra_plugins")),
+    ("sweep", ("kvbench.sweep",)),
+    ("logging", ("kvbench.logger",)),
+    ("run", ("kvbench.run", "kvbench.config", "kvbench.baseline")),
+    ("protocols", ("kvbench.eval",)),
+    ("stack", ("kvbench.stack",)),
+    (
+        "techniques",
+        (
+            "kvbench.roles",
+            "kvbench.select",
+            "kvbench.allocation",
+            "kvbench.compressors",
+            "kvbench.schedulers",
+            "kvbench.routers",
+            "kvbench.calibration",
+        ),
+    ),
+    ("data", ("kvbench.data",)),
+    ("models", ("kvbench.models", "kvbench.codec")),
+    ("cache engine", ("kvbench.cache", "kvbench.kernels")),
+    ("reports", ("kvbench.report",)),
+    (
+        "storage",
+        (
+            "kvbench",  # the package's __init__: versions only
+            "kvbench.results",
+            "kvbench.cellstate",
+            "kvbench.paths",
+            "kvbench.errors",
+            "kvbench.limits",
+            "kvbench.metrics",
+        ),
+    ),
+]
 
 
 @dataclass(frozen=True)
@@ -158,6 +199,33 @@ def cycles(edges: list[Import]) -> list[list[str]]:
     return sorted(found)
 
 
+def layer_of(module: str) -> int | None:
+    """The index in :data:`LAYERS` of the layer that holds ``module`` (0 is the top); None if none."""
+    best: tuple[int, int] | None = None  # (prefix length, layer)
+    for index, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and (
+                best is None or len(prefix) > best[0]
+            ):
+                best = (len(prefix), index)
+    return best[1] if best else None
+
+
+def _layer_name(module: str) -> str:
+    index = layer_of(module)
+    return LAYERS[index][0] if index is not None else "none"
+
+
+def upward(edges: list[Import]) -> list[Import]:
+    """The imports whose target sits in a higher layer than their source."""
+    out = []
+    for e in edges:
+        source, target = layer_of(e.source), layer_of(e.target)
+        if source is not None and target is not None and target < source:
+            out.append(e)
+    return out
+
+
 def line_counts(found: dict[str, Path] | None = None) -> dict[str, int]:
     found = found or modules()
     return {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines()) for p in found.values()}
@@ -178,6 +246,10 @@ def analyse() -> dict:
             for scc in sccs
         ],
         "in_function": [asdict(e) for e in edges if e.in_function],
+        "upward": [
+            {**asdict(e), "layers": [_layer_name(e.source), _layer_name(e.target)]} for e in upward(edges)
+        ],
+        "unplaced": sorted(m for m in found if layer_of(m) is None),
         "lines": {
             "files": len(lines),
             "max": max(lines.values()),
@@ -219,6 +291,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"(c) lines per file over {lines['files']} files: max {lines['max']}, median {lines['median']:g}")
     for file, n in lines["largest"].items():
         print(f"  {n:5d}  {file}")
+    up = result["upward"]
+    statements = sorted({(e["file"], e["line"]) for e in up})
+    print(f"(d) imports that reach up the layering: {len(statements)} statements")
+    for e in up:
+        layers = " -> ".join(e["layers"])
+        print(f"  {_short(e['source'])} -> {_short(e['target'])}  {e['file']}:{e['line']} ({layers})")
+    for module in result["unplaced"]:
+        print(f"  {module}: in no layer (add it to LAYERS in scripts/import_graph.py)")
     return 0
 
 
