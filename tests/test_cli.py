@@ -104,3 +104,11 @@ def test_record_identity_excludes_logging_and_paths(tmp_path):
     stacks = [config.validate(x) for x in (a, b, c)]
     ids = [run.identity(x, s, "sha") for x, s in zip((a, b, c), stacks)]
     assert ids[0] == ids[1] and ids[0] != ids[2]
+
+
+def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path):
+    """Hydra's own flags with a value (``--cfg job``) are not taken for overrides."""
+    out = kvbench("--cfg", "job", *TINY, tmp=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "name: tiny_random" in out.stdout and "prefill: 48" in out.stdout
+    assert not (tmp_path / "results").exists()

@@ -11,6 +11,7 @@ from typing import Any
 
 import hydra
 from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.plugins import Plugins
@@ -62,8 +63,9 @@ def prevalidate(argv: list[str]) -> int:
     line); its sweeper then expands, composes, validates and identifies every cell
     (:mod:`kvbench.sweep.plan`) before anything launches.
     """
-    overrides = [a for a in argv if not a.startswith("-") and not a.startswith("hydra")]
-    multirun = any(a in ("-m", "--multirun") for a in argv)
+    args = get_args_parser().parse_args(argv)  # Hydra's own: the value of --cfg job is no override
+    overrides = [a for a in args.overrides if not a.startswith("hydra")]
+    multirun = bool(args.multirun)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         if not multirun:
             config.validate(_compose(overrides))
