@@ -16,7 +16,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from kvbench import config, models
+from kvbench.data import corpus
 from kvbench.errors import ConfigError
+from kvbench.eval import perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_PPL = ["model=tiny_random", "dataset=pydoc", "dataset.prefill=48", "dataset.chunk=8"]
@@ -61,6 +63,11 @@ def refused(tmp: Path, *overrides: str) -> str:
     ("args", "env", "needle"),
     [
         (["device=tpu"], {}, "device='tpu': allowed auto, cpu, cuda, cuda:N"),
+        (
+            ["dataset=pydoc", "dataset.windows=100000"],
+            {},
+            "dataset.windows=100000: corpus 'pydoc' (",
+        ),
         (
             ["model=qwen2_5_0_5b"],
             {"HF_HUB_OFFLINE": None, "TRANSFORMERS_OFFLINE": None, "HF_ENDPOINT": UNREACHABLE},
@@ -122,6 +129,43 @@ def test_threads_below_one_are_refused(tmp_path, threads):
 def test_threads_null_or_positive_pass(tmp_path):
     config.validate(cell(tmp_path, "threads=null"))
     config.validate(cell(tmp_path, "threads=1"))
+
+
+# windows
+
+
+def test_more_windows_than_the_corpus_holds_is_refused_before_loading(tmp_path):
+    size = corpus.size_bound({"name": "pydoc", "source": "pydoc"})
+    assert size is not None and size > 100_000
+    fit = size // (48 + 8 * 2 + 1)
+    config.validate(cell(tmp_path, f"dataset.windows={fit}"))
+    message = refused(tmp_path, f"dataset.windows={fit + 1}")
+    assert message == (
+        f"dataset.windows={fit + 1}: corpus 'pydoc' ({size} UTF-8 bytes, so at most {size} tokens) holds "
+        f"at most {fit} windows of 65 tokens; more would overlap and score the same tokens again; "
+        f"allowed at most {fit} (the model's tokenizer gives the exact number)"
+    )
+
+
+def test_windows_beyond_the_tokenized_corpus_are_refused_with_the_exact_number():
+    cfg = OmegaConf.create(dict(name="pydoc", prefill=40, chunk=8, chunks_per_window=3, windows=7))
+    with pytest.raises(ConfigError) as info:
+        perplexity.windows(list(range(400)), cfg)  # windows of 65 tokens: 6 fit side by side
+    assert one_line(str(info.value)) == (
+        "dataset.windows=7: corpus 'pydoc' (400 tokens) holds 6 windows of 65 tokens; "
+        "more would overlap and score the same tokens again; allowed 1..6"
+    )
+    cfg.windows = 6
+    wins = perplexity.windows(list(range(400)), cfg)
+    assert all(a[-1] < b[0] for a, b in zip(wins, wins[1:]))  # side by side: no token scored twice
+
+
+def test_a_text_file_shorter_than_the_windows_is_refused_at_validation(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("x" * 200, encoding="utf-8")
+    message = refused(tmp_path, "dataset=text_file", f"dataset.path={path}", "dataset.windows=4")
+    assert message.startswith("dataset.windows=4: corpus 'text_file' (200 UTF-8 bytes")
+    assert "holds at most 3 windows of 65 tokens" in message
 
 
 # hub models without a network

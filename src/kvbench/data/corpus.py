@@ -15,6 +15,7 @@ with ``dataset '<name>': `` and says how to fix it.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -141,6 +142,33 @@ def validate(cfg: Mapping[str, Any]) -> None:
         _validate_path(_get(cfg, "path"))
     else:
         hub.validate(cfg)
+
+
+def size_bound(cfg: Mapping[str, Any]) -> int | None:
+    """The corpus's UTF-8 size in bytes, or an upper bound on it, known without a tokenizer or a hub.
+
+    Args:
+        cfg: A validated dataset config.
+
+    Returns:
+        The pydoc pages' exact size; a text file's size on disk (its text is read whole, newlines
+        normalised, so never longer); None for JSON files and hub datasets, which must be read first.
+    """
+    source = _get(cfg, "source")
+    if source == "pydoc":
+        try:
+            return _pydoc_bytes()
+        except DatasetLoadError:
+            return None
+    path = _get(cfg, "path")
+    if source == "text_file" and path and Path(str(path)).suffix.lower() == ".txt":
+        return Path(str(path)).expanduser().stat().st_size
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _pydoc_bytes() -> int:
+    return len(_load_pydoc("pydoc").encode("utf-8"))
 
 
 def _validate_path(raw: Any) -> None:

@@ -55,8 +55,30 @@ def windows(ids: list[int], cfg) -> list[list[int]]:
     length = window_length(cfg)
     if len(ids) < length:
         raise ConfigError(f"dataset {cfg.name!r}: {len(ids)} tokens, fewer than one window ({length})")
+    check_windows(cfg, len(ids), exact=True)
     starts = np.linspace(0, len(ids) - length, cfg.windows).round().astype(int)
     return [ids[s : s + length] for s in starts]
+
+
+def check_windows(cfg, tokens: int, exact: bool) -> None:
+    """``cfg.windows`` windows must fit side by side in the corpus's ``tokens`` tokens: more would
+    overlap and score the same tokens again. ``exact``: ``tokens`` is the tokenized corpus's
+    length; otherwise an upper bound known before the tokenizer is (one token per UTF-8 byte)."""
+    length = window_length(cfg)
+    fit = tokens // length
+    at_most = "" if exact else "at most "
+    count = f"{tokens} tokens" if exact else f"{tokens} UTF-8 bytes, so at most {tokens} tokens"
+    if fit < 1:
+        raise ConfigError(
+            f"dataset {cfg.name!r}: {at_most}{tokens} tokens, fewer than one window ({length}); "
+            "lower dataset.prefill, dataset.chunk or dataset.chunks_per_window"
+        )
+    if cfg.windows > fit:
+        allowed = f"1..{fit}" if exact else f"at most {fit} (the model's tokenizer gives the exact number)"
+        raise ConfigError(
+            f"dataset.windows={cfg.windows}: corpus {cfg.name!r} ({count}) holds {at_most}{fit} windows "
+            f"of {length} tokens; more would overlap and score the same tokens again; allowed {allowed}"
+        )
 
 
 def score_window(
@@ -290,6 +312,9 @@ class Perplexity:
                 f"dataset.chunk={ds.chunk}: must be <= window ({cfg.window}) (docs/methods.md: C <= window)"
             )
         corpus.validate(ds)
+        size = corpus.size_bound(ds)
+        if size is not None:  # the exact check waits for the tokenizer (windows())
+            check_windows(ds, size, exact=False)
 
     def load(self, ds) -> Dataset:
         return load_corpus(ds)
