@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from kvbench import config, models
 from kvbench.data import corpus
-from kvbench.errors import ConfigError
+from kvbench.errors import ConfigError, DatasetLoadError
 from kvbench.eval import perplexity
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,6 +166,40 @@ def test_a_text_file_shorter_than_the_windows_is_refused_at_validation(tmp_path)
     message = refused(tmp_path, "dataset=text_file", f"dataset.path={path}", "dataset.windows=4")
     assert message.startswith("dataset.windows=4: corpus 'text_file' (200 UTF-8 bytes")
     assert "holds at most 3 windows of 65 tokens" in message
+
+
+# text files
+
+
+def test_any_utf8_file_is_read_as_text(tmp_path):
+    path = tmp_path / "wiki.test.raw"
+    text = ' = Valkyria Chronicles III = \n\n Senjō no Valkyria 3 @-@ {"text": "not a record"}\n' * 40
+    path.write_text(text, encoding="utf-8")
+    config.validate(cell(tmp_path, "dataset=text_file", f"dataset.path={path}"))
+    cfg = {"name": "text_file", "source": "text_file", "path": str(path)}
+    assert corpus.load_text(cfg) == text
+    for suffix in (".md", ".csv", ""):
+        other = path.with_name("corpus" + suffix)
+        other.write_text(text, encoding="utf-8")
+        assert corpus.load_text({**cfg, "path": str(other)}) == text
+
+
+def test_json_lines_are_still_parsed_as_records(tmp_path):
+    path = tmp_path / "docs.json"
+    path.write_text('{"text": "first"}\n{"text": "second"}\n', encoding="utf-8")
+    assert corpus.load_text({"name": "d", "source": "text_file", "path": str(path)}) == "first\n\nsecond"
+
+
+def test_a_file_that_is_not_utf8_is_one_line_naming_its_path(tmp_path):
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café\nbien\n".encode("latin-1"))
+    corpus.validate({"name": "mine", "source": "text_file", "path": str(path)})  # readable: fine so far
+    with pytest.raises(DatasetLoadError) as info:
+        corpus.load_text({"name": "mine", "source": "text_file", "path": str(path)})
+    assert one_line(str(info.value)) == (
+        f"dataset 'mine': '{path}': not UTF-8 text (byte 0xe9 at offset 3); "
+        "kvbench reads .jsonl/.json files as JSON lines and any other file as UTF-8 text"
+    )
 
 
 # hub models without a network

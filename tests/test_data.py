@@ -275,13 +275,6 @@ def test_validate_rejects_bad_values(tmp_path: Path, overrides: dict[str, Any], 
         validate(cfg)
 
 
-def test_validate_rejects_other_suffixes(tmp_path: Path) -> None:
-    path = tmp_path / "corpus.csv"
-    path.write_text("text", encoding="utf-8")
-    with pytest.raises(ConfigError, match=r"dataset.path='.*corpus.csv': suffix '.csv' not allowed"):
-        validate(_cfg("mine", "text_file", path=str(path)))
-
-
 def test_validate_rejects_hub_without_split() -> None:
     with pytest.raises(ConfigError, match=r"dataset.split=None: must be a non-empty string for source 'hub'"):
         validate(_cfg("h", "hub", hf_path="wikitext"))

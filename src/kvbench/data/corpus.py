@@ -3,7 +3,8 @@
 The config's ``source`` key picks where the text comes from:
 
 - ``pydoc``: the topic help pages that ship with Python (``pydoc_data.topics``); always available.
-- ``text_file``: a local ``.txt`` file, or a ``.jsonl``/``.json`` file holding one JSON object per line.
+- ``text_file``: a local ``.jsonl``/``.json`` file holding one JSON object per line, or any other file
+  read whole as UTF-8 text (``.txt``, wikitext's ``wiki.test.raw``, ...).
 - ``hub``: anything ``datasets.load_dataset`` opens: a hub id (needs network or a copy in the HF cache),
   a local directory of data files, or a builder such as ``json`` with ``data_files``
   (:mod:`kvbench.data.hub`).
@@ -37,7 +38,7 @@ from kvbench.data.documents import (
 from kvbench.errors import ConfigError, DatasetLoadError
 
 SOURCES = ("pydoc", "text_file", "hub")
-TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
+JSON_SUFFIXES = (".jsonl", ".json")  # parsed as records; any other file is read as UTF-8 text
 PYDOC_JOINER = "\n\n"
 
 
@@ -161,7 +162,7 @@ def size_bound(cfg: Mapping[str, Any]) -> int | None:
         except DatasetLoadError:
             return None
     path = _get(cfg, "path")
-    if source == "text_file" and path and Path(str(path)).suffix.lower() == ".txt":
+    if source == "text_file" and path and Path(str(path)).suffix.lower() not in JSON_SUFFIXES:
         return Path(str(path)).expanduser().stat().st_size
     return None
 
@@ -172,13 +173,13 @@ def _pydoc_bytes() -> int:
 
 
 def _validate_path(raw: Any) -> None:
-    """Check ``dataset.path`` names a readable ``.txt``/``.jsonl``/``.json`` file.
+    """Check ``dataset.path`` names a readable file (any suffix: only ``.jsonl``/``.json`` are parsed).
 
     Args:
         raw: The configured path (None when unset or Hydra's ``???``).
 
     Raises:
-        ConfigError: The path is unset, missing, not a readable file, or has another suffix.
+        ConfigError: The path is unset, missing, or not a readable file.
     """
     if raw is None or not str(raw).strip():
         raise ConfigError(
@@ -191,10 +192,6 @@ def _validate_path(raw: Any) -> None:
         raise ConfigError(f"dataset.path='{raw}': not a regular file")
     if not os.access(path, os.R_OK):
         raise ConfigError(f"dataset.path='{raw}': file is not readable (check its permissions)")
-    if path.suffix.lower() not in TEXT_SUFFIXES:
-        raise ConfigError(
-            f"dataset.path='{raw}': suffix '{path.suffix}' not allowed; use {', '.join(TEXT_SUFFIXES)}"
-        )
 
 
 def _load_pydoc(name: str) -> str:
@@ -210,7 +207,7 @@ def _load_pydoc(name: str) -> str:
 
 
 def _load_text_file(cfg: Mapping[str, Any], name: str) -> str:
-    """Read a local ``.txt`` file whole, or join one field of a ``.jsonl``/``.json`` file's objects.
+    """Join one field of a ``.jsonl``/``.json`` file's objects, or read any other file whole as UTF-8.
 
     Args:
         cfg: The dataset config: ``path``, ``field``, ``joiner``, ``max_documents``.
@@ -225,22 +222,17 @@ def _load_text_file(cfg: Mapping[str, Any], name: str) -> str:
     path = Path(str(raw)).expanduser()
     context = f"dataset '{name}': '{path}'"
     if not path.is_file():
-        raise DatasetLoadError(
-            f"{context}: file not found; pass dataset.path=<an existing .txt or .jsonl file>"
-        )
-    suffix = path.suffix.lower()
-    if suffix not in TEXT_SUFFIXES:
-        raise DatasetLoadError(
-            f"{context}: suffix '{path.suffix}' not supported; use {', '.join(TEXT_SUFFIXES)}"
-        )
+        raise DatasetLoadError(f"{context}: file not found; pass dataset.path=<an existing file>")
     try:
         content = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
         raise DatasetLoadError(
-            f"{context}: could not read it as UTF-8 text ({_summary(exc)}); "
-            "check its permissions and encoding"
+            f"{context}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            f"kvbench reads {'/'.join(JSON_SUFFIXES)} files as JSON lines and any other file as UTF-8 text"
         ) from exc
-    if suffix == ".txt":
+    except OSError as exc:
+        raise DatasetLoadError(f"{context}: unreadable ({_summary(exc)}); check its permissions") from exc
+    if path.suffix.lower() not in JSON_SUFFIXES:
         text = content
     else:
         field = _get(cfg, "field", DEFAULT_FIELD)
