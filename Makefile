@@ -2,12 +2,13 @@
 #   make demo   sets up .venv and runs `python -m kvbench` on the embedded defaults
 #   make test   sets up .venv and runs lint, types and the test suite (what .ci/run calls)
 #   make matrix the PiKV-shaped matrix on the embedded model (60 cells, about 13 minutes on 2 cores)
+#   make wheel-check  builds the wheel, installs it outside the checkout and runs a tiny cell (CI)
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvbench-setup
 
-.PHONY: setup demo test lint sweep matrix bench clean
+.PHONY: setup demo test lint wheel-check sweep matrix bench clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "needs $(PY) on PATH"; exit 1; }
@@ -32,6 +33,9 @@ lint: setup
 	$(BIN)/ruff check src tests scripts kernels
 	$(BIN)/ruff format --check src tests scripts kernels
 	$(BIN)/mypy src
+
+wheel-check: setup
+	scripts/wheel_check.sh $(BIN)/python
 
 sweep: setup
 	$(BIN)/python -m kvbench -m scheduler=none,streaming_llm,h2o compressor=none,quantized dataset=pydoc name=spine_sweep
