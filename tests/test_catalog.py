@@ -23,7 +23,7 @@ from kvbench import config, models
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.roles import BindContext
-from kvbench.stack import Stack, build_technique
+from kvbench.stack import Stack, build_technique, chain_stages
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 ROLES = ("router", "compressor", "scheduler")
@@ -150,9 +150,9 @@ CHAINS = {
 @pytest.mark.parametrize("chain", sorted(CHAINS))
 def test_chains_compose_from_the_command_line(lm, ids, full, chain):
     cfg = compose("config", overrides=["compressor=chain", f"compressor.stages={CHAINS[chain]}"])
-    tech = build_technique(cfg.compressor, "compressor")
-    assert tech.name == f"chain{chain}"
-    out, cache = run(lm, stack_of(lm, {"compressor": tech}, **TIGHT), ids)
+    stages = chain_stages(cfg.compressor.stages)[0]
+    assert Stack(compressor=stages).names()["compressor"] == f"chain{chain}"
+    out, cache = run(lm, stack_of(lm, {"compressor": stages}, **TIGHT), ids)
     assert torch.isfinite(out).all()
     assert not torch.allclose(out, full, atol=1e-4)
     assert cache.nbytes() < cache.reference_bytes() * 2  # fewer bytes than the float32 full cache
@@ -164,10 +164,9 @@ def test_two_selection_stages_compose_multiplicatively(lm, ids):
     loose = dict(budget=0.5, sinks=2, window=4)
     _, one = run(lm, stack_of(lm, {"compressor": technique("compressor", "pyramidkv")}, **loose), ids)
     stages = CHAINS["[pyramidkv,fastv]"]
-    chain = build_technique(
-        compose("config", overrides=["compressor=chain", f"compressor.stages={stages}"]).compressor,
-        "compressor",
-    )
+    chain = chain_stages(
+        compose("config", overrides=["compressor=chain", f"compressor.stages={stages}"]).compressor.stages
+    )[0]
     _, two = run(lm, stack_of(lm, {"compressor": chain}, **loose), ids)
     seen = len(ids)
     kept = [two.stores[i].row_tokens() for i in range(3)]

@@ -19,27 +19,15 @@ graph = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = graph  # dataclasses look their module up while the class is built
 _spec.loader.exec_module(graph)
 
-_TECHNIQUES = "technique layer, reworked under issue 12 by its owner"
-
 # Cycles still allowed: each the set of modules it may span, and why. (None left.)
 ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 # Project imports allowed inside a function: (importing module, imported module) -> why. A lazy
 # import is fine for an optional heavy third-party package (wandb), never to dodge a cycle.
-ALLOWED_IN_FUNCTION: dict[tuple[str, str], str] = {
-    ("kvbench.compressors.chain", "kvbench.stack"): f"a chain reaches up into the stack ({_TECHNIQUES})",
-    ("kvbench.compressors.lowrank", "kvbench.calibration"): f"no cycle behind it ({_TECHNIQUES})",
-    ("kvbench.roles", "kvbench.cache.rotary"): f"no cycle behind it ({_TECHNIQUES})",
-    ("kvbench.schedulers.duo_attention", "kvbench.calibration"): f"no cycle behind it ({_TECHNIQUES})",
-}
+ALLOWED_IN_FUNCTION: dict[tuple[str, str], str] = {}
 
 # Imports allowed to reach up the layers (graph.LAYERS): (importing module, imported module) -> why.
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    (
-        "kvbench.compressors.chain",
-        "kvbench.stack",
-    ): f"a chain builds its stages with the stack ({_TECHNIQUES})",
-}
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
 RESULT = graph.analyse()
 

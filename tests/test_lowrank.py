@@ -16,7 +16,6 @@ from kvbench import models
 from kvbench.cache.quant import SUPPORTED_BITS
 from kvbench.cache.rotary import Rotary
 from kvbench.cache.store import LayerStore
-from kvbench.compressors.chain import ChainCompressor
 from kvbench.compressors.lora import LoraCompressor
 from kvbench.compressors.lora_plus_plus import LoraPlusPlusCompressor
 from kvbench.compressors.lowrank import LatentSegment
@@ -29,6 +28,7 @@ from kvbench.roles import BindContext
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
+from kvbench.stack import chain
 
 SIZES = [48, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
 N = sum(SIZES)
@@ -366,16 +366,14 @@ def test_lora_plus_plus_latents_within_half_a_step(tiny_93):
 @pytest.mark.parametrize("other", ["svd", "quantized", "pyramid"])
 def test_chain_refuses_two_representation_stages(other):
     with pytest.raises(ConfigError, match="representation"):
-        ChainCompressor(stages=["lora", other])
+        chain("lora", other)
 
 
 def test_chain_chunkkv_then_svd_runs(tiny_93):
     if not (Path(__file__).resolve().parents[1] / "conf/compressor/chunkkv.yaml").exists():
         pytest.skip("chunkkv not in conf/compressor yet")
-    chain = ChainCompressor(
-        stages=["chunkkv", {"name": "svd", "key_rank": 4, "value_rank": 8, "block_size": 8}]
-    )
-    stack = make_stack(tiny_93, compressor=chain, budget=0.5, sinks=2, window=4)
+    stages = chain("chunkkv", {"name": "svd", "key_rank": 4, "value_rank": 8, "block_size": 8})
+    stack = make_stack(tiny_93, compressor=stages, budget=0.5, sinks=2, window=4)
     logits, cache = run_chunks(tiny_93, stack, tokens(N), SIZES)
     assert torch.isfinite(logits).all()
     for store in cache.stores:

@@ -15,7 +15,6 @@ from kvbench import models
 from kvbench.cache import attention as att
 from kvbench.cache.engine import HitProbe
 from kvbench.cache.store import FPSegment, LayerStore
-from kvbench.compressors.chain import ChainCompressor
 from kvbench.compressors.distillation import DistillationCompressor, MergedSegment
 from kvbench.compressors.pruning import KeptChannels, PrunedSegment, PruningCompressor
 from kvbench.errors import ConfigError
@@ -24,6 +23,7 @@ from kvbench.roles import BindContext
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
+from kvbench.stack import chain
 
 SIZES = [48, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
 N = sum(SIZES)
@@ -288,7 +288,7 @@ def test_distillation_kv_hit_probe(tiny):
 
 
 def _chain():
-    return ChainCompressor(stages=["pruning", "distillation"])
+    return chain("pruning", "distillation")
 
 
 STACKS = {  # name: (parts, budget fraction of the last token selection)
@@ -338,16 +338,18 @@ def test_stacks_run_and_count_bytes(tiny_93, name):
 def test_identity_settings_lossless_across_families(family):
     """Sliding window (mistral), biases (qwen2), partial rotary (gpt_neox)."""
     lm = models.load(tiny_cfg(family), "cpu")
-    chain = ChainCompressor(stages=[{"name": "pruning", "keep_ratio": 1.0}, "distillation"])
-    stack = make_stack(lm, compressor=chain, scheduler=H2OScheduler(), budget=1.0, sinks=SINKS, window=WINDOW)
+    stages = chain({"name": "pruning", "keep_ratio": 1.0}, "distillation")
+    stack = make_stack(
+        lm, compressor=stages, scheduler=H2OScheduler(), budget=1.0, sinks=SINKS, window=WINDOW
+    )
     logits, cache = run_chunks(lm, stack, tokens(N), SIZES)
     assert torch.allclose(logits, full(lm), atol=1e-5)
     assert isinstance(cache.stores[0].compressed[-1], PrunedSegment)
 
 
 def test_chain_lossless_at_identity_settings(tiny_93):
-    chain = ChainCompressor(stages=[{"name": "pruning", "keep_ratio": 1.0}, "distillation"])
-    logits, _ = run_chunks(tiny_93, make_stack(tiny_93, compressor=chain, budget=1.0), tokens(N), SIZES)
+    stages = chain({"name": "pruning", "keep_ratio": 1.0}, "distillation")
+    logits, _ = run_chunks(tiny_93, make_stack(tiny_93, compressor=stages, budget=1.0), tokens(N), SIZES)
     assert torch.allclose(logits, full(tiny_93), atol=1e-5)
 
 

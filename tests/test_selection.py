@@ -14,7 +14,6 @@ from conftest import tiny_cfg
 from helpers import make_stack, run_chunks, tokens
 from kvbench import models
 from kvbench.cache.store import TokenState
-from kvbench.compressors.chain import ChainCompressor
 from kvbench.compressors.chunkkv import ChunkKVCompressor
 from kvbench.compressors.fastv import FastVCompressor
 from kvbench.compressors.pikv import PiKVCompressor
@@ -27,6 +26,7 @@ from kvbench.eval import loop
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
+from kvbench.stack import chain
 
 SIZES = [48, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
 N = sum(SIZES)
@@ -113,9 +113,9 @@ def test_runs_in_double_and_triple_stacks(tiny_93, name):
     ]
     if name != "pikv":  # a selection chained with KIVI, inside a full stack
         stage = {"name": "fastv", "layer": 1} if name == "fastv" else name
-        chain = ChainCompressor(stages=[stage, {"name": "quantized", "bits": 4, "group_size": 8}])
+        stages = chain(stage, {"name": "quantized", "bits": 4, "group_size": 8})
         stacks.append(
-            make_stack(lm, router=BaseRouter(), compressor=chain, scheduler=H2OScheduler(), **budget)
+            make_stack(lm, router=BaseRouter(), compressor=stages, scheduler=H2OScheduler(), **budget)
         )
     for stack in stacks:
         logits, cache = run_chunks(lm, stack, tokens(N), SIZES)
@@ -150,9 +150,9 @@ def test_pikv_at_budget_one_is_kivi(tiny_93, guard, bits):
 
 
 def test_chain_of_selections_keeps_budget_squared(tiny):
-    chain = ChainCompressor(stages=["chunkkv", "snapkv"])
+    stages = chain("chunkkv", "snapkv")
     _, cache = run_chunks(
-        tiny, make_stack(tiny, compressor=chain, budget=0.5, sinks=2, window=4), tokens(N), SIZES
+        tiny, make_stack(tiny, compressor=stages, budget=0.5, sinks=2, window=4), tokens(N), SIZES
     )
     kept = math.ceil(0.25 * N)
     for store in cache.stores:
@@ -161,9 +161,9 @@ def test_chain_of_selections_keeps_budget_squared(tiny):
 
 
 def test_chain_pyramidkv_then_fastv_runs(tiny4):
-    chain = ChainCompressor(stages=["pyramidkv", "fastv"])
+    stages = chain("pyramidkv", "fastv")
     logits, cache = run_chunks(
-        tiny4, make_stack(tiny4, compressor=chain, budget=0.5, sinks=2, window=4), tokens(N), SIZES
+        tiny4, make_stack(tiny4, compressor=stages, budget=0.5, sinks=2, window=4), tokens(N), SIZES
     )
     assert torch.isfinite(logits).all()
     rows = [int(s.row_tokens().max()) for s in cache.stores]

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvbench.cache.rotary import Rotary
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 
@@ -134,8 +135,6 @@ class BindContext:
 
     def rotary(self):
         """The model's rotary embedding (refused for models without the rotate-half convention)."""
-        from kvbench.cache.rotary import Rotary
-
         if self.model is None:
             raise ConfigError("this technique needs a model's rotary embedding (bind with a model)")
         return Rotary.from_model(self.model.model)

@@ -1,45 +1,54 @@
-"""A stack: one router, one compressor and one scheduler (any may be absent), and its legality."""
+"""A stack: one router, one compressor (or a chain of them) and one scheduler, any may be absent;
+its legality; and building it from a resolved config. The stack is the only composer of
+techniques."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError, IllegalStack
+from kvbench.paths import CONF_DIR
 from kvbench.roles import BindContext, Budget, Compressor, Router, Scheduler, Technique
 
 ROLES = ("router", "compressor", "scheduler")
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 @dataclass
 class Stack:
-    """The techniques applied to one cache, in docs/methods.md's order within a step."""
+    """The techniques applied to one cache, in docs/methods.md's order within a step.
+
+    ``compressor`` may be a list: a chain of compressor stages applied in order
+    (``compressor=chain compressor.stages=[chunkkv,svd]``); the stack holds the stages itself.
+    """
 
     router: Router | None = None
-    compressor: Compressor | None = None
+    compressor: Compressor | list[Compressor] | None = None
     scheduler: Scheduler | None = None
     budget: Budget = field(default_factory=Budget.keep_all)
 
     def __post_init__(self) -> None:
-        check_legal(self.techniques)
-
-    @property
-    def techniques(self) -> list[Technique]:
-        return [t for t in (self.router, self.compressor, self.scheduler) if t is not None]
+        self.resolved_stages: list[dict[str, Any]] = []  # a chain built from a config: its stages' nodes
+        comp = self.compressor
+        self.chained = isinstance(comp, list)
+        self.compressors: list[Compressor] = (
+            list(comp) if isinstance(comp, list) else [c for c in [comp] if c]
+        )
+        if self.chained and not self.compressors:
+            raise ConfigError("compressor.stages=[]: a chain needs at least one stage, e.g. [chunkkv,svd]")
+        check_legal(self.pipeline)
 
     @property
     def pipeline(self) -> list[Technique]:
-        """Every acting technique in application order, a chain's stages in place of the chain."""
-        out: list[Technique] = []
-        for tech in self.techniques:
-            out.extend(getattr(tech, "stages", None) or [tech])
-        return out
+        """Every acting technique in application order (a chain's stages one by one)."""
+        parts: list[Technique | None] = [self.router, *self.compressors, self.scheduler]
+        return [t for t in parts if t is not None]
 
     @property
     def observers(self) -> list[Technique]:
@@ -57,11 +66,12 @@ class Stack:
     @property
     def placer(self) -> Technique | None:
         """The technique that places cache tiers and computes attention per tier (``flexgen``)."""
-        return next((t for t in self.pipeline if t.flags.places_tiers and hasattr(t, "attend_tiers")), None)
+        return next((t for t in self.pipeline if t.flags.places_tiers), None)
 
     @property
     def order(self) -> int:
-        return len(self.techniques)
+        """Roles filled: 1, 2 or 3 (a chain fills one)."""
+        return sum(x is not None for x in (self.router, self.compressors or None, self.scheduler))
 
     def bind(self, ctx: BindContext | int) -> BindContext:
         """Bind every technique; the n-th token selection gets ``budget ** n`` (docs/methods.md).
@@ -72,26 +82,28 @@ class Stack:
             ctx = BindContext(num_layers=ctx)
         ctx = replace(ctx, budget=self.budget)
         depth = 0
-        for tech in self.techniques:
-            if getattr(tech, "stages", None):
-                tech.bind(ctx)
-            for part in getattr(tech, "stages", None) or [tech]:
-                depth += part.flags.evicts_tokens
-                part.bind(replace(ctx, budget=self.budget.scaled(depth)) if part.flags.evicts_tokens else ctx)
+        for part in self.pipeline:
+            depth += part.flags.evicts_tokens
+            part.bind(replace(ctx, budget=self.budget.scaled(depth)) if part.flags.evicts_tokens else ctx)
         self.ctx = ctx
         return ctx
 
     def apply(self, layer: int, store: LayerStore) -> None:
-        """After a forward chunk: the compressor, then the scheduler's eviction, then router writes."""
-        if self.compressor is not None:
-            self.compressor.compress(layer, store)
+        """After a forward chunk: the compressors, then the scheduler's eviction, then router writes."""
+        for comp in self.compressors:
+            comp.compress(layer, store)
         if self.scheduler is not None:
             self.scheduler.evict(layer, store)
         if self.router is not None:
             self.router.write(layer, store)
 
     def names(self) -> dict[str, str]:
-        return {role: (getattr(self, role).name if getattr(self, role) else "none") for role in ROLES}
+        comp = ",".join(c.name for c in self.compressors)
+        return {
+            "router": self.router.name if self.router else "none",
+            "compressor": f"chain[{comp}]" if self.chained else (comp or "none"),
+            "scheduler": self.scheduler.name if self.scheduler else "none",
+        }
 
     def metrics(self) -> dict[str, Any]:
         return {f"{t.role}/{t.name}": t.metrics() for t in self.pipeline if t.metrics()}
@@ -102,11 +114,8 @@ class Stack:
         return list(ctx.calibrations) if ctx is not None else []
 
 
-def check_legal(techniques: list[Technique]) -> None:
+def check_legal(parts: list[Technique]) -> None:
     """Refuse combinations the capability flags make meaningless, with the reason."""
-    parts: list[Technique] = []
-    for tech in techniques:
-        parts.extend(getattr(tech, "stages", None) or [tech])
     readers = [f"{t.role}/{t.name}" for t in parts if t.flags.selects_reads]
     if len(readers) > 1:
         raise IllegalStack(
@@ -138,10 +147,76 @@ def build_technique(node: DictConfig | None, role: str) -> Technique | None:
     return tech
 
 
+def chain_stages(stages: list[Any] | Any) -> tuple[list[Compressor], list[dict[str, Any]]]:
+    """The compressors of a chain and their resolved nodes, stage by stage.
+
+    Each stage is a compressor name, resolved by Hydra's composition of ``compressor=<name>``, or
+    a mapping ``{name: svd, key_rank: 16}`` whose other keys override that composition. (Hydra's
+    own list syntax would merge the YAMLs into one, silently.)
+    """
+    raw = list(stages)
+    if not raw:
+        raise ConfigError("compressor.stages=[]: a chain needs at least one stage, e.g. [chunkkv,svd]")
+    allowed = sorted(
+        p.stem for p in (CONF_DIR / "compressor").glob("*.yaml") if p.stem not in ("chain", "none")
+    )
+    techs, resolved = [], []
+    for i, stage in enumerate(raw):
+        if isinstance(stage, str):
+            name, overrides = stage, {}
+        elif isinstance(stage, (dict, DictConfig)):
+            given = OmegaConf.create(stage) if isinstance(stage, dict) else stage
+            overrides = dict(OmegaConf.to_container(given))  # type: ignore[arg-type]
+            name = overrides.pop("name", None)
+        else:
+            raise ConfigError(
+                f"compressor.stages[{i}]={stage!r}: must be a compressor name or a mapping with 'name'"
+            )
+        if name not in allowed:
+            raise ConfigError(f"compressor.stages[{i}]={name!r}: allowed {', '.join(allowed)}")
+        node = _composed_compressor(str(name))
+        for key in overrides:
+            if key not in node:
+                knobs = ", ".join(str(k) for k in node if k != "_target_")
+                raise ConfigError(f"compressor.stages[{i}].{key}: {name} has no such knob (knobs: {knobs})")
+        node = OmegaConf.merge(node, overrides)  # type: ignore[assignment]
+        try:
+            tech = build_technique(node, "compressor")  # type: ignore[arg-type]
+        except ConfigError as err:
+            raise ConfigError(str(err).replace("compressor.", f"compressor.stages[{i}].", 1)) from err
+        assert isinstance(tech, Compressor)
+        techs.append(tech)
+        resolved.append(OmegaConf.to_container(node, resolve=True))
+    check_legal(techs)  # type: ignore[arg-type]
+    return techs, resolved  # type: ignore[return-value]
+
+
+def _composed_compressor(name: str) -> DictConfig:
+    """``compressor=<name>`` as Hydra composes it (inside a Hydra app, or from kvbench's configs)."""
+    if GlobalHydra.instance().is_initialized():
+        return compose("config", overrides=[f"compressor={name}"]).compressor
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=[f"compressor={name}"]).compressor
+
+
+def chain(*stages: Any) -> list[Compressor]:
+    """A chain of compressor stages for :class:`Stack` (names or ``{name: ..., knob: ...}``)."""
+    return chain_stages(list(stages))[0]
+
+
 def build_stack(cfg: DictConfig) -> Stack:
     """Build and validate the stack of a resolved config (no model needed)."""
-    parts = {role: build_technique(cfg.get(role), role) for role in ROLES}
-    return Stack(**parts, budget=Budget.from_config(cfg))  # type: ignore[arg-type]
+    parts: dict[str, Any] = {}
+    for role in ROLES:
+        node = cfg.get(role)
+        if role == "compressor" and node is not None and "stages" in node:
+            parts[role], resolved = chain_stages(node.stages)
+        else:
+            parts[role] = build_technique(node, role)
+    stack = Stack(**parts, budget=Budget.from_config(cfg))
+    if stack.chained:
+        stack.resolved_stages = resolved
+    return stack
 
 
 def stack_identity(cfg: DictConfig, stack: Stack) -> dict[str, Any]:
@@ -150,9 +225,8 @@ def stack_identity(cfg: DictConfig, stack: Stack) -> dict[str, Any]:
     for role in ROLES:
         node = cfg.get(role)
         ident[role] = OmegaConf.to_container(node, resolve=True) if node is not None else None
-        tech = getattr(stack, role)
-        if tech is not None and hasattr(tech, "resolved"):
-            ident[role]["stages"] = tech.resolved  # a chain: its stages' full knobs
+        if role == "compressor" and stack.chained:
+            ident[role]["stages"] = stack.resolved_stages  # a chain: its stages' full knobs
     if stack.order:
         ident["budget"] = {k: cfg[k] for k in ("budget", "budget_tokens", "sinks", "window")}
     return ident

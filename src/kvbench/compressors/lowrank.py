@@ -19,6 +19,7 @@ import torch
 from kvbench.cache import quant, ragged
 from kvbench.cache.rotary import Rotary
 from kvbench.cache.store import LayerStore, Segment, SideData
+from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Budget
 from kvbench.select import leaving_window
@@ -51,8 +52,6 @@ def calibrated_bases(
     Returns:
         ``{"key": (L, H_kv, D, key_rank), "value": (L, H_kv, D, value_rank)}`` on CPU.
     """
-    from kvbench.calibration import lora_artifact
-
     tensors, record = lora_artifact(ctx.model, key_rank, value_rank, tokens)
     if record not in ctx.calibrations:
         ctx.calibrations.append(record)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench import calibration
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Flags, Scheduler
@@ -94,8 +95,6 @@ class DuoAttentionScheduler(Scheduler):
 
     def fit(self, ctx: BindContext) -> torch.Tensor:
         """The gates of the model's calibration artifact (fitted now unless cached); recorded."""
-        from kvbench import calibration
-
         if ctx.model is None:
             raise ConfigError(
                 "scheduler=duo_attention: fitting the gates needs the model (bind with a model)"
