@@ -84,6 +84,18 @@ def test_the_cli_refuses_in_one_line(tmp_path, args, env, needle):
     assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()
 
 
+def test_help_names_kvbench_says_what_it_does_and_gives_the_readmes_commands(tmp_path):
+    out = kvbench("--help", tmp=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("kvbench: honest benchmarks of KV-cache compression for LLMs.")
+    assert "powered by Hydra" not in out.stdout.splitlines()[0] and "__main__" not in out.stdout
+    readme = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    commands = [line for line in readme if line.startswith(("make demo ", "make test "))]
+    assert len(commands) == 2 and all(f"  {c}" in out.stdout.splitlines() for c in commands)
+    assert "== Configuration groups ==" in out.stdout
+    assert any(line.startswith("scheduler: ") and "h2o" in line for line in out.stdout.splitlines())
+
+
 # device
 
 
