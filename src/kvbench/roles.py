@@ -203,6 +203,12 @@ class Technique:
         """
         raise NotImplementedError
 
+    def attend_tiers(
+        self, layer: int, store: LayerStore, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
+        """Attention computed per cache tier (only for ``places_tiers``): ``(B, H_q, q, D)``."""
+        raise NotImplementedError
+
     def metrics(self) -> dict[str, float | list[float] | None]:
         """Technique-specific measured figures for the result record."""
         return {}

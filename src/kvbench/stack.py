@@ -194,9 +194,9 @@ def chain_stages(stages: list[Any] | Any) -> tuple[list[Compressor], list[dict[s
 def _composed_compressor(name: str) -> DictConfig:
     """``compressor=<name>`` as Hydra composes it (inside a Hydra app, or from kvbench's configs)."""
     if GlobalHydra.instance().is_initialized():
-        return compose("config", overrides=[f"compressor={name}"]).compressor
+        return compose(config_name=f"compressor/{name}").compressor
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=[f"compressor={name}"]).compressor
+        return compose(config_name=f"compressor/{name}").compressor
 
 
 def chain(*stages: Any) -> list[Compressor]:

@@ -182,7 +182,7 @@ class KVCache(Cache):
         mask = None if plain and selector is None else mask_fn(0, q_len)
         placer = self.stack.placer
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
-            out = placer.attend_tiers(layer, store, query, mask, scaling)  # type: ignore[attr-defined]
+            out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
             out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling, view.bias)
         for tech in self.stack.query_observers:
