@@ -14,7 +14,8 @@ from helpers import budget_of, make_stack, padded_batch_vs_solo, run_chunks, tok
 from kvbench import models
 from kvbench.cache import attention as att
 from kvbench.cache.engine import HitProbe
-from kvbench.cache.store import FPSegment, LayerStore
+from kvbench.cache.segments import FPSegment
+from kvbench.cache.store import LayerStore
 from kvbench.compressors.distillation import DistillationCompressor, MergedSegment
 from kvbench.compressors.pruning import KeptChannels, PrunedSegment, PruningCompressor
 from kvbench.errors import ConfigError

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from kvbench.cache.store import GroupedSegment, LayerStore
+from kvbench.cache.segments import GroupedSegment
+from kvbench.cache.store import LayerStore
 
 
 def token_bytes(store: LayerStore) -> torch.Tensor:

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.store import LayerStore, Segment
+from kvbench.cache.segments import Segment
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
 

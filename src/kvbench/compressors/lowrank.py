@@ -18,7 +18,8 @@ import torch
 
 from kvbench.cache import quant, ragged
 from kvbench.cache.rotary import Rotary
-from kvbench.cache.store import LayerStore, Segment, SideData
+from kvbench.cache.segments import Segment
+from kvbench.cache.store import LayerStore, SideData
 from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Budget

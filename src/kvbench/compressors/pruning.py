@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.cache.rows import segment_ids
-from kvbench.cache.store import LayerStore, Segment, SideData
+from kvbench.cache.segments import Segment
+from kvbench.cache.store import LayerStore, SideData
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
 from kvbench.select import leaving_window

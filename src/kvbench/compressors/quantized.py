@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import quant
-from kvbench.cache.store import Build, GroupedSegment, LayerStore
+from kvbench.cache.segments import GroupedSegment
+from kvbench.cache.store import Build, LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
 from kvbench.select import leaving_window

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.store import GroupedSegment, LayerStore
+from kvbench.cache.segments import GroupedSegment
+from kvbench.cache.store import LayerStore
 from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags

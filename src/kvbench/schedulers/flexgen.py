@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache import attention as att
-from kvbench.cache.store import GroupedSegment, LayerStore
+from kvbench.cache.segments import GroupedSegment
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Flags, Scheduler
 

@@ -1,0 +1,180 @@
+"""Segments: the tokens of one representation within a layer's store.
+
+:class:`FPSegment` holds the full-precision tokens: its rows (:class:`kvbench.cache.rows.Rows`)
+are the stored data. A compressed :class:`Segment` stores its encoded form flat and head-major
+(``lens`` tokens per head-row: packed codes, factors, merged units; subclasses define
+``data_fields`` and decode flat tokens in ``read``) and keeps its decoded keys and values in its
+rows, decoded once when tokens arrive. :class:`GroupedSegment` adds parameters shared by groups of
+tokens (quantization scales, block factors), freed with a group's last token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbench.cache import ragged
+from kvbench.cache.rows import Rows
+
+KV = ("k", "v")  # the rows' decoded (or, full precision, stored) keys and values
+NOT_STATE = ("k", "v", "bias")  # rows fields that are not per-token bookkeeping
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class Segment:
+    """Tokens of one compressed representation, stored flat and head-major.
+
+    Subclasses add data fields with leading dim N and implement :meth:`read` for flat tokens.
+
+    Attributes:
+        lens: ``(BH,)`` tokens per head-row.
+        pos: ``(N,)`` original position of each token (used by decoders that need it).
+        rows: the per-head-row table (positions, technique state, decoded keys and values),
+            filled by the store when the segment joins it.
+    """
+
+    lens: torch.Tensor
+    pos: torch.Tensor
+    rows: Rows = dataclasses.field(default=None, repr=False)  # type: ignore[assignment]
+
+    def data_fields(self) -> dict[str, torch.Tensor]:
+        """Per-token stored tensors (leading dim N), counted in ``nbytes``."""
+        raise NotImplementedError
+
+    def set_data_fields(self, fields: dict[str, torch.Tensor]) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every token, flat ``(N, D)`` in ``dtype``."""
+        raise NotImplementedError
+
+    def layout(self) -> tuple[Any, ...]:
+        """Segments of one type and layout merge into one (see :meth:`LayerStore.move_out`)."""
+        return ()
+
+    def nbytes(self) -> int:
+        return nbytes(*self.data_fields().values())
+
+    def token_nbytes(self) -> int:
+        """Bytes of one token's per-token data."""
+        return sum(t[0].numel() * t.element_size() for t in self.data_fields().values()) if self.size else 0
+
+    def bias(self) -> torch.Tensor | None:
+        """Additive attention logit per token ``(N,)`` (merged tokens carry log(count)), or None."""
+        return None
+
+    def members(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For merged units: (member positions ``(M,)``, owning flat row ``(M,)``); None if 1:1."""
+        return None
+
+    def aux_nbytes(self) -> int:
+        return self.size * self.rows.token_nbytes([n for n in self.rows.fields if n not in NOT_STATE])
+
+    def keep(self, keep: torch.Tensor) -> None:
+        """Keep the flat tokens where ``keep`` ``(N,)`` is True; the rest are freed."""
+        ids = ragged.segment_ids(self.lens)
+        self.lens = torch.bincount(ids[keep], minlength=self.lens.numel())
+        self.pos = self.pos[keep]
+        self.set_data_fields({k: v[keep] for k, v in self.data_fields().items()})
+
+    def extend(self, other: Segment) -> None:
+        """Append ``other``'s flat tokens after this segment's, per head-row (same type and layout)."""
+        for name in [*self.data_fields(), "pos"]:
+            setattr(
+                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
+            )
+        self.lens = self.lens + other.lens
+
+    @property
+    def size(self) -> int:
+        return int(self.pos.shape[0])
+
+
+class FPSegment:
+    """Tokens at the model's precision: the ``k``, ``v`` rows are the stored data."""
+
+    def __init__(self, bh: int, device: torch.device):
+        self.rows = Rows(bh, device)
+
+    @property
+    def lens(self) -> torch.Tensor:
+        return self.rows.lens
+
+    @property
+    def size(self) -> int:
+        return self.rows.size()
+
+    def nbytes(self) -> int:
+        return self.size * self.token_nbytes() if self.rows.width else 0
+
+    def token_nbytes(self) -> int:
+        return self.rows.token_nbytes(list(KV)) if self.rows.capacity else 0
+
+    def aux_nbytes(self) -> int:
+        if not self.rows.capacity:
+            return 0
+        return self.size * self.rows.token_nbytes([n for n in self.rows.fields if n not in NOT_STATE])
+
+    def bias(self) -> None:
+        return None
+
+    def members(self) -> None:
+        return None
+
+
+@dataclass
+class GroupedSegment(Segment):
+    """Tokens stored in groups that share parameters (quantization scales, low-rank factors).
+
+    Per-token fields come from ``data_fields``; per-group fields (leading dim M) from
+    ``group_fields``; ``gcount`` ``(M,)`` counts live tokens per group (tokens are stored group
+    after group within a head-row) and ``glens`` ``(BH,)`` groups per head-row. A group's
+    parameters are freed with its last token.
+    """
+
+    gcount: torch.Tensor = None  # type: ignore[assignment]
+    glens: torch.Tensor = None  # type: ignore[assignment]
+
+    def group_fields(self) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        return nbytes(*self.data_fields().values(), *self.group_fields().values(), self.gcount)
+
+    def group_nbytes(self) -> int:
+        """Bytes of one group's parameters and live count."""
+        per = sum(t[0].numel() * t.element_size() for t in self.group_fields().values())
+        return per + self.gcount.element_size()
+
+    def group_ids(self) -> torch.Tensor:
+        """Group of every flat token ``(N,)``."""
+        return torch.repeat_interleave(
+            torch.arange(self.gcount.numel(), device=self.gcount.device), self.gcount.long()
+        )
+
+    def keep(self, keep: torch.Tensor) -> None:
+        counts = torch.bincount(self.group_ids()[keep], minlength=self.gcount.numel())
+        live = counts > 0
+        ghead = ragged.segment_ids(self.glens)
+        self.glens = torch.bincount(ghead[live], minlength=self.glens.numel())
+        for name, value in self.group_fields().items():
+            setattr(self, name, value[live])
+        self.gcount = counts[live].to(self.gcount.dtype)
+        super().keep(keep)
+
+    def extend(self, other: Segment) -> None:
+        assert isinstance(other, GroupedSegment)
+        for name in [*self.group_fields(), "gcount"]:
+            setattr(
+                self, name, ragged.concat(getattr(self, name), self.glens, getattr(other, name), other.glens)
+            )
+        self.glens = self.glens + other.glens
+        super().extend(other)
