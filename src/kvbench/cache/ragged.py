@@ -1,11 +1,9 @@
-"""Ragged per-head token storage.
+"""Flat head-major tensors: the encoded form of compressed segments, and tokens in transit.
 
-Every KV head of every sequence keeps its own tokens, so heads can keep different numbers of
-tokens and an evicted token is really freed. A ragged tensor is stored flat, head-major:
 ``flat`` has shape ``(N, *rest)`` where ``N = lens.sum()`` and the first ``lens[0]`` rows belong
-to head-row 0 (batch 0, KV head 0), the next ``lens[1]`` to head-row 1, and so on. Attention
-needs rectangles, so reads go through :func:`to_padded`, a transient copy (or a free view when
-every head holds the same number of tokens).
+to head-row 0 (batch 0, KV head 0), the next ``lens[1]`` to head-row 1, and so on. Encoders and
+decoders that work per head (bases, blocks, clusters) lay them out as rectangles with
+:func:`to_padded`; what attention reads lives in :mod:`kvbench.cache.rows`, already rectangular.
 """
 
 from __future__ import annotations

@@ -17,22 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.cache.ragged import segment_ids, starts, valid_mask
+
 _MIN_GROWTH = 64
-
-
-def segment_ids(lens: torch.Tensor) -> torch.Tensor:
-    """Head-row index of every token of a flat head-major tensor: ``(N,)``."""
-    return torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
-
-
-def starts(lens: torch.Tensor) -> torch.Tensor:
-    """Flat index of the first token of each head-row ``(BH,)``."""
-    return lens.cumsum(0) - lens
-
-
-def valid_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
-    """Boolean ``(BH, width)``, True for the first ``lens[i]`` slots of row ``i``."""
-    return torch.arange(width, device=lens.device)[None, :] < lens[:, None]
 
 
 def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.cache.rows import segment_ids
+from kvbench.cache.ragged import segment_ids
 from kvbench.cache.segments import Segment
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.errors import ConfigError
