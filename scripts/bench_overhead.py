@@ -6,13 +6,27 @@
     two 512-token windows: target at most 0.5x.
 (c) a needle cell and a LongBench-format cell (kvbench's synthetic set) through H2O at budget 0.5,
     at dataset.batch_size 8 against 1: wall time of each, and whether the scores agree.
+(d) per technique: every technique of the catalog (each YAML of conf/router, conf/compressor and
+    conf/scheduler but none.yaml and chain.yaml, whose stages are empty by default), built as a cell
+    builds it (Hydra compose, validate, bind on the model, calibrations fitted before any timing),
+    alone at --budget, at each context length: prefill, then --decode greedy steps, each timed with
+    the stack's after_forward inside. Its mean decode step (the first discarded as warm-up) against
+    the full cache's, measured first and last at each length (their mean, and their spread to show
+    drift): target at most 1.5x, `!` marks those above. Store share: the part of the decode step
+    spent in kvbench's cache engine (KVCache.update, attend, after_forward; attend includes the
+    attention computation itself, so the full cache's share is the floor to compare with).
 
     python scripts/bench_overhead.py [--prefill 512] [--decode 32] [--repeats 3] [--skip-b] [--skip-c]
+        [--techniques]
+    python scripts/bench_overhead.py --only-d [--contexts 512,2048] [--decode 32] [--budget 0.5]
+        [--only scheduler/h2o,compressor/quantized]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import os
 import shutil
 import subprocess
@@ -26,6 +40,24 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _conf_dir() -> Path:
+    """The Hydra configs: the checkout's ``conf/``, else the one kvbench ships (``CONF_DIR``)."""
+    if (ROOT / "conf").is_dir():
+        return ROOT / "conf"
+    try:
+        from kvbench.paths import CONF_DIR
+    except ImportError:
+        from kvbench.stack import CONF_DIR
+    return Path(CONF_DIR)
+
+
+CONF = _conf_dir()
+MODEL_YAML = CONF / "model" / "smollm2_135m.yaml"
+ROLES = ("router", "compressor", "scheduler")
+FULL = "full cache"
+TARGET_D = 1.5
 CELLS = [
     ("none", "none"),
     ("none", "streaming_llm"),
@@ -67,7 +99,7 @@ def bench_a(prefill: int, decode: int, repeats: int) -> float:
     from kvbench import models
     from kvbench.data import load_text
 
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml")
+    cfg = OmegaConf.load(MODEL_YAML)
     lm = models.load(cfg, "cpu")
     ids = lm.codec.encode(load_text({"name": "pydoc", "source": "pydoc"})[:20000])[:prefill]
     plain_run(lm, ids, 2), kvbench_run(lm, ids, 2)  # warm-up
@@ -134,7 +166,7 @@ def _cell_time(lm, name: str, batch_size: int, **over) -> tuple[float, float]:
     from kvbench.schedulers.h2o import H2OScheduler
     from kvbench.stack import Stack
 
-    ds = OmegaConf.load(ROOT / "conf" / "dataset" / f"{name}.yaml")
+    ds = OmegaConf.load(CONF / "dataset" / f"{name}.yaml")
     for key, value in {**over, "batch_size": batch_size}.items():
         ds[key] = value
     proto = protocol.get(ds.task)
@@ -149,7 +181,7 @@ def _cell_time(lm, name: str, batch_size: int, **over) -> tuple[float, float]:
 def bench_c() -> None:
     from kvbench import models
 
-    lm = models.load(OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml"), "cpu")
+    lm = models.load(OmegaConf.load(MODEL_YAML), "cpu")
     cells = {
         "needle": {"lengths": [300, 500], "offsets": 2},  # 20 cases
         "longbench_synthetic": {"limit": 8},  # 24 examples
@@ -163,6 +195,180 @@ def bench_c() -> None:
         )
 
 
+def catalog() -> list[str]:
+    """Every technique as ``role/name``: each YAML of the three roles but ``none`` and ``chain``."""
+    return [
+        f"{role}/{p.stem}"
+        for role in ROLES
+        for p in sorted((CONF / role).glob("*.yaml"))
+        if p.stem not in ("none", "chain")
+    ]
+
+
+def _bind_context(lm, budget, seed: int):
+    """``BindContext.for_model`` whether or not it takes the budget (the stack sets it on bind)."""
+    from kvbench.roles import BindContext
+
+    params = inspect.signature(BindContext.for_model).parameters
+    return BindContext.for_model(lm, budget, seed) if "budget" in params else BindContext.for_model(lm, seed)
+
+
+def build_cell_stack(lm, technique: str | None, budget: float):
+    """The stack of a real cell with ``technique`` alone (None: the full cache): composed, validated, bound.
+
+    Needs an active ``hydra.initialize_config_dir``. Binding may fit a calibration (cached on disk).
+    """
+    from hydra import compose
+
+    from kvbench import config
+
+    overrides = [f"budget={budget}", "dataset=pydoc", "model=smollm2_135m", "device=cpu"]
+    if technique is not None:
+        role, name = technique.split("/", 1)
+        overrides.insert(0, f"{role}={name}")
+    cfg = compose("config", overrides=overrides)
+    stack = config.validate(cfg)
+    stack.bind(_bind_context(lm, stack.budget, int(cfg.seed)))
+    return stack
+
+
+class EngineClock:
+    """Time spent in ``KVCache.update``, ``attend`` and ``after_forward``, by patching the class."""
+
+    NAMES = ("update", "attend", "after_forward")
+
+    def __init__(self):
+        self.total = 0.0
+
+    @contextlib.contextmanager
+    def installed(self):
+        from kvbench.cache.engine import KVCache
+
+        originals = {name: KVCache.__dict__[name] for name in self.NAMES}
+
+        def timed(fn):
+            def wrapper(*a, **kw):
+                start = time.perf_counter()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    self.total += time.perf_counter() - start
+
+            return wrapper
+
+        for name, fn in originals.items():
+            setattr(KVCache, name, timed(fn))
+        try:
+            yield self
+        finally:
+            for name, fn in originals.items():
+                setattr(KVCache, name, fn)
+
+
+def time_stack(lm, stack, ids: list[int], decode: int, clock: EngineClock) -> dict[str, float]:
+    """Prefill ``ids``, then ``decode`` greedy steps one token at a time, each timed with after_forward.
+
+    Returns the prefill time (s), the mean decode step (s) after the first (warm-up) and the
+    share of those steps spent in the cache engine.
+    """
+    from kvbench.eval import loop
+
+    cache = loop.new_cache(lm, stack)
+    start = time.perf_counter()
+    logits = loop.forward(lm, cache, ids)
+    cache.after_forward()
+    prefill = time.perf_counter() - start
+    tok = int(logits[-1].argmax())
+    steps, engine = [], []
+    for _ in range(decode):
+        before = clock.total
+        start = time.perf_counter()
+        logits = loop.forward(lm, cache, [tok])
+        cache.after_forward()
+        steps.append(time.perf_counter() - start)
+        engine.append(clock.total - before)
+        tok = int(logits[-1].argmax())
+    steps, engine = (steps[1:], engine[1:]) if len(steps) > 1 else (steps, engine)
+    mean = sum(steps) / len(steps)
+    return {"prefill": prefill, "decode": mean, "share": sum(engine) / sum(steps)}
+
+
+def _row(name: str, r: dict[str, float], ratio: float | None) -> str:
+    mark = "!" if ratio is not None and ratio > TARGET_D else " "
+    rtxt = f"{ratio:6.2f}x{mark}" if ratio is not None else " " * 8
+    return f"  {name:28s} {r['decode'] * 1e3:9.2f} {rtxt} {r['prefill']:9.3f} {r['share'] * 100:7.1f}%"
+
+
+def bench_d(contexts: list[int], decode: int, budget: float, only: list[str] | None) -> None:
+    """Each technique alone against the full cache, per context length (see the module docstring)."""
+    from hydra import initialize_config_dir
+
+    from kvbench import config, models
+    from kvbench.data import load_text
+
+    names = catalog()
+    if only:
+        unknown = sorted(set(only) - set(names))
+        if unknown:
+            raise SystemExit(f"--only: unknown {', '.join(unknown)}; known: {', '.join(names)}")
+        names = [n for n in names if n in only]
+    lm = models.load(OmegaConf.load(MODEL_YAML), "cpu")
+    text = load_text({"name": "pydoc", "source": "pydoc"})
+    ids = lm.codec.encode(text[: max(20000, 8 * max(contexts))])
+    if len(ids) < max(contexts):
+        raise SystemExit(f"the pydoc text gave {len(ids)} tokens, fewer than {max(contexts)}")
+    config.register()
+    clock = EngineClock()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"), clock.installed():
+        failed: dict[str, str] = {}
+        # Build and bind everything first: a calibration is fitted here, never inside a timing.
+        for name in names:
+            print(f"(d) building {name}", file=sys.stderr, flush=True)
+            try:
+                build_cell_stack(lm, name, budget)
+            except Exception as err:  # noqa: BLE001 - reported, the others go on
+                failed[name] = f"build: {type(err).__name__}: {err}".splitlines()[0]
+        time_stack(lm, build_cell_stack(lm, None, budget), ids[:64], 2, clock)  # warm-up
+        for ctx in contexts:
+            ctx_ids = ids[:ctx]
+            full = [time_stack(lm, build_cell_stack(lm, None, budget), ctx_ids, decode, clock)]
+            rows: dict[str, dict[str, float]] = {}
+            errors = dict(failed)
+            for name in names:
+                if name in failed:
+                    continue
+                try:
+                    stack = build_cell_stack(lm, name, budget)  # its calibration is cached by now
+                    rows[name] = time_stack(lm, stack, ctx_ids, decode, clock)
+                except Exception as err:  # noqa: BLE001 - reported, the others go on
+                    errors[name] = f"run: {type(err).__name__}: {err}".splitlines()[0]
+            full.append(time_stack(lm, build_cell_stack(lm, None, budget), ctx_ids, decode, clock))
+            ref = {k: (full[0][k] + full[1][k]) / 2 for k in full[0]}
+            spread = abs(full[0]["decode"] - full[1]["decode"]) / ref["decode"]
+            print(
+                f"(d) context {ctx}, decode {decode} (mean of {max(decode - 1, 1)} steps), budget {budget}: "
+                f"full cache first {full[0]['decode'] * 1e3:.2f} ms, last {full[1]['decode'] * 1e3:.2f} ms "
+                f"(spread {spread * 100:.1f}%)"
+            )
+            print(f"  {'technique':28s} {'decode ms':>9s} {'ratio':>8s} {'prefill s':>9s} {'store':>8s}")
+            print(_row(FULL, ref, None))
+            ratios = {}
+            for name in names:
+                if name in rows:
+                    ratios[name] = rows[name]["decode"] / ref["decode"]
+                    print(_row(name, rows[name], ratios[name]))
+                else:
+                    print(f"  {name:28s} failed ({errors[name]})")
+            meet = sum(r <= TARGET_D for r in ratios.values())
+            worst = max(ratios, key=ratios.get) if ratios else None
+            worst_txt = f"worst {ratios[worst]:.2f}x ({worst})" if worst else "none ran"
+            fail_txt = f", {len(errors)} failed" if errors else ""
+            print(
+                f"  {meet}/{len(names)} techniques at most {TARGET_D}x the full cache's decode step; "
+                f"{worst_txt}{fail_txt}"
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prefill", type=int, default=512)
@@ -171,14 +377,24 @@ def main() -> None:
     ap.add_argument("--skip-b", action="store_true")
     ap.add_argument("--skip-c", action="store_true")
     ap.add_argument("--only-c", action="store_true", help="run (c) alone")
+    ap.add_argument("--techniques", action="store_true", help="also run (d), per technique")
+    ap.add_argument("--only-d", action="store_true", help="run (d) alone")
+    ap.add_argument("--contexts", default="512,2048", help="(d): context lengths, comma-separated")
+    ap.add_argument("--budget", type=float, default=0.5, help="(d): the stack-wide budget")
+    ap.add_argument("--only", default=None, help="(d): techniques to run, role/name, comma-separated")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    if not args.only_c:
-        bench_a(args.prefill, args.decode, args.repeats)
-        if not args.skip_b:
-            bench_b()
-    if not args.skip_c:
-        bench_c()
+    if not args.only_d:
+        if not args.only_c:
+            bench_a(args.prefill, args.decode, args.repeats)
+            if not args.skip_b:
+                bench_b()
+        if not args.skip_c:
+            bench_c()
+    if args.techniques or args.only_d:
+        contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+        only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
+        bench_d(contexts, args.decode, args.budget, only)
 
 
 if __name__ == "__main__":
