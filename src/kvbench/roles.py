@@ -181,10 +181,16 @@ class Technique:
         Args:
             layer: layer index.
             store: the layer's storage; ``probs`` is aligned with ``store.view()``.
-            probs: ``(B, H_kv, g, q, T)`` fp32, ``g`` query heads per KV head; rows of padding
-                queries are zero.
+            probs: ``(B, H_kv, g, q, T)`` fp32, ``g`` query heads per KV head, for the queries
+                from :meth:`observed_from` on (a block at a time); rows of padding queries are zero.
             qpos: ``(B, q)`` positions of the queries (-1 for padding).
         """
+
+    def observed_from(self, layer: int, q: int, padded: bool) -> int:
+        """The first of a chunk's ``q`` queries whose scores :meth:`observe` needs at ``layer``
+        (``q``: none); scores are computed only from there. ``padded``: the batch has padding, so
+        a sequence's last queries are not the chunk's last columns."""
+        return 0
 
     def observe_queries(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> None:
         """The rotated queries ``(B, H_q, q, D)`` of a forward (only for ``wants_queries``)."""

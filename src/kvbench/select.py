@@ -100,6 +100,9 @@ class ObservationWindow:
         """The ring's state; techniques with the same window share one (e.g. snapkv and adakv)."""
         return TokenState(f"obs{self.obs_window}", (self.obs_window,))
 
+    def observed_from(self, layer: int, q: int, padded: bool) -> int:
+        return 0 if padded else max(0, q - self.obs_window)  # unpadded: the last queries are the newest
+
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         w = self.obs_window
         recent = (qpos >= store.seen[:, None] - w) & (qpos >= 0)  # (B, q)

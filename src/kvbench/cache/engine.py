@@ -187,19 +187,25 @@ class KVCache(Cache):
             out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling, view.bias)
         for tech in self.stack.query_observers:
             tech.observe_queries(layer, store, query, qpos)
-        if self.stack.observers:
+        observers = self.stack.observers
+        # Scores only for the queries some observer reads (e.g. SnapKV's window: the last 16).
+        first = min((t.observed_from(layer, q_len, padded) for t in observers), default=q_len)
+        if first < q_len:
             blocks = att.probs_blocks(
-                query,
+                query[:, :, first:],
                 view.k,
-                (lambda a, b: mask[:, :, a:b]) if mask is not None else mask_fn,
+                lambda a, b: (
+                    mask[:, :, first + a : first + b] if mask is not None else mask_fn(first + a, first + b)
+                ),
                 scaling,
                 view.bias,
             )
-            for start, probs in blocks:
+            for offset, probs in blocks:
+                start = first + offset
                 stop = start + probs.shape[3]
                 if padded:
                     probs = probs * qreal[:, None, None, start:stop, None]
-                for tech in self.stack.observers:
+                for tech in observers:
                     tech.observe(layer, store, probs, qpos[:, start:stop])
         if self.probe is not None and self.shadow is not None:
             self._probe_hit(layer, store, query, qpos, mask_fn, scaling, sliding_window)

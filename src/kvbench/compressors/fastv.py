@@ -50,6 +50,11 @@ class FastVCompressor(Compressor):
             )
         self._score, self._plan = None, None
 
+    def observed_from(self, layer: int, q: int, padded: bool) -> int:
+        if layer != self.layer - 1:
+            return q  # FastV reads one layer's scores
+        return 0 if padded else q - 1  # of the last query
+
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         if layer != self.layer - 1:
             return
