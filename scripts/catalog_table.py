@@ -1,13 +1,24 @@
-"""Every technique alone at a matched compression, on perplexity and on the needle test.
+"""The technique catalog: its docs generated from the YAMLs, and every technique at a matched compression.
 
-For each technique a knob is tuned (bisection on a continuous knob, or the closest of a list)
-until the measured compression at the end of a 512-token prefill of the evaluated text is within
+Docs. ``--write`` regenerates, from ``conf/<role>/*.yaml`` alone, ``docs/techniques.md`` (one line
+per technique: its leading comment, paper, knobs and example) and the option table of README.md
+between ``<!-- catalog:start -->`` and ``<!-- catalog:end -->`` (each technique's name and the first
+clause of its leading comment); ``--check`` exits 1 naming the stale files (tests/test_catalog.py
+runs it). It loads neither torch nor the model:
+
+    python scripts/catalog_table.py --write
+    python scripts/catalog_table.py --check
+
+Benchmark. For each technique a knob is tuned (bisection on a continuous knob, or the closest of a
+list) until the measured compression at the end of a 512-token prefill of the evaluated text is within
 ``--tolerance`` of ``--target``; techniques that keep every token (routers, ``quest``) are
 matched on the fraction of stored bytes each query reads instead, and ``flexgen`` is lossless
-placement (compression 1x by definition). Then each matched stack runs the perplexity and the
-needle protocols through kvbench's runner (records in ``results/<name>/``), and a markdown table
-is printed from those records (and written to ``results/<name>/CATALOG.md``): achieved
-compression, reads, KV hit, fidelity, ΔPPL and needle accuracy with their intervals.
+placement (compression 1x by definition). A technique missing from ``CATALOG`` below is tuned on
+the budget if it evicts tokens, and otherwise run at its YAML's defaults. Then each matched stack
+runs the perplexity and the needle protocols through kvbench's runner (records in
+``results/<name>/``), and a markdown table is printed from those records (and written to
+``results/<name>/CATALOG.md``): achieved compression, reads, KV hit, fidelity, ΔPPL and needle
+accuracy with their intervals.
 
     python scripts/catalog_table.py --target 1.5 --dtype bfloat16
     python scripts/catalog_table.py --name catalog --table-only   # re-render from the records
@@ -21,10 +32,87 @@ import math
 import sys
 from pathlib import Path
 
-import torch
-from hydra import compose, initialize_config_dir
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import gen_technique_docs  # noqa: E402  (docs/techniques.md's renderer; tests/test_docs.py runs it too)
+
+ROLES = ("router", "compressor", "scheduler")
+WRITE = "python scripts/catalog_table.py --write"
+ROLE_TEXT = {
+    "router": "which experts/shards of the cache a query reads",
+    "compressor": "how kept tokens are stored, or which are kept once",
+    "scheduler": "which tokens stay, are read, or where they live",
+}
+README_START, README_END = "<!-- catalog:start", "<!-- catalog:end -->"
+
+
+def technique_yamls(role: str) -> list[Path]:
+    """Every technique YAML of a role (its file stem is the technique's name), ``none`` aside."""
+    return [p for p in sorted((ROOT / "conf" / role).glob("*.yaml")) if p.stem != "none"]
+
+
+def first_clause(path: Path) -> str:
+    """The leading comment's first clause: up to its first ``: `` or ``. `` outside parentheses."""
+    what = gen_technique_docs.describe(path)["what"]
+    depth = 0
+    for i, ch in enumerate(what):
+        depth += (ch == "(") - (ch == ")")
+        if depth or what[i + 1 : i + 2] not in (" ", ""):
+            continue
+        if ch == ":" or ch == "." and not what[: i + 1].endswith(("e.g.", "i.e.")):
+            return what[:i]
+    return what.rstrip(".")
+
+
+def readme_block() -> str:
+    """README.md's option table, markers included."""
+    lines = [
+        f"{README_START} (generated from conf/<role>/*.yaml by `{WRITE}`) -->",
+        "",
+        "| role | option | what it is ([docs/techniques.md](docs/techniques.md) has the rest) |",
+        "|---|---|---|",
+    ]
+    for role in ROLES:
+        for i, path in enumerate(technique_yamls(role)):
+            head = f"{role}: {ROLE_TEXT[role]}" if i == 0 else ""
+            lines.append(f"| {head} | `{path.stem}` | {first_clause(path)} |")
+    return "\n".join([*lines, "", README_END])
+
+
+def catalog_docs() -> dict[Path, str]:
+    """What ``--write`` writes: docs/techniques.md and README.md with its option table regenerated."""
+    readme = (ROOT / "README.md").read_text()
+    start, end = readme.find(README_START), readme.find(README_END)
+    if start < 0 or end < start:
+        raise SystemExit(f"README.md: no {README_START} -->...{README_END} markers around the option table")
+    readme = readme[:start] + readme_block() + readme[end + len(README_END) :]
+    return {ROOT / "docs" / "techniques.md": gen_technique_docs.render(), ROOT / "README.md": readme}
+
+
+def write_docs(check: bool) -> int:
+    stale = [p for p, text in catalog_docs().items() if not p.exists() or p.read_text() != text]
+    if check:
+        if stale:
+            names = " and ".join(str(p.relative_to(ROOT)) for p in stale)
+            print(f"{names} stale against conf/<role>/*.yaml: run {WRITE}")
+        return 1 if stale else 0
+    for path, text in catalog_docs().items():
+        if path in stale:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__" and {"--write", "--check"} & set(sys.argv):
+    sys.exit(write_docs(check="--check" in sys.argv))  # the docs need neither torch nor a model
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+from hydra.utils import get_class  # noqa: E402
+
 sys.path.insert(0, str(ROOT / "src"))
 
 from kvbench import config, models, run  # noqa: E402
@@ -65,6 +153,19 @@ CATALOG: list[tuple[str, str, tuple | None]] = [
     ("router", "eplb", ("reads", "router.top_k", [4, 5, 6])),
     ("router", "hierarchical", ("reads", "router.top_k", [8, 9, 10, 11], ["router.top_groups=3"])),
 ]
+
+
+def catalog() -> list[tuple[str, str, tuple | None]]:
+    """``CATALOG``, then every technique YAML it does not list: tuned on the budget if it evicts tokens
+    (its class's flags), else run at its YAML's defaults."""
+    listed = {(role, name) for role, name, _ in CATALOG}
+    extra = []
+    for role in ROLES:
+        for path in technique_yamls(role):
+            if path.stem != "chain" and (role, path.stem) not in listed:
+                flags = get_class(yaml.safe_load(path.read_text())["_target_"]).flags
+                extra.append((role, path.stem, ("budget", 0.05, 1.0) if flags.evicts_tokens else None))
+    return [*CATALOG, *extra]
 
 
 def compose_cell(overrides: list[str]):
@@ -240,6 +341,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma list of role/name to run (default: all)")
     ap.add_argument("--skip-needle", action="store_true")
     ap.add_argument("--table-only", action="store_true", help="re-render results/<name>/CATALOG.md")
+    ap.add_argument("--write", action="store_true", help="regenerate docs/techniques.md and README's table")
+    ap.add_argument("--check", action="store_true", help="exit 1 if either is stale")
     args = ap.parse_args()
     if args.table_only:
         print(render_saved(args.name))
@@ -259,7 +362,7 @@ def main() -> None:
         lm = models.load(probe_cfg.model, "cpu")
         ids = lm.codec.encode(load_text(probe_cfg.dataset))[: probe_cfg.dataset.prefill + 64]
         records = []
-        for role, name, tuning in CATALOG:
+        for role, name, tuning in catalog():
             if wanted and f"{role}/{name}" not in wanted:
                 continue
             cell, (compression, reads) = tune(

@@ -6,16 +6,25 @@ budget is tight, and equals it at budget 1 where that is lossless (and at any bu
 lossless placement such as flexgen, whose action is tested through its tier figures); a padded batch of two
 sequences of different lengths gives the same logits as running them one by one.
 Each technique's own invariant and byte count are tested in its family's test file.
+
+The catalog docs (docs/techniques.md and README.md's option table) are generated from the YAMLs
+and must be current; a technique's name, its YAML's file stem, is the same in its ``name:`` and its
+class's default.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
+from hydra.utils import get_class
 
 from conftest import tiny_cfg
 from helpers import budget_of, padded_batch_vs_solo, tokens
@@ -25,7 +34,8 @@ from kvbench.eval import loop
 from kvbench.roles import BindContext
 from kvbench.stack import Stack, build_technique, chain_stages
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
 ROLES = ("router", "compressor", "scheduler")
 OPTIONS = [
     (role, p.stem)
@@ -55,15 +65,17 @@ def _env(tmp_path_factory):
     mp.undo()
 
 
-# Knobs sized for the tiny model (3 layers, head_dim 16); the YAML defaults suit real models.
-TINY_KNOBS = {
-    "compressor/fastv": ["compressor.layer=1"],
-    "compressor/svd": ["compressor.key_rank=4", "compressor.value_rank=8", "compressor.block_size=16"],
-    "compressor/lora": ["compressor.key_rank=4", "compressor.value_rank=8"],
-    "compressor/lora_plus_plus": ["compressor.key_rank=4", "compressor.value_rank=8"],
-    # a small gate fit: the catalog tests the eviction, not the fit
-    "scheduler/duo_attention": ["scheduler.samples=2", "scheduler.length=64", "scheduler.steps=3"],
-}
+def tiny_knobs(role: str, option: str) -> list[str]:
+    """Knobs sized for the tiny model (3 layers, head_dim 16), from the YAML's ``# tiny: k=v ...``
+    comment line (after its keys, so that docs/techniques.md leaves it out); the YAML's defaults,
+    which suit real models, where there is none."""
+    for line in (CONF / role / f"{option}.yaml").read_text().splitlines():
+        if line.startswith("# tiny:"):
+            return [f"{role}.{kv}" for kv in line.removeprefix("# tiny:").split()]
+    return []
+
+
+TINY_KNOBS = {f"{role}/{option}": knobs for role, option in OPTIONS if (knobs := tiny_knobs(role, option))}
 
 
 def technique(role: str, option: str, **knobs):
@@ -173,3 +185,42 @@ def test_two_selection_stages_compose_multiplicatively(lm, ids):
     assert torch.equal(kept[0], one.stores[0].row_tokens())
     assert (kept[1] < one.stores[1].row_tokens()).all()
     assert (kept[1] <= math.ceil(0.5**2 * seen)).all() and (kept[2] <= one.stores[2].row_tokens()).all()
+
+
+def test_catalog_docs_are_current():
+    """docs/techniques.md and README.md's option table are what the YAMLs generate."""
+    got = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "catalog_table.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert got.returncode == 0, got.stdout + got.stderr  # names the command that regenerates them
+
+
+@pytest.mark.parametrize(
+    ("role", "option"), [(role, p.stem) for role in ROLES for p in sorted((CONF / role).glob("*.yaml"))]
+)
+def test_name_is_the_file_stem_everywhere(role, option):
+    """The file stem is the name (``<role>=<name>``); the YAML's ``name:`` (what records and reports
+    carry) and the class's default ``name`` (a class built without its YAML) repeat it."""
+    node = yaml.safe_load((CONF / role / f"{option}.yaml").read_text())
+    name = node.get("name")
+    assert name == option, f"conf/{role}/{option}.yaml: name: {name!r}, not {option!r}"
+    if node.get("_target_") is not None:
+        default = {f.name: f.default for f in dataclasses.fields(get_class(node["_target_"]))}["name"]
+        assert default == option, f"{node['_target_']}.name defaults to {default!r}, not {option!r}"
+
+
+@pytest.mark.parametrize(("role", "option"), OPTIONS)
+def test_tiny_knobs_are_knobs_below_the_keys(role, option):
+    """A ``# tiny:`` line sets only the YAML's own knobs, and sits after its keys (in the leading
+    comment it would join the technique's description in the docs)."""
+    lines = (CONF / role / f"{option}.yaml").read_text().splitlines()
+    knobs = set(yaml.safe_load("\n".join(lines))) - {"_target_", "name"}
+    first_key = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+    for i, line in enumerate(lines):
+        if line.startswith("# tiny:"):
+            assert i > first_key, f"conf/{role}/{option}.yaml: put '# tiny:' after the keys"
+            for kv in line.removeprefix("# tiny:").split():
+                key, sep, _ = kv.partition("=")
+                assert sep and key in knobs, f"conf/{role}/{option}.yaml: # tiny: {kv!r} is no knob=value"
