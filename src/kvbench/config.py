@@ -16,27 +16,30 @@ from kvbench.stack import Stack, build_stack
 
 @dataclass
 class Schema:
-    """Typed top-level keys: ``seed=abc`` or a misspelled key fails at composition."""
+    """Types of the top-level keys: ``seed=abc`` or a misspelled key fails at composition.
+
+    Types only: every value, and so every default, is ``conf/config.yaml``'s.
+    """
 
     model: Any = MISSING
     dataset: Any = MISSING
-    router: Any = None
-    compressor: Any = None
-    scheduler: Any = None
-    logger: Any = None
-    launcher: Any = None
-    name: str = "default"
-    results_dir: str = "results"
-    force: bool = False
-    retry_failed: bool = False
-    timeout_s: float | None = None
-    device: str = "auto"
-    seed: int = 0
-    threads: int | None = None
-    budget: float = 0.5
-    budget_tokens: int | None = None
-    sinks: int = 4
-    window: int = 32
+    router: Any = MISSING
+    compressor: Any = MISSING
+    scheduler: Any = MISSING
+    logger: Any = MISSING
+    launcher: Any = MISSING
+    name: str = MISSING
+    results_dir: str = MISSING
+    force: bool = MISSING
+    retry_failed: bool = MISSING
+    timeout_s: float | None = MISSING
+    device: str = MISSING
+    seed: int = MISSING
+    threads: int | None = MISSING
+    budget: float = MISSING
+    budget_tokens: int | None = MISSING
+    sinks: int = MISSING
+    window: int = MISSING
 
 
 def register() -> None:
