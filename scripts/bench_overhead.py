@@ -171,8 +171,10 @@ def _cell_time(lm, name: str, batch_size: int, **over) -> tuple[float, float]:
         ds[key] = value
     proto = protocol.get(ds.task)
     data = proto.load(ds)
-    stack = Stack(scheduler=H2OScheduler(), budget=Budget(budget=0.5))
-    stack.bind(BindContext.for_model(lm, stack.budget))
+    stack = Stack(
+        scheduler=H2OScheduler(), budget=Budget(fraction=0.5, budget_tokens=None, sinks=4, window=32)
+    )
+    stack.bind(BindContext.for_model(lm))
     start = time.perf_counter()
     result = proto.evaluate(lm, stack, data.data, ds, None)
     return time.perf_counter() - start, result.metrics.score.value
