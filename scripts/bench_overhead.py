@@ -1,7 +1,7 @@
 """Overhead of kvbench, measured side by side in one run on the embedded model.
 
 (a) kvbench with the stack `none` against plain transformers (SDPA, DynamicCache) on the same
-    prefill and greedy decode work: target at most 1.10x.
+    prefill and greedy decode work: target at most 1.05x.
 (b) a six-cell multirun in one process against six separate processes, each cell a perplexity of
     two 512-token windows: target at most 0.5x.
 (c) a needle cell and a LongBench-format cell (kvbench's synthetic set) through H2O at budget 0.5,
@@ -12,7 +12,8 @@
     alone at --budget, at each context length: prefill, then --decode greedy steps, each timed with
     the stack's after_forward inside. Its mean decode step (the first discarded as warm-up) against
     the full cache's, measured first and last at each length (their mean, and their spread to show
-    drift): target at most 1.5x, `!` marks those above. Store share: the part of the decode step
+    drift): target at most 1.5x, `!` marks those above. Cell: prefill plus 12 decode steps (a needle
+    case's work) against the full cache's, target at most 1.3x. Store share: the part of the decode step
     spent in kvbench's cache engine (KVCache.update, attend, after_forward; attend includes the
     attention computation itself, so the full cache's share is the floor to compare with).
 
@@ -58,6 +59,8 @@ MODEL_YAML = CONF / "model" / "smollm2_135m.yaml"
 ROLES = ("router", "compressor", "scheduler")
 FULL = "full cache"
 TARGET_D = 1.5
+TARGET_CELL = 1.3
+CELL_STEPS = 12  # a needle case: a prefill of the context, then 12 new tokens
 CELLS = [
     ("none", "none"),
     ("none", "streaming_llm"),
@@ -110,7 +113,7 @@ def bench_a(prefill: int, decode: int, repeats: int) -> float:
     p, k = min(plain), min(ours)
     print(
         f"(a) prefill {prefill} + decode {decode}, best of {repeats}: transformers {p:.3f} s, "
-        f"kvbench(none) {k:.3f} s, ratio {k / p:.3f}x (target <= 1.10x)"
+        f"kvbench(none) {k:.3f} s, ratio {k / p:.3f}x (target <= 1.05x)"
     )
     return k / p
 
@@ -295,10 +298,17 @@ def time_stack(lm, stack, ids: list[int], decode: int, clock: EngineClock) -> di
     return {"prefill": prefill, "decode": mean, "share": sum(engine) / sum(steps)}
 
 
-def _row(name: str, r: dict[str, float], ratio: float | None) -> str:
-    mark = "!" if ratio is not None and ratio > TARGET_D else " "
-    rtxt = f"{ratio:6.2f}x{mark}" if ratio is not None else " " * 8
-    return f"  {name:28s} {r['decode'] * 1e3:9.2f} {rtxt} {r['prefill']:9.3f} {r['share'] * 100:7.1f}%"
+def _cell(r: dict[str, float]) -> float:
+    return r["prefill"] + CELL_STEPS * r["decode"]
+
+
+def _row(name: str, r: dict[str, float], ref: dict[str, float], full: bool = False) -> str:
+    ratio, cell = r["decode"] / ref["decode"], _cell(r) / _cell(ref)
+    mark = "!" if ratio > TARGET_D else " "
+    cmark = "!" if cell > TARGET_CELL else " "
+    rtxt = " " * 8 if full else f"{ratio:6.2f}x{mark}"
+    ctxt = " " * 8 if full else f"{cell:6.2f}x{cmark}"
+    return f"  {name:28s} {r['decode'] * 1e3:9.2f} {rtxt} {r['prefill']:9.3f} {ctxt} {r['share'] * 100:7.1f}%"
 
 
 def bench_d(contexts: list[int], decode: int, budget: float, only: list[str] | None) -> None:
@@ -352,16 +362,21 @@ def bench_d(contexts: list[int], decode: int, budget: float, only: list[str] | N
                 f"full cache first {full[0]['decode'] * 1e3:.2f} ms, last {full[1]['decode'] * 1e3:.2f} ms "
                 f"(spread {spread * 100:.1f}%)"
             )
-            print(f"  {'technique':28s} {'decode ms':>9s} {'ratio':>8s} {'prefill s':>9s} {'store':>8s}")
-            print(_row(FULL, ref, None))
+            print(
+                f"  {'technique':28s} {'decode ms':>9s} {'ratio':>8s} {'prefill s':>9s} "
+                f"{'cell':>8s} {'store':>8s}"
+            )
+            print(_row(FULL, ref, ref, full=True))
             ratios = {}
             for name in names:
                 if name in rows:
                     ratios[name] = rows[name]["decode"] / ref["decode"]
-                    print(_row(name, rows[name], ratios[name]))
+                    print(_row(name, rows[name], ref))
                 else:
                     print(f"  {name:28s} failed ({errors[name]})")
+            cells = {n: _cell(rows[n]) / _cell(ref) for n in ratios}
             meet = sum(r <= TARGET_D for r in ratios.values())
+            worst_cell = max(cells, key=cells.get) if cells else None
             worst = max(ratios, key=ratios.get) if ratios else None
             worst_txt = f"worst {ratios[worst]:.2f}x ({worst})" if worst else "none ran"
             fail_txt = f", {len(errors)} failed" if errors else ""
@@ -369,6 +384,12 @@ def bench_d(contexts: list[int], decode: int, budget: float, only: list[str] | N
                 f"  {meet}/{len(names)} techniques at most {TARGET_D}x the full cache's decode step; "
                 f"{worst_txt}{fail_txt}"
             )
+            if worst_cell:
+                print(
+                    f"  {sum(c <= TARGET_CELL for c in cells.values())}/{len(names)} at most {TARGET_CELL}x "
+                    f"the full cache's cell (prefill + {CELL_STEPS} steps); worst {cells[worst_cell]:.2f}x "
+                    f"({worst_cell})"
+                )
 
 
 def main() -> None:
