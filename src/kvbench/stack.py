@@ -160,7 +160,8 @@ def chain_stages(stages: list[Any] | Any) -> tuple[list[Compressor], list[dict[s
     allowed = sorted(
         p.stem for p in (CONF_DIR / "compressor").glob("*.yaml") if p.stem not in ("chain", "none")
     )
-    techs, resolved = [], []
+    techs: list[Compressor] = []
+    resolved: list[dict[str, Any]] = []
     for i, stage in enumerate(raw):
         if isinstance(stage, str):
             name, overrides = stage, {}
@@ -179,16 +180,17 @@ def chain_stages(stages: list[Any] | Any) -> tuple[list[Compressor], list[dict[s
             if key not in node:
                 knobs = ", ".join(str(k) for k in node if k != "_target_")
                 raise ConfigError(f"compressor.stages[{i}].{key}: {name} has no such knob (knobs: {knobs})")
-        node = OmegaConf.merge(node, overrides)  # type: ignore[assignment]
+        merged = OmegaConf.merge(node, overrides)
+        assert isinstance(merged, DictConfig)
         try:
-            tech = build_technique(node, "compressor")  # type: ignore[arg-type]
+            tech = build_technique(merged, "compressor")
         except ConfigError as err:
             raise ConfigError(str(err).replace("compressor.", f"compressor.stages[{i}].", 1)) from err
         assert isinstance(tech, Compressor)
         techs.append(tech)
-        resolved.append(OmegaConf.to_container(node, resolve=True))
-    check_legal(techs)  # type: ignore[arg-type]
-    return techs, resolved  # type: ignore[return-value]
+        resolved.append(OmegaConf.to_container(merged, resolve=True))  # type: ignore[arg-type]
+    check_legal(list(techs))
+    return techs, resolved
 
 
 def _composed_compressor(name: str) -> DictConfig:
