@@ -430,3 +430,11 @@ def test_padded_batch_equals_one_by_one(tiny_93, name):
 def test_bad_knobs_are_refused(make, knob):
     with pytest.raises(ConfigError, match=rf"^router\.{knob}="):
         make()
+
+
+@pytest.mark.parametrize("make", [TopKBalancedRouter, PikvRouter, EPLBRouter], ids=lambda c: c.__name__)
+def test_routers_write_after_the_rows_grow_inside_inference_mode(tiny_93, make):
+    """The rows grow (new tensors) during a forward, under inference mode; the routers' writes after
+    it update them in place, so the stack must be applied under inference mode too."""
+    _, cache = run(tiny_93, make(), sizes=[48, 96, 1, 1])
+    assert cache.stores[0].fp.rows.capacity > 48 + 64  # grown at least once

@@ -135,9 +135,14 @@ class KVCache(Cache):
 
     # --- kvbench ------------------------------------------------------------------------------
     def after_forward(self) -> None:
-        """Apply the stack after a forward chunk: compressor, then scheduler, then router writes."""
-        for i, store in enumerate(self.stores):
-            self.stack.apply(i, store)
+        """Apply the stack after a forward chunk: compressor, then scheduler, then router writes.
+
+        Under inference mode, as the forward itself: the store's tensors are inference tensors,
+        updated in place.
+        """
+        with torch.inference_mode():
+            for i, store in enumerate(self.stores):
+                self.stack.apply(i, store)
         self.routed = True
 
     def nbytes(self) -> int:
