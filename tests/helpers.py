@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from kvbench.eval import loop
@@ -73,3 +78,18 @@ def padded_batch_vs_solo(lm, make, a=None, b=None, prefills=(40, 25), chunks=(4,
         alone = [s[1].stores[layer].row_tokens() for s in solo]
         assert torch.equal(store.row_tokens(), torch.cat(alone))
     return stack, cache, [s[1] for s in solo]
+
+
+def run_kvbench(*args: str, tmp: Path, **env: str | None) -> subprocess.CompletedProcess:
+    """``python -m kvbench ARGS`` from the checkout, with its cache, Hydra folder and results under
+    ``tmp``; ``env`` adds variables (None removes one)."""
+    base = {**os.environ, "KVBENCH_CACHE": str(tmp / "cache"), "KVBENCH_HYDRA_DIR": str(tmp / "hydra")}
+    merged = {k: v for k, v in {**base, **env}.items() if v is not None}
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *args, f"results_dir={tmp / 'results'}"],
+        capture_output=True,
+        text=True,
+        env=merged,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )

@@ -3,9 +3,6 @@ allowed, before any model loads; and inputs that were refused wrongly are accept
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from helpers import run_kvbench
 from kvbench import config, models
 from kvbench.data import corpus
 from kvbench.errors import ConfigError, DatasetLoadError
@@ -24,19 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY_PPL = ["model=tiny_random", "dataset=pydoc", "dataset.prefill=48", "dataset.chunk=8"]
 TINY_PPL += ["dataset.chunks_per_window=2", "dataset.windows=2", "window=8", "sinks=2"]
 UNREACHABLE = "http://127.0.0.1:9"  # the discard port: refused at once, with or without a network
-
-
-def kvbench(*args: str, tmp: Path, **env: str | None) -> subprocess.CompletedProcess:
-    base = {**os.environ, "KVBENCH_CACHE": str(tmp / "cache"), "KVBENCH_HYDRA_DIR": str(tmp / "hydra")}
-    merged = {k: v for k, v in {**base, **env}.items() if v is not None}
-    return subprocess.run(
-        [sys.executable, "-m", "kvbench", *args, f"results_dir={tmp / 'results'}"],
-        capture_output=True,
-        text=True,
-        env=merged,
-        cwd=ROOT,
-        timeout=300,
-    )
 
 
 def one_line(message: str) -> str:
@@ -77,7 +62,7 @@ def refused(tmp: Path, *overrides: str) -> str:
     ],
 )
 def test_the_cli_refuses_in_one_line(tmp_path, args, env, needle):
-    out = kvbench(*args, tmp=tmp_path, HF_HOME=str(tmp_path / "hf"), **env)
+    out = run_kvbench(*args, tmp=tmp_path, HF_HOME=str(tmp_path / "hf"), **env)
     assert out.returncode == 2, out.stderr[-2000:]
     assert out.stdout == "" and len(out.stderr.splitlines()) == 1, out.stderr[-2000:]
     assert out.stderr.startswith("kvbench: error: ") and needle in out.stderr, out.stderr
@@ -85,7 +70,7 @@ def test_the_cli_refuses_in_one_line(tmp_path, args, env, needle):
 
 
 def test_help_names_kvbench_says_what_it_does_and_gives_the_readmes_commands(tmp_path):
-    out = kvbench("--help", tmp=tmp_path)
+    out = run_kvbench("--help", tmp=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.startswith("kvbench: honest benchmarks of KV-cache compression for LLMs.")
     assert "powered by Hydra" not in out.stdout.splitlines()[0] and "__main__" not in out.stdout

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import run_kvbench
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -23,18 +24,6 @@ TINY = [
     "window=8",
     "sinks=2",
 ]
-
-
-def kvbench(*args: str, tmp: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "KVBENCH_CACHE": str(tmp / "cache"), "KVBENCH_HYDRA_DIR": str(tmp / "hydra")}
-    return subprocess.run(
-        [sys.executable, "-m", "kvbench", *args, f"results_dir={tmp / 'results'}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-    )
 
 
 @pytest.mark.parametrize(
@@ -53,7 +42,7 @@ def kvbench(*args: str, tmp: Path) -> subprocess.CompletedProcess:
     ],
 )
 def test_bad_input_fails_in_one_line_before_loading(tmp_path, args, needle):
-    out = kvbench(*args, tmp=tmp_path)
+    out = run_kvbench(*args, tmp=tmp_path)
     assert out.returncode == 2
     errors = [line for line in out.stderr.splitlines() if line.startswith("kvbench: error:")]
     assert len(errors) == 1 and needle in errors[0], out.stderr
@@ -62,7 +51,9 @@ def test_bad_input_fails_in_one_line_before_loading(tmp_path, args, needle):
 
 
 def test_multirun_in_one_process_then_skip_and_report(tmp_path):
-    out = kvbench("-m", *TINY, "scheduler=none,h2o", "compressor=none,quantized", "name=mini", tmp=tmp_path)
+    out = run_kvbench(
+        "-m", *TINY, "scheduler=none,h2o", "compressor=none,quantized", "name=mini", tmp=tmp_path
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     records = [json.loads(p.read_text()) for p in (tmp_path / "results" / "mini").glob("*.json")]
     assert len(records) == 4 and all(r["status"] == "done" for r in records)
@@ -73,7 +64,9 @@ def test_multirun_in_one_process_then_skip_and_report(tmp_path):
     assert base["accuracy_drop"] is None and both["accuracy_drop"]["name"] == "delta_ppl_pct"
     assert both["compression_mean"] > base["compression_mean"]
     assert both["score"]["value"] != base["score"]["value"]
-    again = kvbench("-m", *TINY, "scheduler=none,h2o", "compressor=none,quantized", "name=mini", tmp=tmp_path)
+    again = run_kvbench(
+        "-m", *TINY, "scheduler=none,h2o", "compressor=none,quantized", "name=mini", tmp=tmp_path
+    )
     assert "4 cells: 4 done, 0 failed earlier, 0 interrupted, 0 to run" in again.stderr
     assert "summary: 0 done, 4 skipped (already complete), 0 failed" in again.stderr
     rep = subprocess.run(
@@ -86,7 +79,7 @@ def test_multirun_in_one_process_then_skip_and_report(tmp_path):
     # each record's command reruns that cell alone: same cell id, found done
     cell = by_stack[("quantized", "h2o")]
     assert "compressor=quantized" in cell["command"] and "results_dir" not in cell["command"]
-    alone = kvbench(*shlex.split(cell["command"]), tmp=tmp_path)
+    alone = run_kvbench(*shlex.split(cell["command"]), tmp=tmp_path)
     assert alone.returncode == 0 and f"cell {cell['cell_id']} is done" in alone.stderr
     assert f"command `python -m kvbench {cell['command']}`" in rep.stdout  # its table's provenance
 
@@ -108,7 +101,7 @@ def test_record_identity_excludes_logging_and_paths(tmp_path):
 
 def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path):
     """Hydra's own flags with a value (``--cfg job``) are not taken for overrides."""
-    out = kvbench("--cfg", "job", *TINY, tmp=tmp_path)
+    out = run_kvbench("--cfg", "job", *TINY, tmp=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "name: tiny_random" in out.stdout and "prefill: 48" in out.stdout
     assert not (tmp_path / "results").exists()
