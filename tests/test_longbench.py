@@ -11,7 +11,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from tests.test_cli import ROOT, kvbench
+from tests.helpers import run_kvbench as kvbench
+from tests.test_cli import ROOT
 
 from kvbench import codec, config, run
 from kvbench.data import longbench_tasks as tasks

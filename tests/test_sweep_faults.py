@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
-from tests.test_cli import ROOT, TINY, kvbench
+from tests.helpers import run_kvbench as kvbench
+from tests.test_cli import ROOT, TINY
 
 from kvbench import cellstate, config, run
 from kvbench.eval import perplexity

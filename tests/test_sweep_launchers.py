@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.test_cli import ROOT, TINY, kvbench
+from tests.helpers import run_kvbench as kvbench
+from tests.test_cli import ROOT, TINY
 
 from kvbench.results import json_leaves
 
