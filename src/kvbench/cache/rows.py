@@ -22,15 +22,23 @@ from kvbench.cache.ragged import segment_ids, starts, valid_mask
 _MIN_GROWTH = 64
 
 
-def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """``values`` ``(BH, W, ...)`` without the slots where ``keep`` ``(BH, W)`` is False, per row, in
-    order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
-    order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices
-    counts = keep.sum(-1)
-    width = int(counts.max()) if counts.numel() else 0
+def _order(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the kept slots first in order (``(BH, W)`` gather indices), and how many ``(BH,)``."""
+    return torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices, keep.sum(-1)
+
+
+def _gathered(values: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """``values`` ``(BH, W, ...)`` reordered by ``order``, cut to ``width``, slots past ``counts`` zero."""
     trail = [1] * (values.dim() - 2)
     out = torch.gather(values, 1, order.view(*order.shape, *trail).expand_as(values))[:, :width]
     return out.masked_fill(~valid_mask(counts, width).view(*out.shape[:2], *trail), 0)
+
+
+def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``values`` ``(BH, W, ...)`` without the slots where ``keep`` ``(BH, W)`` is False, per row, in
+    order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
+    order, counts = _order(keep)
+    return _gathered(values, order, counts, int(counts.max()) if counts.numel() else 0)
 
 
 class Rows:
@@ -55,7 +63,7 @@ class Rows:
 
     def get(self, name: str) -> torch.Tensor:
         """The padded rectangle of a field: ``(BH, width, *rest)``, a view (slots past a row's
-        length hold stale values)."""
+        length read as zeros)."""
         return self.fields[name][:, : self.width]
 
     def valid(self) -> torch.Tensor:
@@ -141,17 +149,11 @@ class Rows:
 
         Writes new tensors: rectangles read before (a layer's view) keep what they showed.
         """
-        mask = mask & self.valid()
-        order = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices  # kept slots first
-        self.lens = mask.sum(-1)
-        dead = ~valid_mask(self.lens, self.width)  # freed slots read as zeros, as padding does
-        for name, field in self.fields.items():
-            span = field[:, : self.width]
-            trail = [1] * (field.dim() - 2)
-            kept = torch.gather(span, 1, order.view(*order.shape, *trail).expand_as(span))
-            new = torch.empty_like(field)
-            new[:, : self.width] = kept.masked_fill_(dead.view(*dead.shape, *trail), 0)
-            self.fields[name] = new
+        order, self.lens = _order(mask & self.valid())  # one sort for every field
         low, high = torch.aminmax(self.lens)
         low_i, high_i = (int(x) for x in torch.stack([low, high]).tolist())
+        for name, field in self.fields.items():
+            new = torch.empty_like(field)
+            new[:, :high_i] = _gathered(field[:, : self.width], order, self.lens, high_i)
+            self.fields[name] = new
         self.width, self.uniform = high_i, low_i == high_i
