@@ -77,6 +77,14 @@ class Budget:
             cap = torch.ceil(self.fraction * weight * seen.double() - 1e-9).long()
         return torch.minimum(cap.clamp(min=self.sinks + self.window), seen)
 
+    def capacity_host(self, seen: int, weight: float = 1.0) -> int:
+        """:meth:`capacity` of one sequence on the host, the same arithmetic (float64, then ceil)."""
+        if self.budget_tokens is not None:
+            cap = math.ceil(self.budget_tokens * weight)
+        else:
+            cap = math.ceil(self.fraction * weight * float(seen) - 1e-9)
+        return min(max(cap, self.sinks + self.window), seen)
+
     def protected(
         self, pos: torch.Tensor, seen: torch.Tensor | int, protect_from: torch.Tensor | int | None = None
     ) -> torch.Tensor:
@@ -249,26 +257,26 @@ class Router(Technique):
         """Called after every forward chunk, last: update shard assignment of stored tokens."""
 
 
-def keep_top(scores: torch.Tensor, valid: torch.Tensor, k: int | torch.Tensor) -> torch.Tensor:
-    """Boolean mask of the ``k`` highest valid scores per head-row.
+def keep_top(scores: torch.Tensor, valid: torch.Tensor | None, k: int | torch.Tensor) -> torch.Tensor:
+    """Boolean mask of the ``k`` highest valid scores per head-row (ties: the earlier slot).
 
     Args:
         scores: ``(B, H, T)``; protected tokens should carry ``+inf`` and are never dropped.
-        valid: ``(B, H, T)``.
+        valid: ``(B, H, T)``, or None when every slot is a real token.
         k: tokens to keep per head-row: an int, or per sequence ``(B,)``, or per head-row ``(B, H)``.
 
     Returns:
         ``(B, H, T)`` bool.
     """
-    b, h, _ = scores.shape
+    b, h, t = scores.shape
     kk = torch.as_tensor(k, device=scores.device).long()
     kk = kk.view(b, 1) if kk.dim() == 1 else kk
     kk = kk.expand(b, h) if kk.dim() else kk.expand(b, h)
-    protected = (torch.isinf(scores) & (scores > 0) & valid).sum(-1)
-    kk = torch.maximum(kk, protected)
-    masked = scores.masked_fill(~valid, float("-inf"))
+    protected = scores == float("inf")
+    kk = torch.maximum(kk, (protected if valid is None else protected & valid).sum(-1))
+    masked = scores if valid is None else scores.masked_fill(~valid, float("-inf"))
     order = masked.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    )
-    return (rank < kk[..., None]) & valid
+    # The first kk of each row in sorted order, put back in place.
+    kept = torch.arange(t, device=scores.device) < kk[..., None]
+    kept = torch.empty_like(kept).scatter_(-1, order, kept)
+    return kept if valid is None else kept & valid

@@ -7,6 +7,7 @@ keeps its own budget of its own tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,15 +35,34 @@ def leaving_window(
     return ok & (rank <= whole[:, None])
 
 
-def evict_by_score(store: LayerStore, budget: Budget, score: torch.Tensor, cap: torch.Tensor) -> None:
-    """Keep the ``cap`` ``(B,)`` (or ``(B, H)``) best-scored tokens per head-row, sinks, the window
-    and protected positions always kept."""
-    view = store.view()
-    counts = view.valid.sum(-1)
-    if not bool((counts > (cap[:, None] if cap.dim() == 1 else cap)).any()):
+def within(store: LayerStore, capacity: Callable[[int], int]) -> bool:
+    """True when every head-row provably holds at most ``capacity(seen)`` tokens of its sequence, from
+    host figures alone: a selection would keep every token and can be skipped (half the decode
+    steps at budget 0.5). False when unsure (rows of different lengths)."""
+    n = store.uniform_tokens()
+    return n is not None and all(n <= capacity(seen) for seen in store.seen_host)
+
+
+def evict_by_score(
+    store: LayerStore, budget: Budget, score: Callable[[], torch.Tensor], capacity: Callable[[int], int]
+) -> None:
+    """Keep the ``capacity(seen)`` best-scored tokens per head-row of each sequence, sinks, the window
+    and protected positions always kept.
+
+    Args:
+        score: returns ``(B, H, T)`` scores aligned with ``store.view()``; called only when some
+            head-row is over its capacity.
+        capacity: tokens a head-row of a sequence that has seen ``seen`` tokens keeps, on the host
+            (e.g. :meth:`Budget.capacity_host`).
+    """
+    if within(store, capacity):
         return
-    score = score.masked_fill(budget.protected_view(store), float("inf"))
-    store.keep(keep_top(score, view.valid, cap))
+    view = store.view()
+    cap = torch.tensor([capacity(seen) for seen in store.seen_host], device=store.device)
+    if not view.dense and not bool((view.valid.sum(-1) > cap[:, None]).any()):
+        return
+    scores = score().masked_fill(budget.protected_view(store), float("inf"))
+    store.keep(keep_top(scores, None if view.dense else view.valid, cap))
 
 
 @dataclass
@@ -74,6 +94,15 @@ class Allocated(Technique):
         cap = self.layer_capacity(layer, store)
         fits = self.budget.capacity(store.seen) >= store.seen
         return torch.where(fits, store.seen, cap)
+
+    def layer_capacity_host(self, layer: int, seen: int) -> int:
+        """:meth:`layer_capacity` of one sequence, on the host."""
+        return self.budget.capacity_host(seen, self.weights[layer])
+
+    def allocated_capacity_host(self, layer: int, seen: int) -> int:
+        """:meth:`allocated_capacity` of one sequence, on the host."""
+        fits = self.budget.capacity_host(seen) >= seen
+        return seen if fits else self.layer_capacity_host(layer, seen)
 
 
 def check_window(role: str, obs_window: int, pool: int) -> None:

@@ -27,18 +27,22 @@ def _order(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices, keep.sum(-1)
 
 
-def _gathered(values: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-    """``values`` ``(BH, W, ...)`` reordered by ``order``, cut to ``width``, slots past ``counts`` zero."""
+def _gathered(
+    values: torch.Tensor, order: torch.Tensor, live: torch.Tensor | None, width: int
+) -> torch.Tensor:
+    """``values`` ``(BH, W, ...)`` reordered by ``order``, cut to ``width``, zero where ``live``
+    ``(BH, width)`` is False (None: every row keeps ``width`` tokens)."""
     trail = [1] * (values.dim() - 2)
     out = torch.gather(values, 1, order.view(*order.shape, *trail).expand_as(values))[:, :width]
-    return out.masked_fill(~valid_mask(counts, width).view(*out.shape[:2], *trail), 0)
+    return out if live is None else out.masked_fill(~live.view(*out.shape[:2], *trail), 0)
 
 
 def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``values`` ``(BH, W, ...)`` without the slots where ``keep`` ``(BH, W)`` is False, per row, in
     order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
     order, counts = _order(keep)
-    return _gathered(values, order, counts, int(counts.max()) if counts.numel() else 0)
+    width = int(counts.max()) if counts.numel() else 0
+    return _gathered(values, order, valid_mask(counts, width), width)
 
 
 class Rows:
@@ -149,11 +153,12 @@ class Rows:
 
         Writes new tensors: rectangles read before (a layer's view) keep what they showed.
         """
-        order, self.lens = _order(mask & self.valid())  # one sort for every field
-        low, high = torch.aminmax(self.lens)
-        low_i, high_i = (int(x) for x in torch.stack([low, high]).tolist())
+        order, lens = _order(mask if self.uniform else mask & self.valid())  # one sort for every field
+        counts = lens.tolist()  # the one synchronisation: the new width
+        low, high = min(counts), max(counts)
+        live = None if low == high else valid_mask(lens, high)
         for name, field in self.fields.items():
             new = torch.empty_like(field)
-            new[:, :high_i] = _gathered(field[:, : self.width], order, self.lens, high_i)
+            new[:, :high] = _gathered(field[:, : self.width], order, live, high)
             self.fields[name] = new
-        self.width, self.uniform = high_i, low_i == high_i
+        self.lens, self.width, self.uniform = lens, high, low == high

@@ -100,6 +100,7 @@ class LayerStore:
         self._fp = FPSegment(batch * kv_heads, device)
         self._compressed: list[Segment] = []  # older tokens in other representations
         self.seen = torch.zeros(batch, dtype=torch.long, device=device)
+        self.seen_host = [0] * batch  # ``seen`` on the host: decisions that need no device work
         self.protect_from: torch.Tensor | None = None  # (B,): positions >= this are never evicted
         self._side: dict[type, SideData] = {}
         self.last_qpos = torch.empty(batch, 0, dtype=torch.long, device=device)  # (B, q) of the last append
@@ -149,6 +150,7 @@ class LayerStore:
                 }
             )
             self.seen = self.seen + q
+            self.seen_host = [n + q for n in self.seen_host]
             self._seen_max += q
         else:
             real = real.to(k.device)
@@ -165,7 +167,8 @@ class LayerStore:
                 keep.sum(-1),
             )
             self.seen = self.seen + real.sum(-1)
-            self._seen_max = int(self.seen.max())
+            self.seen_host = self.seen.tolist()  # the one synchronisation of a padded append
+            self._seen_max = max(self.seen_host)
         self._view = None
 
     def move_out(self, move: torch.Tensor, build: Build, first: bool = False) -> Segment | None:
@@ -219,11 +222,11 @@ class LayerStore:
     def keep(self, mask: torch.Tensor) -> None:
         """Evict every token where ``mask`` ``(B, H, T)`` (aligned with ``view()``) is False."""
         for seg, keep in zip(self.segments, self._split(mask)):
-            valid = seg.rows.valid()
-            if bool((keep | ~valid).all()):
+            rows = seg.rows
+            if bool(keep.all() if rows.uniform else (keep | ~rows.valid()).all()):
                 continue
             if isinstance(seg, Segment):
-                seg.keep(keep[valid])
+                seg.keep(keep[rows.valid()])
             seg.rows.keep(keep)
         self._compressed = [s for s in self._compressed if s.rows.width > 0]
         self._view = None
@@ -367,6 +370,11 @@ class LayerStore:
 
     def stored_tokens(self) -> int:
         return sum(s.size for s in self.segments)
+
+    def uniform_tokens(self) -> int | None:
+        """Stored tokens of every head-row when all hold the same number (known on the host), else None."""
+        segs = self.segments
+        return sum(s.rows.width for s in segs) if all(s.rows.uniform for s in segs) else None
 
     def row_tokens(self) -> torch.Tensor:
         """Stored tokens per head-row ``(B * H,)``."""

@@ -31,6 +31,7 @@ from kvbench.cache.segments import Segment
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
+from kvbench.select import within
 
 _BLOCK_ELEMS = 1 << 26  # bound on one block of unit-to-centroid distances (fp32)
 
@@ -262,6 +263,8 @@ class DistillationCompressor(Compressor):
             raise ConfigError(f"compressor.iters={self.iters}: must be >= 0")
 
     def compress(self, layer: int, store: LayerStore) -> None:
+        if within(store, self.budget.capacity_host):  # no head-row over budget: nothing to merge
+            return
         view = store.view()
         protected = self.budget.protected_view(store) & view.valid
         old = view.valid & ~protected

@@ -23,6 +23,7 @@ one-by-one runs).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -76,7 +77,8 @@ class PiKVCompressor(Allocated, Compressor):
         store.add_state(AUX, probs.sum((2, 3)))
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget, store.state(AUX), self.allocated_capacity(layer, store))
+        capacity = partial(self.allocated_capacity_host, layer)
+        evict_by_score(store, self.budget, lambda: store.state(AUX), capacity)
         leaving = leaving_window(store, self.budget, self.group_size)
         if not bool(leaving.any()):
             return

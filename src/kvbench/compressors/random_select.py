@@ -46,7 +46,9 @@ class RandomCompressor(Compressor):
         return table[:, :width]
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        view = store.view()
+        evict_by_score(store, self.budget, lambda: self.scores(layer, store), self.budget.capacity_host)
+
+    def scores(self, layer: int, store: LayerStore) -> torch.Tensor:
+        """``(B, H, T)`` the random priority of each stored token's position."""
         prio = self.priorities(layer, store.kv_heads, store.seen_max, store.device)
-        score = torch.gather(prio.expand(store.batch, -1, -1), -1, view.pos.clamp(min=0))
-        evict_by_score(store, self.budget, score, self.budget.capacity(store.seen))
+        return torch.gather(prio.expand(store.batch, -1, -1), -1, store.view().pos.clamp(min=0))

@@ -19,6 +19,7 @@ Differences from the papers, all from kvbench's protocol (docs/methods.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from kvbench.cache.store import LayerStore
 from kvbench.roles import Compressor, Flags
@@ -45,5 +46,5 @@ class SnapKVCompressor(Allocated, ObservationWindow, Compressor):
         check_window(self.role, self.obs_window, self.pool)
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        cap = self.allocated_capacity(layer, store)
-        evict_by_score(store, self.budget, self.window_scores(store), cap)
+        capacity = partial(self.allocated_capacity_host, layer)
+        evict_by_score(store, self.budget, lambda: self.window_scores(store), capacity)

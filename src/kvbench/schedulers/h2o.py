@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -29,4 +30,5 @@ class H2OScheduler(Allocated, Scheduler):
         store.add_state(SCORE, probs.sum((2, 3)))
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget, store.state(SCORE), self.layer_capacity(layer, store))
+        capacity = partial(self.layer_capacity_host, layer)
+        evict_by_score(store, self.budget, lambda: store.state(SCORE), capacity)

@@ -70,6 +70,8 @@ class LRUScheduler(Scheduler):
         return torch.maximum(store.state(self.LAST), store.view().pos.float())
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        view = store.view()
-        score = ranked(self.last_used(store), view.pos)
-        evict_by_score(store, self.budget, score, self.budget.capacity(store.seen))
+        evict_by_score(store, self.budget, lambda: self.scores(store), self.budget.capacity_host)
+
+    def scores(self, store: LayerStore) -> torch.Tensor:
+        """``(B, H, T)`` eviction scores: rank by last use, then by arrival."""
+        return ranked(self.last_used(store), store.view().pos)

@@ -70,5 +70,8 @@ class LRUPlusScheduler(Scheduler):
         return torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        score = ranked(self.log_scores(store), store.view().pos)
-        evict_by_score(store, self.budget, score, self.budget.capacity(store.seen))
+        evict_by_score(store, self.budget, lambda: self.scores(store), self.budget.capacity_host)
+
+    def scores(self, store: LayerStore) -> torch.Tensor:
+        """``(B, H, T)`` eviction scores: rank by decayed use, then by arrival."""
+        return ranked(self.log_scores(store), store.view().pos)

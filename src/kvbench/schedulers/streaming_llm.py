@@ -31,5 +31,4 @@ class StreamingLLMScheduler(Scheduler):
             )
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        view = store.view()
-        evict_by_score(store, self.budget, view.pos.float(), self.budget.capacity(store.seen))
+        evict_by_score(store, self.budget, lambda: store.view().pos.float(), self.budget.capacity_host)
