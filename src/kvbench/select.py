@@ -135,21 +135,17 @@ class ObservationWindow:
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         w = self.obs_window
         recent = (qpos >= store.seen[:, None] - w) & (qpos >= 0)  # (B, q)
-        if not bool(recent.any()):
-            return
-        ring = store.state(self.ring)  # (B, H, T, w)
-        summed = probs.sum(2)  # (B, H, q, T)
-        for i in torch.nonzero(recent.any(0)).flatten().tolist():
-            slot = qpos[:, i] % w  # (B,)
-            rows = recent[:, i]
-            onehot = F.one_hot(slot, w).bool() & rows[:, None]  # (B, w)
-            ring = torch.where(onehot[:, None, None, :], summed[:, :, i, :, None], ring)
-        store.set_state(self.ring, ring)
+        # The recent queries of a sequence are distinct positions of the last w: distinct slots.
+        seq, query = recent.nonzero(as_tuple=True)
+        summed = probs.sum(2).transpose(1, 2)  # (B, q, H, T)
+        store.put_state(self.ring, (seq, slice(None), slice(None), qpos[seq, query] % w), summed[seq, query])
 
     def window_scores(self, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV)."""
         view = store.view()
         score = store.state(self.ring).sum(-1)
+        if len(store.segments) == 1 and view.dense:  # the full-precision rows alone: in position order
+            return pool_sorted(score, self.pool)
         return pool_scores(score, view.pos, view.valid, self.pool)
 
 
@@ -160,7 +156,13 @@ def pool_scores(score: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, ker
     key = torch.where(valid, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max))
     order = key.argsort(-1)
     s = torch.gather(score, -1, order).masked_fill(~torch.gather(valid, -1, order), float("-inf"))
-    b, h, t = s.shape
-    pooled = F.max_pool1d(s.view(b * h, 1, t), kernel, stride=1, padding=kernel // 2).view(b, h, t)
-    out = torch.empty_like(score).scatter_(-1, order, pooled)
+    out = torch.empty_like(score).scatter_(-1, order, pool_sorted(s, kernel))
     return out.masked_fill(~valid, 0.0)
+
+
+def pool_sorted(score: torch.Tensor, kernel: int) -> torch.Tensor:
+    """Max-pool ``(B, H, T)`` scores already in position order, every slot a real token."""
+    if kernel <= 1:
+        return score
+    b, h, t = score.shape
+    return F.max_pool1d(score.reshape(b * h, 1, t), kernel, stride=1, padding=kernel // 2).view(b, h, t)

@@ -87,8 +87,8 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
 def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float, bias=None):
     """Yield ``(start, probs)`` for query blocks; ``probs`` ``(B, H, g, q_blk, T)`` fp32.
 
-    ``mask_fn(start, stop)`` returns the ``(B, H, stop - start, T)`` read mask of that block, so a
-    long prefill never materializes a full ``q x T`` mask.
+    ``mask_fn(start, stop)`` returns the ``(B, H, stop - start, T)`` read mask of that block (None:
+    every token), so a long prefill never materializes a full ``q x T`` mask.
     """
     b, hq, q, _ = query.shape
     t = key.shape[2]
@@ -98,7 +98,9 @@ def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float
         logits = _logits(query[:, :, start:stop], key, scaling)
         if bias is not None:
             logits = logits + bias[:, :, None, None, :].float()
-        logits = logits.masked_fill(~mask_fn(start, stop)[:, :, None], float("-inf"))
+        mask = mask_fn(start, stop)
+        if mask is not None:
+            logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
         yield start, torch.softmax(logits, dim=-1)
 
 

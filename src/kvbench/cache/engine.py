@@ -185,6 +185,8 @@ class KVCache(Cache):
             return mask
 
         mask = None if plain and selector is None else mask_fn(0, q_len)
+        # One plain decode step reads every stored token: its scores need no mask either.
+        reads_all = plain and selector is None and q_len == 1
         placer = self.stack.placer
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
@@ -200,7 +202,11 @@ class KVCache(Cache):
                 query[:, :, first:],
                 view.k,
                 lambda a, b: (
-                    mask[:, :, first + a : first + b] if mask is not None else mask_fn(first + a, first + b)
+                    None
+                    if reads_all
+                    else mask[:, :, first + a : first + b]
+                    if mask is not None
+                    else mask_fn(first + a, first + b)
                 ),
                 scaling,
                 view.bias,

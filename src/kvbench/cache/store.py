@@ -335,6 +335,13 @@ class LayerStore:
             seg.rows.ensure(st.name, st.shape, torch.float32)
             seg.rows.get(st.name).add_(add.float())
 
+    def put_state(self, st: TokenState, index: tuple[Any, ...], values: torch.Tensor) -> None:
+        """``state(st)[index] = values``, written into the store in place."""
+        state = self.state(st)
+        state[index] = values
+        if len(self._compressed):  # ``state`` concatenated the segments: a copy
+            self.set_state(st, state)
+
     def set_state(self, st: TokenState, values: torch.Tensor) -> None:
         """Replace the state with ``values`` ``(B, H, T, *shape)`` aligned with ``view()``."""
         for seg, new in zip(self.segments, self._split(values)):
