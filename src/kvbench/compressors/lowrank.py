@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import quant, ragged
-from kvbench.cache.rotary import Rotary
+from kvbench.cache.rotary import Angles, Rotary
 from kvbench.cache.segments import Segment
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.calibration import lora_artifact
@@ -26,9 +26,67 @@ from kvbench.roles import BindContext, Budget
 from kvbench.select import leaving_window
 
 
-def pre_rope(rotary: Rotary, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def pre_rope(
+    rotary: Rotary, k: torch.Tensor, pos: torch.Tensor, angles: Angles | None = None
+) -> torch.Tensor:
     """Undo the rotation of cached keys ``(n, D)`` at their positions ``(n,)``: float32 ``(n, D)``."""
-    return rotary.unrotate(k.float(), pos)
+    return rotary.unrotate(as_float(k), pos, angles)
+
+
+def as_float(x: torch.Tensor) -> torch.Tensor:
+    """``x.float()`` without an operation when ``x`` is float32 already (decode runs this per layer)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
+class RowCounts:
+    """Mixin for a :class:`Segment`: its tokens per head-row on the host, when every head-row holds
+    the same number (as a decode step moves one token of each), so per-head layouts and appends are
+    views and one ``cat`` instead of ragged padding with device synchronisations.
+
+    The count is cached against the ``lens`` tensor it was read from: anything that replaces
+    ``lens`` (an eviction, an append) makes it read again, or set by :meth:`extend`.
+    """
+
+    lens: torch.Tensor
+
+    def row_count(self) -> int | None:
+        """Tokens of every head-row, or None when head-rows differ."""
+        cached = self.__dict__.get("_row_count")
+        if cached is None or cached[0] is not self.lens:
+            low, high = (int(x) for x in torch.aminmax(self.lens))
+            cached = (self.lens, high if low == high else None)
+            self.__dict__["_row_count"] = cached
+        return cached[1]
+
+    def per_row(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """:func:`ragged.to_padded` of ``flat`` ``(N, *rest)``: ``(BH, T, *rest)`` and the valid slots,
+        None (all valid) when every head-row holds ``T`` tokens, then without a copy."""
+        n = self.row_count()
+        if n is None:
+            return ragged.to_padded(flat, self.lens)
+        return flat.view(self.lens.numel(), n, *flat.shape[1:]), None
+
+    @staticmethod
+    def flat(padded: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """Inverse of :meth:`per_row`."""
+        return padded.reshape(-1, *padded.shape[2:]) if valid is None else ragged.from_padded(padded, valid)
+
+    def extend(self, other: Segment) -> None:
+        """:meth:`Segment.extend`, as one ``cat`` per field when both hold the same number of tokens in
+        every head-row (bitwise what the ragged concatenation gives)."""
+        assert isinstance(other, RowCounts)
+        mine, theirs = self.row_count(), other.row_count()
+        if mine is None or theirs is None:
+            super().extend(other)  # type: ignore[misc]
+            return
+        bh = self.lens.numel()
+        for name in [*self.data_fields(), "pos"]:  # type: ignore[attr-defined]
+            a, b = getattr(self, name), getattr(other, name)
+            rest = a.shape[1:]
+            both = torch.cat([a.view(bh, mine, *rest), b.view(bh, theirs, *rest)], dim=1)
+            setattr(self, name, both.view(-1, *rest))
+        self.lens = self.lens + other.lens
+        self.__dict__["_row_count"] = (self.lens, mine + theirs)
 
 
 def check_rank(
@@ -93,7 +151,7 @@ def layer_bases(
 
 
 @dataclass
-class LatentSegment(Segment):
+class LatentSegment(RowCounts, Segment):
     """Tokens as latents on per-head bases: ``K = rotate(klat · kbasisᵀ)``, ``V = vlat · vbasisᵀ``.
 
     Per token: ``klat`` ``(N, rk)`` and ``vlat`` ``(N, rv)`` in the model dtype, or, with ``bits``,
@@ -128,20 +186,30 @@ class LatentSegment(Segment):
         residuals: tuple[Residual, Residual] | None = None,
     ) -> LatentSegment:
         """Project tokens (rotated keys ``k``, values ``v`` ``(n, D)``) onto the bases; ``residuals``
-        (keys, values) accumulate the error of what is stored."""
+        (keys, values) accumulate the error of what is stored.
+
+        What is stored is rebuilt here once, for the residuals and for the :meth:`read` that
+        follows (the store decodes a new segment as it adopts it), with the rotary angles of
+        ``pos`` computed once for both turns.
+        """
         seg = cls(lens=lens, pos=pos, rotary=rotary, kbasis=kbasis, vbasis=vbasis, bits=bits)
-        kpre = pre_rope(rotary, k, pos)
-        kl, vl = seg._project(kpre, kbasis), seg._project(v.float(), vbasis)
+        angles = rotary.angles(pos, k.device)
+        kpre = pre_rope(rotary, k, pos, angles)
+        kl, vl = seg._project(kpre, kbasis), seg._project(as_float(v), vbasis)
         if bits is None:
             seg.klat, seg.vlat = kl.to(kbasis.dtype), vl.to(vbasis.dtype)
-        else:
-            kc, seg.kzero, seg.kstep = quant.quantize(kl, bits, dim=-1)  # per token, along the latent
-            vc, seg.vzero, seg.vstep = quant.quantize(vl, bits, dim=-1)
-            seg.klat, seg.vlat = quant.pack(kc, bits), quant.pack(vc, bits)
-        if residuals is not None:
             kl, vl = seg.latents()
-            residuals[0].add(kpre, seg._expand(kl, kbasis))
-            residuals[1].add(v, seg._expand(vl, vbasis))
+        else:
+            # One (zero, step) per token along its latent; the codes dequantize as latents() would
+            # after packing (packing is lossless).
+            kc, seg.kzero, seg.kstep, kl = quant.quantize_dequantize(kl, bits, dim=-1)
+            vc, seg.vzero, seg.vstep, vl = quant.quantize_dequantize(vl, bits, dim=-1)
+            seg.klat, seg.vlat = quant.pack(kc, bits), quant.pack(vc, bits)
+        krebuilt, vrebuilt = seg._expand(kl, kbasis), seg._expand(vl, vbasis)
+        if residuals is not None:
+            residuals[0].add(kpre, krebuilt)
+            residuals[1].add(v, vrebuilt)
+        seg.__dict__["_decoded"] = (krebuilt, vrebuilt, angles)
         return seg
 
     def layout(self) -> tuple[Any, ...]:
@@ -154,7 +222,7 @@ class LatentSegment(Segment):
     def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 key and value latents ``(N, rk)``, ``(N, rv)`` (dequantized with ``bits``)."""
         if self.bits is None:
-            return self.klat.float(), self.vlat.float()
+            return as_float(self.klat), as_float(self.vlat)
         assert self.kzero is not None and self.kstep is not None
         assert self.vzero is not None and self.vstep is not None
         kc, vc = quant.unpack(self.klat, self.bits), quant.unpack(self.vlat, self.bits)
@@ -164,38 +232,73 @@ class LatentSegment(Segment):
         )
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        kl, vl = self.latents()
-        k = self.rotary.rotate(self._expand(kl, self.kbasis), self.pos)
-        return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
+        decoded = self.__dict__.pop("_decoded", None)  # from encode, for these very tokens
+        if decoded is None:
+            kl, vl = self.latents()
+            k = self.rotary.rotate(self._expand(kl, self.kbasis), self.pos)
+            return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
+        kpre, v, angles = decoded
+        k = self.rotary.rotate(kpre, self.pos, angles)
+        return k.to(dtype), v.to(dtype)
+
+    def extend(self, other: Segment) -> None:
+        self.__dict__.pop("_decoded", None)
+        super().extend(other)
+
+    def keep(self, keep: torch.Tensor) -> None:
+        self.__dict__.pop("_decoded", None)
+        super().keep(keep)
 
     def _project(self, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """``(N, D)`` -> ``(N, r)`` latents on each token's head basis ``(H, D, r)``."""
-        p, valid = ragged.to_padded(x, self.lens)  # (BH, T, D)
-        h = basis.shape[0]
-        out = torch.einsum("bhtd,hdr->bhtr", p.view(-1, h, *p.shape[1:]), basis.float())
-        return ragged.from_padded(out.reshape(p.shape[0], p.shape[1], -1), valid)
+        return self._per_head("bhtd,hdr->bhtr", x, basis)
 
     def _expand(self, lat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """``(N, r)`` latents -> ``(N, D)`` float32 on each token's head basis ``(H, D, r)``."""
-        p, valid = ragged.to_padded(lat, self.lens)  # (BH, T, r)
+        return self._per_head("bhtr,hdr->bhtd", lat, basis)
+
+    def _per_head(self, equation: str, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(N, ·)`` through each token's head basis by ``equation``, per head-row rectangle."""
+        p, valid = self.per_row(x)  # (BH, T, ·)
         h = basis.shape[0]
-        out = torch.einsum("bhtr,hdr->bhtd", p.view(-1, h, *p.shape[1:]), basis.float())
-        return ragged.from_padded(out.reshape(p.shape[0], p.shape[1], -1), valid)
+        out = torch.einsum(equation, p.view(-1, h, *p.shape[1:]), as_float(basis))
+        return self.flat(out.reshape(p.shape[0], p.shape[1], -1), valid)
 
 
 @dataclass
 class Residual:
-    """Measured relative squared reconstruction error of what a compressor stored so far."""
+    """Measured relative squared reconstruction error of what a compressor stored so far.
+
+    Each batch's error and norm stay float32 device scalars until :meth:`value` (or every
+    ``FLUSH`` of them) reads them in one synchronisation, then add up on the host in the order they
+    came: the same float64 sums as reading each at once, without a synchronisation per layer.
+    """
 
     err: float = 0.0
     norm: float = 0.0
+    pending: list[torch.Tensor] = field(default_factory=list, repr=False, compare=False)
+
+    FLUSH = 256
 
     def add(self, exact: torch.Tensor, rebuilt: torch.Tensor) -> None:
-        self.err += float((rebuilt.float() - exact.float()).pow(2).sum())
-        self.norm += float(exact.float().pow(2).sum())
+        exact = as_float(exact)
+        err, norm = (as_float(rebuilt) - exact).pow(2).sum(), exact.pow(2).sum()
+        if self.pending and (self.pending[0].device != err.device or len(self.pending) >= self.FLUSH):
+            self._flush()
+        self.pending += [err, norm]
 
     def value(self) -> float | None:
+        self._flush()
         return self.err / self.norm if self.norm > 0 else None
+
+    def _flush(self) -> None:
+        if not self.pending:
+            return
+        sums = torch.stack(self.pending).tolist()  # float32 values, exactly as float() reads them
+        for err, norm in zip(sums[::2], sums[1::2]):
+            self.err += err
+            self.norm += norm
+        self.pending.clear()
 
 
 @dataclass

@@ -30,6 +30,7 @@ import torch
 from kvbench.cache.ragged import segment_ids
 from kvbench.cache.segments import Segment
 from kvbench.cache.store import LayerStore, SideData
+from kvbench.compressors.lowrank import RowCounts
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
 from kvbench.select import leaving_window
@@ -43,7 +44,7 @@ class KeptChannels(SideData):
 
 
 @dataclass
-class PrunedSegment(Segment):
+class PrunedSegment(RowCounts, Segment):
     """Tokens with thinned keys. ``kp`` ``(N, d_keep)`` kept key channels, ``v`` ``(N, D)``.
 
     ``channels`` ``(BH, d_keep)`` int16 are the kept channel indices of each head-row; the same
@@ -58,10 +59,22 @@ class PrunedSegment(Segment):
     def data_fields(self) -> dict[str, torch.Tensor]:
         return {"kp": self.kp, "v": self.v}
 
+    def token_channels(self) -> torch.Tensor:
+        """The kept channels of every token's head-row ``(N, d_keep)`` int64 (for gather and scatter)."""
+        cached = self.__dict__.get("_token_channels")  # set by _prune for the tokens it pruned
+        if cached is not None and cached[0] is self.lens and cached[1] is self.channels:
+            return cached[2]
+        n, channels = self.row_count(), self.channels.long()
+        if n is None:
+            index = channels[segment_ids(self.lens)]
+        else:  # every head-row holds n tokens: its channels n times, as segment_ids would pick them
+            index = channels if n == 1 else channels.repeat_interleave(n, dim=0)
+        self.__dict__["_token_channels"] = (self.lens, self.channels, index)
+        return index
+
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = segment_ids(self.lens)
         k = torch.zeros(self.size, self.head_dim, dtype=dtype, device=self.kp.device)
-        k = k.scatter(1, self.channels[rows].long(), self.kp.to(dtype))
+        k = k.scatter(1, self.token_channels(), self.kp.to(dtype))
         return k, self.v.to(dtype)
 
     def extend(self, other: Segment) -> None:
@@ -85,11 +98,15 @@ class PruningCompressor(Compressor):
     flags = Flags(changes_representation=True)
     wants_queries = True
     # Per cache layer: the window's queries ``(B, Hq, w, D)`` and positions ``(B, w)`` (-1 empty),
-    # and which head-rows ``(BH,)`` have chosen their channels.
+    # which head-rows ``(BH,)`` have chosen their channels, and whether all have (then the
+    # channels are fixed for good: no query is kept any more, nothing is chosen again).
     _queries: weakref.WeakKeyDictionary = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False
     )
     _chosen: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
+    _settled: weakref.WeakKeyDictionary = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False
     )
 
@@ -103,7 +120,10 @@ class PruningCompressor(Compressor):
         return max(1, math.ceil(self.keep_ratio * head_dim - 1e-9))
 
     def observe_queries(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> None:
-        """Keep the ``obs_window`` latest real queries of each sequence (padding has ``qpos`` -1)."""
+        """Keep the ``obs_window`` latest real queries of each sequence (padding has ``qpos`` -1), until
+        every head-row of the layer has chosen its channels (no score is computed after)."""
+        if store in self._settled:
+            return
         prev = self._queries.get(store)
         if prev is not None:
             query = torch.cat([prev[0], query], dim=2)
@@ -127,11 +147,15 @@ class PruningCompressor(Compressor):
         qnorm = q.view(b, h, -1, q.shape[2], d).pow(2).sum((2, 3)).sqrt()  # (B, H, D)
         return (qnorm * knorm).reshape(b * h, d)
 
-    def _channels(self, store: LayerStore, need: torch.Tensor) -> torch.Tensor:
-        """Kept channels ``(BH, d_keep)`` int16, chosen now for head-rows in ``need`` without a set."""
+    def _channels(self, store: LayerStore, move: torch.Tensor) -> torch.Tensor:
+        """Kept channels ``(BH, d_keep)`` int16, chosen now for head-rows with tokens in ``move``
+        ``(BH, W)`` and no set yet."""
+        kept = store.side(KeptChannels)
+        if store in self._settled and kept is not None:  # every head-row has its set: nothing to do
+            return kept.channels
+        need = move.any(-1)
         bh, d = need.numel(), store.head_dim
         keep = self.kept_channels(d)
-        kept = store.side(KeptChannels)
         side = (
             torch.zeros(bh, keep, dtype=torch.int16, device=store.device) if kept is None else kept.channels
         )
@@ -143,6 +167,9 @@ class PruningCompressor(Compressor):
             top = self.channel_scores(store).topk(keep, dim=-1).indices.sort(-1).values
             side = torch.where(new[:, None], top.to(torch.int16), side)
             chosen = chosen | new
+            if bool(chosen.all()):
+                self._settled[store] = True
+                self._queries.pop(store, None)
         self._chosen[store] = chosen
         store.set_side(KeptChannels(side))
         return side
@@ -151,11 +178,11 @@ class PruningCompressor(Compressor):
         move = leaving_window(store, self.budget, 1)
         if not bool(move.any()):
             return
-        channels = self._channels(store, move.any(-1))
+        channels = self._channels(store, move)
         store.move_out(move, lambda k, v, pos, lens: self._prune(k, v, pos, lens, channels, store.head_dim))
 
     @staticmethod
     def _prune(k, v, pos, lens, channels: torch.Tensor, head_dim: int) -> PrunedSegment:
-        rows = segment_ids(lens)
-        kp = torch.gather(k, 1, channels[rows].long())
-        return PrunedSegment(lens=lens, pos=pos, head_dim=head_dim, kp=kp, v=v, channels=channels)
+        seg = PrunedSegment(lens=lens, pos=pos, head_dim=head_dim, kp=k, v=v, channels=channels)
+        seg.kp = torch.gather(k, 1, seg.token_channels())
+        return seg

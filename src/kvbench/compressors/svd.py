@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.segments import GroupedSegment
+from kvbench.cache.segments import GroupedSegment, Segment
 from kvbench.cache.store import LayerStore
-from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
+from kvbench.compressors.lowrank import Residual, as_float, check_rank, pre_rope
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags
 from kvbench.select import leaving_window
@@ -50,15 +50,35 @@ class SVDSegment(GroupedSegment):
     def group_fields(self) -> dict[str, torch.Tensor]:
         return {"kb": self.kb} if self.vb is None else {"kb": self.kb, "vb": self.vb}
 
-    def expand(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """Per-token factors ``(N, r)`` times their block's ``(M, D, r)``: float32 ``(N, D)``."""
-        p, valid = ragged.to_padded(a.float(), self.gcount.long())  # (M, n, r)
-        return ragged.from_padded(torch.bmm(p, b.float().transpose(1, 2)), valid)
+    def expand(self, a: torch.Tensor, b: torch.Tensor, block: int | None = None) -> torch.Tensor:
+        """Per-token factors ``(N, r)`` times their block's ``(M, D, r)``: float32 ``(N, D)``.
+
+        ``block``: every block holds that many tokens (as when factored), so no padding is needed.
+        """
+        if block is not None:
+            return torch.bmm(as_float(a).view(-1, block, a.shape[-1]), as_float(b).transpose(1, 2)).flatten(
+                0, 1
+            )
+        p, valid = ragged.to_padded(as_float(a), self.gcount.long())  # (M, n, r)
+        return ragged.from_padded(torch.bmm(p, as_float(b).transpose(1, 2)), valid)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.rotary.rotate(self.expand(self.ka, self.kb), self.pos)
-        v = self.va if self.vb is None else self.expand(self.va, self.vb)
+        decoded = self.__dict__.pop("_decoded", None)  # from factoring, for these very tokens
+        if decoded is None:
+            k = self.rotary.rotate(self.expand(self.ka, self.kb), self.pos)
+            v = self.va if self.vb is None else self.expand(self.va, self.vb)
+        else:
+            kpre, v, angles = decoded
+            k = self.rotary.rotate(kpre, self.pos, angles)
         return k.to(dtype), v.to(dtype)
+
+    def keep(self, keep: torch.Tensor) -> None:
+        self.__dict__.pop("_decoded", None)
+        super().keep(keep)
+
+    def extend(self, other: Segment) -> None:
+        self.__dict__.pop("_decoded", None)
+        super().extend(other)
 
 
 def factor_blocks(x: torch.Tensor, block: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,12 +125,13 @@ class SVDCompressor(Compressor):
 
     def _factor(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> SVDSegment:
         n, dtype = self.block_size, k.dtype
-        kpre = pre_rope(self.rotary, k, pos)
+        angles = self.rotary.angles(pos, k.device)
+        kpre = pre_rope(self.rotary, k, pos, angles)
         ka, kb = factor_blocks(kpre, n, self.key_rank)
         if self.value_rank is None:
             va, vb = v, None
         else:
-            va, vb = factor_blocks(v.float(), n, self.value_rank)
+            va, vb = factor_blocks(as_float(v), n, self.value_rank)
             vb = vb.to(dtype)
         seg = SVDSegment(
             lens=lens,
@@ -123,9 +144,14 @@ class SVDCompressor(Compressor):
             gcount=torch.full((kb.shape[0],), n, dtype=torch.int16, device=k.device),
             glens=lens // n,
         )
-        self.residuals[0].add(kpre, seg.expand(seg.ka, seg.kb))
+        # What is stored, rebuilt once for the residuals and for the read as the store adopts it.
+        krebuilt = seg.expand(seg.ka, seg.kb, n)
+        self.residuals[0].add(kpre, krebuilt)
+        vrebuilt = seg.va
         if seg.vb is not None:
-            self.residuals[1].add(v, seg.expand(seg.va, seg.vb))
+            vrebuilt = seg.expand(seg.va, seg.vb, n)
+            self.residuals[1].add(v, vrebuilt)
+        seg.__dict__["_decoded"] = (krebuilt, vrebuilt, angles)
         return seg
 
     def metrics(self) -> dict[str, float | list[float] | None]:
