@@ -7,6 +7,8 @@ of every token a real query attends to, summed over layers, averaged over querie
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvbench.cache.segments import GroupedSegment
@@ -39,14 +41,59 @@ def visible(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
     return vis & (qpos >= 0)[:, None, :, None]
 
 
+@dataclass
+class ReadCount:
+    """One selector call's reads, kept as tensors until :meth:`resolve` (no device sync per call).
+
+    Attributes:
+        nbytes: bytes read, summed over queries and heads: a float64 tensor where a grouped
+            segment shares its parameters among its tokens, else ``(bytes per token, tokens read)``
+            of each segment (whole bytes, summed exactly in Python).
+        n_read, n_visible: tokens read and visible, summed; n_queries: real queries.
+    """
+
+    nbytes: torch.Tensor | list[tuple[int, torch.Tensor]]
+    n_read: torch.Tensor
+    n_visible: torch.Tensor
+    n_queries: torch.Tensor
+
+    def resolve(self) -> tuple[float, float, float]:
+        """Bytes read per real query, and the tokens read and visible, as :func:`read_per_query`."""
+        if isinstance(self.nbytes, list):
+            total = float(sum(per * int(n) for per, n in self.nbytes))
+        else:
+            total = float(self.nbytes)
+        return total / max(int(self.n_queries), 1), float(self.n_read), float(self.n_visible)
+
+
+def count_reads(store: LayerStore, mask: torch.Tensor, qpos: torch.Tensor) -> ReadCount:
+    """The reads of a selector's ``mask`` ``(B, H, q, T)`` for queries at ``qpos`` ``(B, q)``, as tensors.
+
+    Without a grouped segment every token of a segment costs the same whole bytes, so the bytes
+    are each segment's per-token bytes times its tokens read: the float64 sum of
+    :func:`token_bytes` over the read tokens gives the same number (whole numbers add exactly).
+    """
+    vis = visible(store, qpos)
+    read = mask & vis
+    n_read = read.sum()
+    segs = store.segments
+    nbytes: torch.Tensor | list[tuple[int, torch.Tensor]]
+    if any(isinstance(seg, GroupedSegment) and seg.size for seg in segs):
+        nbytes = torch.where(read, token_bytes(store)[:, :, None, :], 0.0).sum()
+    elif len(segs) == 1:
+        nbytes = [(segs[0].token_nbytes(), n_read)]
+    else:
+        nbytes, start = [], 0
+        for seg, width in zip(segs, store.view().widths):
+            nbytes.append((seg.token_nbytes(), read[..., start : start + width].sum()))
+            start += width
+    return ReadCount(nbytes, n_read, vis.sum(), (qpos >= 0).sum())
+
+
 def read_per_query(store: LayerStore, mask: torch.Tensor, qpos: torch.Tensor) -> tuple[float, float, float]:
     """Bytes read per real query, and the tokens read and visible (summed over queries and heads).
 
     Args:
         store: the layer's cache; mask: ``(B, H, q, T)`` the selector's read mask; qpos: ``(B, q)``.
     """
-    vis = visible(store, qpos)
-    read = mask & vis
-    nq = max(int((qpos >= 0).sum()), 1)
-    nbytes = float(torch.where(read, token_bytes(store)[:, :, None, :], 0.0).sum()) / nq
-    return nbytes, float(read.sum()), float(vis.sum())
+    return count_reads(store, mask, qpos).resolve()

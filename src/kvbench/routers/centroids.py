@@ -20,7 +20,7 @@ import torch
 
 from kvbench.cache.store import LayerStore, SideData, TokenState
 from kvbench.roles import Budget
-from kvbench.routers.expert import block_means, expert_onehot, expert_sums, position_blocks
+from kvbench.routers.expert import block_means, expert_counts, expert_onehot, expert_sums, position_blocks
 
 EXPERT = TokenState("expert")  # 1 + the token's expert, 0 while unassigned
 
@@ -101,10 +101,10 @@ class CentroidExperts:
         held = held_experts(store, self.num_experts)
         return torch.where(routable, held, torch.full_like(held, -1))
 
-    def centroids(
-        self, layer: int, store: LayerStore, eid: torch.Tensor, routed: torch.Tensor
-    ) -> torch.Tensor:
-        return self.state(store)[0]
+    def summarize(
+        self, layer: int, store: LayerStore, eid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return expert_counts(eid, self.num_experts), self.state(store)[0]
 
     def state(self, store: LayerStore) -> tuple[torch.Tensor, torch.Tensor]:
         """Running centroids ``(B, H, E, D)`` and counts ``(B, H, E)`` (zeros before any write)."""
@@ -133,13 +133,45 @@ class CentroidExperts:
             return torch.where(view.valid, held, torch.full_like(held, -1))
         keys = view.k.float()
         cent, count = self.state(store)
-        cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
-        eid = self.place(keys, cent, defined, new, seeded, held, view.valid)
-        cent, count = self.update(cent, count, keys, eid, new, view.pos)
+        if bool((count > 0).all() & (new.sum(-1) <= 1).all()):
+            eid, cent, count = self._assign_one(keys, view.pos, new, cent, count, held, view.valid)
+        else:
+            cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
+            eid = self.place(keys, cent, defined, new, seeded, held, view.valid)
+            cent, count = self.update(cent, count, keys, eid, new, view.pos)
         store.set_side(Centroids(cent.contiguous(), count.contiguous()))
         held = torch.where(new, eid, held)
         store.set_state(EXPERT, (held + 1).float())
         return torch.where(view.valid, held, torch.full_like(held, -1))
+
+    def _assign_one(
+        self,
+        keys: torch.Tensor,
+        pos: torch.Tensor,
+        new: torch.Tensor,
+        cent: torch.Tensor,
+        count: torch.Tensor,
+        held: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`assign_new`'s placement and update when every expert holds a centroid (nothing to
+        seed) and each head-row has at most one new token (a decode step).
+
+        The distances stay computed over every token (their last bits depend on the matmul's
+        shape), but the update reads only the new token: an expert sum over one member is that
+        member's (weighted) key, exactly, so gathering it gives the numbers of the sum over T.
+
+        Returns:
+            ``eid`` ``(B, H, T)`` as :meth:`place`, the centroids and counts.
+        """
+        defined = torch.ones_like(count, dtype=torch.bool)
+        eid = self.place(keys, cent, defined, new, torch.full_like(held, -1), held, valid)
+        col = new.long().argmax(-1, keepdim=True)  # (B, H, 1): the row's new token, if any
+        one = keys.gather(2, col[..., None].expand(-1, -1, 1, keys.shape[-1]))
+        cent, count = self.update(
+            cent, count, one, eid.gather(-1, col), new.gather(-1, col), pos.gather(-1, col)
+        )
+        return eid, cent, count
 
     def place(
         self,

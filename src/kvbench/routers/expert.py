@@ -13,10 +13,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvbench.cache.reads import read_per_query
+from kvbench.cache.reads import ReadCount, count_reads
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Router
+
+
+def chunk_start(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+    """``(B, 1, 1)``: where each sequence's chunk starts, its first real query (``seen`` if none).
+
+    ``qpos`` ``(B, q)``, -1 for padding; a real query's position is below ``seen``, so the
+    minimum over real queries and ``seen`` is the first real query when there is one.
+    """
+    return torch.where(qpos >= 0, qpos, store.seen[:, None]).amin(-1)[:, None, None]
 
 
 def always_read(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
@@ -24,32 +33,66 @@ def always_read(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
 
     ``qpos`` ``(B, q)``: the chunk of each sequence starts at its first real query.
     """
+    pos, start = store.view().pos, chunk_start(store, qpos)
+    return budget.protected(pos, start, store.view_protect_from()) | (pos >= start)
+
+
+def routable_tokens(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T)``: the stored tokens a router routes, every valid one not :func:`always_read`.
+
+    The same mask as ``valid & ~always_read(...)``, in fewer operations (the chunk lies inside
+    the window before it, so ``pos < start - window`` excludes both).
+    """
     view = store.view()
-    real = qpos >= 0
-    first = torch.where(real, qpos, torch.full_like(qpos, torch.iinfo(qpos.dtype).max)).amin(-1)
-    chunk_start = torch.where(real.any(-1), first, store.seen)[:, None, None]
-    return budget.protected(view.pos, chunk_start, store.view_protect_from()) | (view.pos >= chunk_start)
+    pos = view.pos
+    out = view.valid & (pos >= budget.sinks) & (pos < chunk_start(store, qpos) - budget.window)
+    protect_from = store.view_protect_from()
+    return out if protect_from is None else out & (pos < protect_from)
 
 
-def position_blocks(pos: torch.Tensor, routable: torch.Tensor, experts: int) -> torch.Tensor:
+def position_blocks(
+    pos: torch.Tensor, routable: torch.Tensor, experts: int, ordered: bool = False
+) -> torch.Tensor:
     """Expert id of each routable token: ``experts`` contiguous position blocks per head-row.
 
     Args:
         pos: ``(B, H, T)`` positions; routable: ``(B, H, T)`` bool.
+        ordered: positions strictly increase along T (one full-precision segment: tokens stay in
+            arrival order), so a token's rank is a running count instead of two sorts.
 
     Returns:
         ``(B, H, T)`` long, -1 where not routable.
     """
-    key = torch.where(routable, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max))
-    rank = key.argsort(-1).argsort(-1)
-    n = routable.sum(-1, keepdim=True).clamp(min=1)
+    if ordered:
+        rank = routable.long().cumsum(-1)  # 1 + rank of each routable token
+        n = rank[..., -1:].clamp(min=1)
+        rank = rank - 1
+    else:
+        key = torch.where(routable, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max))
+        rank = key.argsort(-1).argsort(-1)
+        n = routable.sum(-1, keepdim=True).clamp(min=1)
     eid = rank * experts // n
-    return torch.where(routable, eid, torch.full_like(eid, -1))
+    return eid.masked_fill_(~routable, -1)
 
 
 def expert_onehot(eid: torch.Tensor, member: torch.Tensor, experts: int) -> torch.Tensor:
     """``(B, H, T, E)`` float: 1 where token ``t`` is a ``member`` of expert ``eid``."""
     return F.one_hot(eid.clamp(min=0), experts).float() * member[..., None].float()
+
+
+def routed_onehot(eid: torch.Tensor, experts: int) -> torch.Tensor:
+    """``(B, H, T, E)`` float: 1 where token ``t`` is routed to expert ``eid`` (-1: none).
+
+    The same tensor as ``expert_onehot(eid, eid >= 0, experts)`` (values and layout), in two
+    operations instead of five.
+    """
+    return (eid[..., None] == torch.arange(experts, device=eid.device)).float()
+
+
+def expert_counts(eid: torch.Tensor, experts: int) -> torch.Tensor:
+    """``(B, H, E)`` float: tokens routed to each expert (``eid`` -1: none), without a one-hot."""
+    out = torch.zeros(*eid.shape[:-1], experts + 1, device=eid.device)
+    return out.scatter_add_(-1, eid + 1, torch.ones_like(eid, dtype=out.dtype))[..., 1:].contiguous()
 
 
 def expert_sums(onehot: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -141,13 +184,19 @@ class Routing:
         return torch.gather(self.chosen, -1, idx) | (self.eid < 0)[:, :, None, :]
 
 
+SETTLE_EVERY = 4096  # pending read records folded into floats at most this many calls apart
+
+
 @dataclass
 class ExpertRouter(Router):
     """What every router shares: routable tokens, scores, the read mask and the read figures.
 
     A subclass defines :meth:`experts` (write routing as seen at read time), optionally
-    :meth:`centroids` (default: the mean key of each expert's routed tokens, as MoBA), and
+    :meth:`summarize` (default: the mean key of each expert's routed tokens, as MoBA), and
     :meth:`choose` (read routing).
+
+    The read figures of a call are kept as tensors (no device synchronisation per layer) and
+    turned into floats, in call order, by :meth:`metrics` (or every ``SETTLE_EVERY`` calls).
     """
 
     name: str = ""
@@ -159,20 +208,29 @@ class ExpertRouter(Router):
     read_bytes: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     read_counts: list[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
     _last: dict[int, tuple[Any, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # (layer, reads of the call, routable read fraction, its weight) not yet in the lists above
+    _pending: list[tuple[int, ReadCount, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def check_experts(self) -> None:
         if self.num_experts < 1:
             raise ConfigError(f"router.num_experts={self.num_experts}: must be >= 1")
 
     def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
-        """``(B, H, T)`` expert of each routable token, -1 where not routed."""
+        """``(B, H, T)`` expert of each routed token, -1 elsewhere (every token not ``routable``)."""
         raise NotImplementedError
 
-    def centroids(
-        self, layer: int, store: LayerStore, eid: torch.Tensor, routed: torch.Tensor
-    ) -> torch.Tensor:
-        """``(B, H, E, D)`` fp32 centroid of each expert."""
-        return block_means(store.view().k, eid, routed, self.num_experts)
+    def summarize(
+        self, layer: int, store: LayerStore, eid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routed tokens per expert ``(B, H, E)`` float and the experts' centroids ``(B, H, E, D)`` fp32.
+
+        Default: the mean key of each expert's routed tokens (zero for an empty expert).
+        """
+        onehot = routed_onehot(eid, self.num_experts)
+        count = onehot.sum(2)
+        return count, expert_sums(onehot, store.view().k) / count.clamp(min=1)[..., None]
 
     def choose(
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
@@ -200,20 +258,13 @@ class ExpertRouter(Router):
             and torch.equal(last[2], query)
         ):
             return last[3]
-        routable = view.valid & ~always_read(self.budget, store, qpos)
-        eid = self.experts(layer, store, routable)
-        routed = routable & (eid >= 0)
-        eid = torch.where(routed, eid, torch.full_like(eid, -1))
-        count = expert_onehot(eid, routed, self.num_experts).sum(2)
-        score = group_scores(query, self.centroids(layer, store, eid, routed))
-        score = score.masked_fill(count[:, :, None, :] == 0, float("-inf"))
-        chosen = self.choose(layer, store, score, count, qpos) & (count[:, :, None, :] > 0)
+        eid = self.experts(layer, store, routable_tokens(self.budget, store, qpos))
+        count, centroid = self.summarize(layer, store, eid)
+        empty = (count == 0)[:, :, None, :]
+        score = group_scores(query, centroid).masked_fill(empty, float("-inf"))
+        chosen = self.choose(layer, store, score, count, qpos) & ~empty
         routing = Routing(eid=eid, count=count, chosen=chosen)
-        self._account(routing, qpos >= 0)
-        nbytes, n_read, n_visible = read_per_query(store, routing.mask, qpos)
-        self.read_bytes.setdefault(layer, []).append(nbytes)
-        self.read_counts[0] += n_read
-        self.read_counts[1] += n_visible
+        self._account(layer, store, routing, qpos)
         self._last[layer] = (view, qpos.clone(), query.clone(), routing)
         return routing
 
@@ -224,23 +275,41 @@ class ExpertRouter(Router):
     def write(self, layer: int, store: LayerStore) -> None:
         self.forget(layer)
 
-    def _account(self, routing: Routing, real: torch.Tensor) -> None:
+    def _account(self, layer: int, store: LayerStore, routing: Routing, qpos: torch.Tensor) -> None:
+        """Count the reads of one call: per expert, the routable fraction, bytes and tokens."""
+        real = qpos >= 0
         chosen = routing.chosen & real[:, None, :, None]
-        per_expert = chosen.sum((0, 1, 2)).float().cpu()
+        per_expert = chosen.sum((0, 1, 2)).float()
         self.reads = per_expert if self.reads is None else self.reads + per_expert
         read = (chosen.float() * routing.count[:, :, None, :]).sum(-1)  # routed tokens read per query
         frac = read / routing.count.sum(-1, keepdim=True).clamp(min=1)
         weight = real[:, None, :].expand_as(frac).float()
-        if float(weight.sum()):
-            self.read_tokens.append(float((frac * weight).sum() / weight.sum()))
+        total = weight.sum()
+        fraction = (frac * weight).sum() / total
+        self._pending.append((layer, count_reads(store, routing.mask, qpos), fraction, total))
+        if len(self._pending) >= SETTLE_EVERY:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Fold the pending read records into ``read_tokens``, ``read_bytes`` and ``read_counts``."""
+        for layer, count, fraction, total in self._pending:
+            if float(total):
+                self.read_tokens.append(float(fraction))
+            nbytes, n_read, n_visible = count.resolve()
+            self.read_bytes.setdefault(layer, []).append(nbytes)
+            self.read_counts[0] += n_read
+            self.read_counts[1] += n_visible
+        self._pending.clear()
 
     def metrics(self) -> dict[str, float | list[float] | None]:
+        self._settle()
         if self.reads is None:
             return {}
-        mean = float(self.reads.mean())
+        reads = self.reads.cpu()
+        mean = float(reads.mean())
         return {
-            "reads_per_expert": self.reads.tolist(),
-            "load_imbalance": float(self.reads.max()) / mean if mean else None,
+            "reads_per_expert": reads.tolist(),
+            "load_imbalance": float(reads.max()) / mean if mean else None,
             "routable_read_fraction": sum(self.read_tokens) / len(self.read_tokens)
             if self.read_tokens
             else None,
@@ -257,4 +326,6 @@ class PositionExperts:
     num_experts: int
 
     def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
-        return position_blocks(store.view().pos, routable, self.num_experts)
+        # one full-precision segment keeps its tokens in arrival order: positions increase along T
+        ordered = len(store.segments) == 1
+        return position_blocks(store.view().pos, routable, self.num_experts, ordered)
