@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from kvbench.cache import quant, ragged
+from kvbench.cache import quant
 from kvbench.cache.rotary import Angles, Rotary
-from kvbench.cache.segments import Segment
+from kvbench.cache.segments import RowCounts, Segment, as_float
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
@@ -31,62 +31,6 @@ def pre_rope(
 ) -> torch.Tensor:
     """Undo the rotation of cached keys ``(n, D)`` at their positions ``(n,)``: float32 ``(n, D)``."""
     return rotary.unrotate(as_float(k), pos, angles)
-
-
-def as_float(x: torch.Tensor) -> torch.Tensor:
-    """``x.float()`` without an operation when ``x`` is float32 already (decode runs this per layer)."""
-    return x if x.dtype == torch.float32 else x.float()
-
-
-class RowCounts:
-    """Mixin for a :class:`Segment`: its tokens per head-row on the host, when every head-row holds
-    the same number (as a decode step moves one token of each), so per-head layouts and appends are
-    views and one ``cat`` instead of ragged padding with device synchronisations.
-
-    The count is cached against the ``lens`` tensor it was read from: anything that replaces
-    ``lens`` (an eviction, an append) makes it read again, or set by :meth:`extend`.
-    """
-
-    lens: torch.Tensor
-
-    def row_count(self) -> int | None:
-        """Tokens of every head-row, or None when head-rows differ."""
-        cached = self.__dict__.get("_row_count")
-        if cached is None or cached[0] is not self.lens:
-            low, high = (int(x) for x in torch.aminmax(self.lens))
-            cached = (self.lens, high if low == high else None)
-            self.__dict__["_row_count"] = cached
-        return cached[1]
-
-    def per_row(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """:func:`ragged.to_padded` of ``flat`` ``(N, *rest)``: ``(BH, T, *rest)`` and the valid slots,
-        None (all valid) when every head-row holds ``T`` tokens, then without a copy."""
-        n = self.row_count()
-        if n is None:
-            return ragged.to_padded(flat, self.lens)
-        return flat.view(self.lens.numel(), n, *flat.shape[1:]), None
-
-    @staticmethod
-    def flat(padded: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """Inverse of :meth:`per_row`."""
-        return padded.reshape(-1, *padded.shape[2:]) if valid is None else ragged.from_padded(padded, valid)
-
-    def extend(self, other: Segment) -> None:
-        """:meth:`Segment.extend`, as one ``cat`` per field when both hold the same number of tokens in
-        every head-row (bitwise what the ragged concatenation gives)."""
-        assert isinstance(other, RowCounts)
-        mine, theirs = self.row_count(), other.row_count()
-        if mine is None or theirs is None:
-            super().extend(other)  # type: ignore[misc]
-            return
-        bh = self.lens.numel()
-        for name in [*self.data_fields(), "pos"]:  # type: ignore[attr-defined]
-            a, b = getattr(self, name), getattr(other, name)
-            rest = a.shape[1:]
-            both = torch.cat([a.view(bh, mine, *rest), b.view(bh, theirs, *rest)], dim=1)
-            setattr(self, name, both.view(-1, *rest))
-        self.lens = self.lens + other.lens
-        self.__dict__["_row_count"] = (self.lens, mine + theirs)
 
 
 def check_rank(

@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.cache.ragged import segment_ids
-from kvbench.cache.segments import Segment
+from kvbench.cache.segments import RowCounts, Segment
 from kvbench.cache.store import LayerStore, SideData
-from kvbench.compressors.lowrank import RowCounts
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
 from kvbench.select import leaving_window

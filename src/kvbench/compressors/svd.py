@@ -22,9 +22,9 @@ from typing import Any
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.segments import GroupedSegment, Segment
+from kvbench.cache.segments import GroupedSegment, Segment, as_float
 from kvbench.cache.store import LayerStore
-from kvbench.compressors.lowrank import Residual, as_float, check_rank, pre_rope
+from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags
 from kvbench.select import leaving_window
