@@ -81,7 +81,8 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
     b, hq, q, d = query.shape
     h = key.shape[1]
     grouped = query.view(b, h, hq // h, q, d).float()
-    return torch.einsum("bhgqd,bhtd->bhgqt", grouped, key.float()) * scaling
+    # in place: the product is a fresh tensor, and a second (B, H, g, q, T) buffer costs as much
+    return torch.einsum("bhgqd,bhtd->bhgqt", grouped, key.float()).mul_(scaling)
 
 
 def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float, bias=None):
@@ -97,10 +98,10 @@ def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float
         stop = min(q, start + block)
         logits = _logits(query[:, :, start:stop], key, scaling)
         if bias is not None:
-            logits = logits + bias[:, :, None, None, :].float()
+            logits.add_(bias[:, :, None, None, :].float())
         mask = mask_fn(start, stop)
         if mask is not None:
-            logits = logits.masked_fill(~mask[:, :, None], float("-inf"))
+            logits.masked_fill_(~mask[:, :, None], float("-inf"))
         yield start, torch.softmax(logits, dim=-1)
 
 

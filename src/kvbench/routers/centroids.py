@@ -158,20 +158,20 @@ class CentroidExperts:
         seed) and each head-row has at most one new token (a decode step).
 
         The distances stay computed over every token (their last bits depend on the matmul's
-        shape), but the update reads only the new token: an expert sum over one member is that
-        member's (weighted) key, exactly, so gathering it gives the numbers of the sum over T.
+        shape), but the placement (:meth:`place_one`) and the update read only the new token: an
+        expert sum over one member is that member's (weighted) key, exactly, so gathering it gives
+        the numbers of the sum over T.
 
         Returns:
             ``eid`` ``(B, H, T)`` as :meth:`place`, the centroids and counts.
         """
-        defined = torch.ones_like(count, dtype=torch.bool)
-        eid = self.place(keys, cent, defined, new, torch.full_like(held, -1), held, valid)
         col = new.long().argmax(-1, keepdim=True)  # (B, H, 1): the row's new token, if any
+        dist = sq_dist(keys, cent).gather(2, col[..., None].expand(-1, -1, 1, cent.shape[2]))
+        one_new = new.gather(-1, col)
+        placed = self.place_one(dist, one_new, held, valid)  # (B, H, 1)
         one = keys.gather(2, col[..., None].expand(-1, -1, 1, keys.shape[-1]))
-        cent, count = self.update(
-            cent, count, one, eid.gather(-1, col), new.gather(-1, col), pos.gather(-1, col)
-        )
-        return eid, cent, count
+        cent, count = self.update(cent, count, one, placed, one_new, pos.gather(-1, col))
+        return held.scatter(-1, col, placed), cent, count
 
     def place(
         self,
@@ -186,6 +186,14 @@ class CentroidExperts:
         """Expert of each new token ``(B, H, T)``: its seed, else the nearest defined centroid."""
         dist = sq_dist(keys, cent).masked_fill(~defined[:, :, None, :], float("inf"))
         return torch.where(seeded >= 0, seeded, dist.argmin(-1))
+
+    def place_one(
+        self, dist: torch.Tensor, new: torch.Tensor, held: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`place` of at most one new token per head-row when every centroid is defined and
+        nothing is seeded: ``dist`` ``(B, H, 1, E)`` its distances, ``new`` ``(B, H, 1)`` whether the
+        head-row has one; ``held``, ``valid`` ``(B, H, T)`` as in :meth:`place`. Returns ``(B, H, 1)``."""
+        return dist.argmin(-1)
 
     def update(
         self,

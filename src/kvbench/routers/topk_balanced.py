@@ -24,7 +24,7 @@ import torch
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts, sq_dist
-from kvbench.routers.expert import ExpertRouter, expert_onehot, fill_by_preference
+from kvbench.routers.expert import ExpertRouter, expert_counts, expert_onehot, fill_by_preference
 
 
 def capacity(factor: float, demand: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
@@ -60,15 +60,32 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         valid: torch.Tensor,
     ) -> torch.Tensor:
         experts = self.num_experts
-        live = expert_onehot(held, valid & (held >= 0), experts).sum(2)  # (B, H, E)
-        cap = capacity(self.capacity_factor, live.sum(-1) + new.sum(-1), experts)  # (B, H)
         seeds = expert_onehot(seeded, seeded >= 0, experts).sum(2)
-        room = (cap[..., None] - live - seeds).clamp(min=0).long()
+        room = self.write_room(held, valid, new) - seeds
         dist = sq_dist(keys, cent).masked_fill(~defined[:, :, None, :], float("inf"))
-        order = dist.argsort(dim=-1, stable=True)
         want = (new & (seeded < 0)).long()
+        return torch.where(seeded >= 0, seeded, self.take(dist, want, room))
+
+    def place_one(
+        self, dist: torch.Tensor, new: torch.Tensor, held: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        # Tokens that want no expert offer nothing, so the greedy over the one new token alone
+        # takes what the greedy over every token gives it.
+        return self.take(dist, new.long(), self.write_room(held, valid, new))
+
+    def write_room(self, held: torch.Tensor, valid: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``(B, H, E)`` float: room under the write capacity, counting the ``new`` tokens in ``T``."""
+        live = expert_counts(torch.where(valid, held, -1), self.num_experts)  # (B, H, E)
+        cap = capacity(self.capacity_factor, live.sum(-1) + new.sum(-1), self.num_experts)  # (B, H)
+        return cap[..., None] - live
+
+    @staticmethod
+    def take(dist: torch.Tensor, want: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+        """Nearest expert with room for each wanting token, in cache order: ``(B, H, N)``."""
+        order = dist.argsort(dim=-1, stable=True)
+        room = room.clamp(min=0).long()
         took = fill_by_preference(order, torch.ones_like(dist, dtype=torch.bool), want, room)
-        return torch.where(seeded >= 0, seeded, took.long().argmax(-1))
+        return took.long().argmax(-1)
 
     def read_capacity(self, count: torch.Tensor, qpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts each query wants ``(B, H)`` and queries each expert serves ``(B, H)``."""

@@ -73,6 +73,12 @@ def chunk_start(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
     return torch.where(real.any(-1), first, store.seen)
 
 
+def in_order(store: LayerStore) -> bool:
+    """The view holds the full-precision rows alone, every slot a token: positions increase along
+    ``T`` (tokens arrive in order and keep it), so position order is view order."""
+    return len(store.segments) == 1 and store.view().dense
+
+
 @dataclass
 class QuestScheduler(Scheduler):
     """Keeps every token; each query reads the top pages of its KV head by Quest's bound.
@@ -105,9 +111,12 @@ class QuestScheduler(Scheduler):
         view = store.view()
         b, h, t, d = view.k.shape
         p = self.page_size
-        key = torch.where(view.valid, view.pos, torch.full_like(view.pos, torch.iinfo(view.pos.dtype).max))
-        order = key.argsort(-1)
-        keys = torch.gather(view.k, 2, order[..., None].expand(b, h, t, d))
+        if in_order(store):
+            keys = view.k
+        else:
+            last = torch.full_like(view.pos, torch.iinfo(view.pos.dtype).max)
+            order = torch.where(view.valid, view.pos, last).argsort(-1)
+            keys = torch.gather(view.k, 2, order[..., None].expand(b, h, t, d))
         npages = -(-t // p)
         keys = torch.nn.functional.pad(keys, (0, 0, 0, npages * p - t)).view(b, h, npages, p, d)
         full = torch.arange(npages, device=keys.device) < (view.valid.sum(-1) // p)[..., None]  # (B, H, P)
@@ -126,7 +135,7 @@ class QuestScheduler(Scheduler):
             self._account(layer, store, query, qpos, mask, None)
             return mask
         start = chunk_start(store, qpos)[:, None, None]
-        page, in_page, n_full = self.layout(view.pos, view.valid & (view.pos < start))
+        page, in_page, n_full = self.layout(view.pos, view.valid & (view.pos < start), in_order(store))
         bounds = store.side(PageBounds)
         if bounds is None or int(n_full.sum()) != bounds.kmin.shape[0]:
             raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
@@ -151,17 +160,26 @@ class QuestScheduler(Scheduler):
         self._account(layer, store, query, qpos, mask, n_full * 2 * d * bounds.kmin.element_size())
         return mask
 
-    def layout(self, pos: torch.Tensor, prior: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def layout(
+        self, pos: torch.Tensor, prior: torch.Tensor, ordered: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """Pages of the tokens stored before the chunk (``prior`` ``(B, H, T)``), in position order.
 
+        ``ordered``: positions increase along ``T`` (:func:`in_order`), so a prior token's rank is
+        a running count instead of a sort.
+
         Returns:
-            ``page`` ``(B, H, T)`` page of each prior token; ``in_page`` ``(B, H, T)`` True for the
-            tokens of full pages; ``n_full`` ``(B, H)`` full pages per head-row.
+            ``page`` ``(B, H, T)`` page of each prior token (any value for the others); ``in_page``
+            ``(B, H, T)`` True for the tokens of full pages; ``n_full`` ``(B, H)`` full pages per
+            head-row.
         """
-        key = torch.where(prior, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max))
-        order = key.argsort(-1)
-        ranks = torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
-        rank = torch.empty_like(order).scatter_(-1, order, ranks)
+        if ordered:
+            rank = prior.long().cumsum(-1) - 1
+        else:
+            key = torch.where(prior, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max))
+            order = key.argsort(-1)
+            ranks = torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
+            rank = torch.empty_like(order).scatter_(-1, order, ranks)
         n_full = prior.sum(-1) // self.page_size
         page = rank // self.page_size
         return page, prior & (page < n_full[..., None]), n_full
