@@ -76,3 +76,31 @@ def test_kernels_folder_does_not_shadow_hf_kernels():
     import transformers.utils.import_utils as iu
 
     assert not iu.is_kernels_available()
+
+
+@pytest.mark.parametrize("case", ["causal", "ragged", "window", "bias", "decode"])
+def test_probs_skip_unread_keys_bitwise(case):
+    """Scores computed in causal sub-blocks against only the keys they reach equal, bit for bit,
+    the masked softmax over every key (the skipped columns are the zeros of -inf logits)."""
+    from kvbench.cache import attention as att
+
+    gen = torch.Generator().manual_seed(7)
+    b, h, g, t, d = 2, 2, 3, 700, 16
+    q = 1 if case == "decode" else t
+    query = torch.randn(b, h * g, q, d, generator=gen)
+    key = torch.randn(b, h, t, d, generator=gen)
+    pos = torch.arange(t).expand(b, h, t)
+    valid = torch.ones(b, h, t, dtype=torch.bool)
+    if case == "ragged":
+        valid[1, 0, 650:] = False
+    qpos = torch.arange(t - q, t).expand(b, q)
+    window = 300 if case == "window" else None
+    bias = torch.rand(b, h, t, generator=gen) if case == "bias" else None
+    mask = att.read_mask(pos, valid, qpos, window)
+    logits = torch.einsum("bhgqd,bhtd->bhgqt", query.view(b, h, g, q, d), key) * 0.25
+    if bias is not None:
+        logits = logits + bias[:, :, None, None, :]
+    want = torch.softmax(logits.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
+    blocks = list(att.probs_blocks(query, key, lambda s, e: mask[:, :, s:e], 0.25, bias))
+    assert len(blocks) == 1
+    assert torch.equal(blocks[0][1], want)

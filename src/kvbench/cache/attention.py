@@ -96,13 +96,55 @@ def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float
     block = max(1, _BLOCK_ELEMS // max(1, b * hq * t))
     for start in range(0, q, block):
         stop = min(q, start + block)
-        logits = _logits(query[:, :, start:stop], key, scaling)
+        yield start, _probs(query[:, :, start:stop], key, mask_fn(start, stop), scaling, bias)
+
+
+def _probs(query: torch.Tensor, key: torch.Tensor, mask, scaling: float, bias) -> torch.Tensor:
+    """Masked softmax of one block's logits ``(B, H, g, q, T)`` fp32.
+
+    A causal prefill reads ever more keys as its queries advance: queries go in sub-blocks of
+    ``_SUB``, each against the keys up to the last one any of them reads; the columns after it
+    are written as the zeros their ``-inf`` logits give (the rows' softmax is the same).
+    """
+    reach = _reach(mask, query.shape[2]) if mask is not None else None
+    if reach is None:
+        logits = _logits(query, key, scaling)
         if bias is not None:
             logits.add_(bias[:, :, None, None, :].float())
-        mask = mask_fn(start, stop)
         if mask is not None:
             logits.masked_fill_(~mask[:, :, None], float("-inf"))
-        yield start, torch.softmax(logits, dim=-1)
+        return torch.softmax(logits, dim=-1)
+    b, hq, q, _ = query.shape
+    h, t = key.shape[1], key.shape[2]
+    out = torch.empty(b, h, hq // h, q, t, dtype=torch.float32, device=query.device)
+    for (start, stop), lim in reach:
+        logits = _logits(query[:, :, start:stop], key[:, :, :lim], scaling)
+        if bias is not None:
+            logits.add_(bias[:, :, None, None, :lim].float())
+        logits.masked_fill_(~mask[:, :, None, start:stop, :lim], float("-inf"))
+        out[:, :, :, start:stop, :lim] = torch.softmax(logits, dim=-1)
+        out[:, :, :, start:stop, lim:] = 0.0
+    return out
+
+
+_SUB = 256  # queries per causal sub-block in :func:`_probs`
+
+
+def _reach(mask: torch.Tensor, q: int) -> list[tuple[tuple[int, int], int]] | None:
+    """Sub-blocks of queries with the keys they reach, ``((start, stop), last read key + 1)``; None
+    when no sub-block would skip a key, or some query reads no key at all (its row stays NaN)."""
+    if q <= _SUB:
+        return None
+    cols = mask.any(1).any(0)  # (q, T): read by some head-row
+    t = cols.shape[-1]
+    last = t - cols.flip(-1).int().argmax(-1)  # one past the last read key of each query
+    if not bool(cols.any(-1).all()):
+        return None
+    bounds = [(s, min(q, s + _SUB)) for s in range(0, q, _SUB)]
+    reach = torch.stack([last[s:e].amax() for s, e in bounds]).tolist()
+    if all(r == t for r in reach):
+        return None
+    return [(se, int(r)) for se, r in zip(bounds, reach)]
 
 
 def kv_hit(
