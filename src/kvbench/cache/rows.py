@@ -33,8 +33,9 @@ def _gathered(
     """``values`` ``(BH, W, ...)`` reordered by ``order``, cut to ``width``, zero where ``live``
     ``(BH, width)`` is False (None: every row keeps ``width`` tokens)."""
     trail = [1] * (values.dim() - 2)
-    out = torch.gather(values, 1, order.view(*order.shape, *trail).expand_as(values))[:, :width]
-    return out if live is None else out.masked_fill(~live.view(*out.shape[:2], *trail), 0)
+    index = order[:, :width].reshape(order.shape[0], width, *trail)
+    out = torch.gather(values, 1, index.expand(-1, -1, *values.shape[2:]))  # only the kept slots
+    return out if live is None else out.masked_fill_(~live.view(*out.shape[:2], *trail), 0)
 
 
 def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

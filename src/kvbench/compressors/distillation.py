@@ -149,11 +149,14 @@ def _nearest(x: torch.Tensor, c: torch.Tensor, cvalid: torch.Tensor) -> torch.Te
     """Nearest valid centroid of every unit: ``x`` ``(R, n, D)``, ``c`` ``(R, M, D)`` -> ``(R, n)``."""
     r, n, _ = x.shape
     csq = c.pow(2).sum(-1)[:, None, :]  # (R, 1, M); |x|^2 is the same for every centroid
+    # An invalid centroid is infinitely far: inf plus any finite product is inf, as masking gives.
+    csq = csq.masked_fill(~cvalid[:, None, :], float("inf"))
     block = max(1, _BLOCK_ELEMS // max(1, r * c.shape[1]))
     out = []
     for s in range(0, n, block):
-        dist = csq - 2 * torch.einsum("rnd,rmd->rnm", x[:, s : s + block], c)
-        out.append(dist.masked_fill(~cvalid[:, None, :], float("inf")).argmin(-1))
+        # csq - 2·(x·c), in place: (-2·p) + csq is the same float as csq - 2·p
+        dist = torch.einsum("rnd,rmd->rnm", x[:, s : s + block], c).mul_(-2).add_(csq)
+        out.append(dist.argmin(-1))
     return torch.cat(out, dim=1) if out else torch.zeros(r, 0, dtype=torch.long, device=x.device)
 
 
