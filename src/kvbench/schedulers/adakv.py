@@ -32,7 +32,7 @@ import torch
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler, keep_top
-from kvbench.select import ObservationWindow
+from kvbench.select import ObservationWindow, within
 
 
 @dataclass
@@ -60,6 +60,8 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
             raise ConfigError(f"scheduler.pool={self.pool}: must be an odd integer >= 1 (1: no pooling)")
 
     def evict(self, layer: int, store: LayerStore) -> None:
+        if within(store, self.budget.capacity_host):  # every head-row within the mean: nothing over
+            return
         cap = self.budget.capacity(store.seen)  # (B,) per head on average
         total = store.view().valid.sum((1, 2))  # (B,)
         if bool((total > cap * store.kv_heads).any()):
