@@ -3,6 +3,7 @@ allowed, before any model loads; and inputs that were refused wrongly are accept
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -233,6 +234,26 @@ def test_an_uncached_hub_model_without_network_is_refused_at_once(no_hub):
         f"model.hf_id='kvbench-tests/tiny-llama' (model=tiny_hub): not in the local HF cache and "
         f"{UNREACHABLE} is unreachable (ConnectError: "
     )
+
+
+def test_a_hub_probe_that_hangs_is_cut_short(monkeypatch):
+    """A name lookup that never returns (no resolver) is not bounded by the client's timeout: the
+    probe gives up on its own."""
+    release = threading.Event()
+
+    class Hanging:
+        def head(self, *args, **kwargs):
+            release.wait(30)
+
+    monkeypatch.setattr(huggingface_hub, "get_session", lambda: Hanging())
+    monkeypatch.setattr(models, "HUB_PROBE_S", 0.2)
+    start = time.perf_counter()
+    try:
+        why = models._probe.__wrapped__("http://hangs.invalid")
+    finally:
+        release.set()
+    assert time.perf_counter() - start < 3
+    assert why == "http://hangs.invalid is unreachable (no answer within 1.2 s: name lookup or connection)"
 
 
 def test_hf_hub_offline_is_honoured(no_hub, monkeypatch):

@@ -14,6 +14,7 @@ import importlib.util
 import os
 import re
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,11 +99,26 @@ def hub_unreachable() -> str | None:
 
 @functools.lru_cache(maxsize=8)
 def _probe(endpoint: str) -> str | None:
+    """Ask in a daemon thread and wait at most ``HUB_PROBE_S`` + 1 s: the client's timeout bounds the
+    connection, not the name lookup before it, which can hang for half a minute on a host whose
+    resolver is unreachable."""
+    answer: list[str | None] = []
+    asking = threading.Thread(target=_ask, args=(endpoint, answer), daemon=True)
+    asking.start()
+    wait = HUB_PROBE_S + 1.0
+    asking.join(wait)
+    if not answer:
+        return f"{endpoint} is unreachable (no answer within {wait:g} s: name lookup or connection)"
+    return answer[0]
+
+
+def _ask(endpoint: str, answer: list[str | None]) -> None:
     try:
         huggingface_hub.get_session().head(endpoint, timeout=HUB_PROBE_S)
     except Exception as err:  # any failure to get an answer: DNS, refused, timeout, TLS, proxy
-        return f"{endpoint} is unreachable ({type(err).__name__}: {' '.join(str(err).split())[:120]})"
-    return None
+        answer.append(f"{endpoint} is unreachable ({type(err).__name__}: {' '.join(str(err).split())[:120]})")
+        return
+    answer.append(None)
 
 
 DEVICES = "auto, cpu, cuda, cuda:N (N a GPU index), mps"
