@@ -144,7 +144,7 @@ class ObservationWindow:
         """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV)."""
         view = store.view()
         score = store.state(self.ring).sum(-1)
-        if len(store.segments) == 1 and view.dense:  # the full-precision rows alone: in position order
+        if store.in_position_order() and view.dense:  # every slot a token, in position order
             return pool_sorted(score, self.pool)
         return pool_scores(score, view.pos, view.valid, self.pool)
 

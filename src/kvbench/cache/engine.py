@@ -185,8 +185,14 @@ class KVCache(Cache):
             return mask
 
         mask = None if plain and selector is None else mask_fn(0, q_len)
-        # One plain decode step reads every stored token: its scores need no mask either.
-        reads_all = plain and selector is None and q_len == 1
+
+        def score_mask(start: int, stop: int) -> torch.Tensor | None:
+            """The read mask of queries ``start:stop`` for their scores; None (every stored token)
+            for one plain decode step."""
+            if mask is not None:
+                return mask[:, :, start:stop]
+            return None if q_len == 1 else mask_fn(start, stop)
+
         placer = self.stack.placer
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
@@ -201,13 +207,7 @@ class KVCache(Cache):
             blocks = att.probs_blocks(
                 query[:, :, first:],
                 view.k,
-                lambda a, b: (
-                    None
-                    if reads_all
-                    else mask[:, :, first + a : first + b]
-                    if mask is not None
-                    else mask_fn(first + a, first + b)
-                ),
+                lambda a, b: score_mask(first + a, first + b),
                 scaling,
                 view.bias,
             )

@@ -8,6 +8,8 @@ that every value stays within half a quantization step of its reconstruction.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 SUPPORTED_BITS = (2, 3, 4, 8)
@@ -18,23 +20,16 @@ def _layout(bits: int) -> tuple[int, int]:
     return (8, 3) if bits == 3 else (8 // bits, 1)
 
 
-_CONSTANTS: dict[tuple[str, torch.device, int, torch.dtype], torch.Tensor] = {}
+@functools.lru_cache(maxsize=64)
+def _multiples(count: int, step: int, device: torch.device) -> torch.Tensor:
+    """``arange(count) * step`` int32 (bit shifts), built once per device: a decode step packs per layer."""
+    return torch.arange(count, device=device, dtype=torch.int32) * step
 
 
-def _constant(kind: str, device: torch.device, n: int, dtype: torch.dtype) -> torch.Tensor:
-    """Small constant tensors, built once per device (a decode step quantizes per layer):
-    ``("shifts", n)``: ``arange(per) * n``; ``("bytes", n)``: ``arange(n) * 8``; ``("low"|"high", _)``:
-    the float16 bounds ``∓65504`` as 0-d tensors (``nextafter`` broadcasts them as ``full_like`` did)."""
-    key = (kind, device, n, dtype)
-    if key not in _CONSTANTS:
-        if kind == "shifts":
-            value = torch.arange(8 // n if n != 3 else 8, device=device, dtype=dtype) * n
-        elif kind == "bytes":
-            value = torch.arange(n, device=device, dtype=dtype) * 8
-        else:
-            value = torch.tensor(-65504.0 if kind == "low" else 65504.0, device=device, dtype=dtype)
-        _CONSTANTS[key] = value
-    return _CONSTANTS[key]
+@functools.lru_cache(maxsize=16)
+def _scalar(value: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 0-d constant, built once per device and dtype (``nextafter`` broadcasts it)."""
+    return torch.tensor(value, device=device, dtype=dtype)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -46,10 +41,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8 and codes.dtype == torch.uint8:  # one code per byte: packing changes nothing
         return codes.contiguous()
     grouped = codes.view(*codes.shape[:-1], d // per, per).to(torch.int32)
-    word = (grouped << _constant("shifts", codes.device, bits, torch.int32)).sum(-1)  # at most 24 bits
+    word = (grouped << _multiples(per, bits, codes.device)).sum(-1)  # at most 24 bits
     if nbytes == 1:
         return word.to(torch.uint8)
-    out = (word[..., None] >> _constant("bytes", codes.device, nbytes, torch.int32)) & 0xFF
+    out = (word[..., None] >> _multiples(nbytes, 8, codes.device)) & 0xFF
     return out.reshape(*codes.shape[:-1], d // per * nbytes).to(torch.uint8)
 
 
@@ -59,8 +54,8 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed.contiguous()
     per, nbytes = _layout(bits)
     words = packed.to(torch.int32).view(*packed.shape[:-1], packed.shape[-1] // nbytes, nbytes)
-    word = (words << _constant("bytes", packed.device, nbytes, torch.int32)).sum(-1)
-    codes = (word[..., None] >> _constant("shifts", packed.device, bits, torch.int32)) & ((1 << bits) - 1)
+    word = (words << _multiples(nbytes, 8, packed.device)).sum(-1)
+    codes = (word[..., None] >> _multiples(per, bits, packed.device)) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], word.shape[-1] * per).to(torch.uint8)
 
 
@@ -70,12 +65,12 @@ def _params(
     """float16 minimum (rounded down) and step (rounded up) covering ``[lo, hi]``, and the two as
     float32 (what quantizing and dequantizing compute with)."""
     zero = lo.half()
-    low = _constant("low", zero.device, 0, zero.dtype)
+    low = _scalar(-65504.0, zero.device, zero.dtype)
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, low), zero)
     zero32 = zero.float()
     step = ((hi - zero32) / ((1 << bits) - 1)).clamp(min=1e-8)
     step16 = step.half()
-    high = _constant("high", zero.device, 0, zero.dtype)
+    high = _scalar(65504.0, zero.device, zero.dtype)
     step16 = torch.where(step16.float() < step, torch.nextafter(step16, high), step16)
     return zero, step16, zero32, step16.float()
 

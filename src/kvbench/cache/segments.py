@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import ragged
+from kvbench.cache.rotary import Angles, Rotary
 from kvbench.cache.rows import Rows
 
 KV = ("k", "v")  # the rows' decoded (or, full precision, stored) keys and values
@@ -234,3 +235,33 @@ class RowCounts:
             setattr(self, name, both.view(-1, *rest))
         self.lens = self.lens + other.lens
         self.__dict__["_row_count"] = (self.lens, mine + theirs)
+
+
+class RebuiltOnEncode:
+    """Mixin for a :class:`Segment` of pre-rotary keys whose encoder rebuilds its tokens anyway (to
+    measure its error): :meth:`remember` keeps them for the store's first :meth:`Segment.read` (the
+    store reads a new segment as it adopts it), which then decodes nothing. Keeping or extending the
+    tokens forgets them."""
+
+    rotary: Rotary
+    pos: torch.Tensor
+
+    def remember(self, kpre: torch.Tensor, v: torch.Tensor, angles: Angles) -> None:
+        """The rebuilt keys before rotation and values ``(N, D)`` float32, and the angles of ``pos``."""
+        self.__dict__["_rebuilt"] = (kpre, v, angles)
+
+    def rebuilt(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What :meth:`Segment.read` returns, from the remembered tokens (once), or None."""
+        kept = self.__dict__.pop("_rebuilt", None)
+        if kept is None:
+            return None
+        kpre, v, angles = kept
+        return self.rotary.rotate(kpre, self.pos, angles).to(dtype), v.to(dtype)
+
+    def keep(self, keep: torch.Tensor) -> None:
+        self.__dict__.pop("_rebuilt", None)
+        super().keep(keep)  # type: ignore[misc]
+
+    def extend(self, other: Segment) -> None:
+        self.__dict__.pop("_rebuilt", None)
+        super().extend(other)  # type: ignore[misc]

@@ -367,6 +367,16 @@ class LayerStore:
     def view_protect_from(self) -> torch.Tensor | None:
         return None if self.protect_from is None else self.protect_from[:, None, None]
 
+    def chunk_start(self, qpos: torch.Tensor) -> torch.Tensor:
+        """First position of each sequence's current chunk ``(B,)``: its first real query (``qpos``
+        ``(B, q)``, -1 for padding), else ``seen`` (every real query lies below ``seen``)."""
+        return torch.where(qpos >= 0, qpos, self.seen[:, None]).amin(-1)
+
+    def in_position_order(self) -> bool:
+        """Positions increase along every row of ``view()`` over its live slots: the full-precision
+        rows alone, whose tokens keep the order they arrived in."""
+        return len(self.segments) == 1
+
     # --- accounting -----------------------------------------------------------------------
     def nbytes(self) -> int:
         side = [t for data in self._side.values() for t in data.tensors()]

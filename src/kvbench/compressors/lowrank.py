@@ -18,7 +18,7 @@ import torch
 
 from kvbench.cache import quant
 from kvbench.cache.rotary import Angles, Rotary
-from kvbench.cache.segments import RowCounts, Segment, as_float
+from kvbench.cache.segments import RebuiltOnEncode, RowCounts, Segment, as_float
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
@@ -95,7 +95,7 @@ def layer_bases(
 
 
 @dataclass
-class LatentSegment(RowCounts, Segment):
+class LatentSegment(RebuiltOnEncode, RowCounts, Segment):
     """Tokens as latents on per-head bases: ``K = rotate(klat · kbasisᵀ)``, ``V = vlat · vbasisᵀ``.
 
     Per token: ``klat`` ``(N, rk)`` and ``vlat`` ``(N, rv)`` in the model dtype, or, with ``bits``,
@@ -153,7 +153,7 @@ class LatentSegment(RowCounts, Segment):
         if residuals is not None:
             residuals[0].add(kpre, krebuilt)
             residuals[1].add(v, vrebuilt)
-        seg.__dict__["_decoded"] = (krebuilt, vrebuilt, angles)
+        seg.remember(krebuilt, vrebuilt, angles)
         return seg
 
     def layout(self) -> tuple[Any, ...]:
@@ -176,22 +176,12 @@ class LatentSegment(RowCounts, Segment):
         )
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        decoded = self.__dict__.pop("_decoded", None)  # from encode, for these very tokens
-        if decoded is None:
-            kl, vl = self.latents()
-            k = self.rotary.rotate(self._expand(kl, self.kbasis), self.pos)
-            return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
-        kpre, v, angles = decoded
-        k = self.rotary.rotate(kpre, self.pos, angles)
-        return k.to(dtype), v.to(dtype)
-
-    def extend(self, other: Segment) -> None:
-        self.__dict__.pop("_decoded", None)
-        super().extend(other)
-
-    def keep(self, keep: torch.Tensor) -> None:
-        self.__dict__.pop("_decoded", None)
-        super().keep(keep)
+        rebuilt = self.rebuilt(dtype)  # from encode, for these very tokens
+        if rebuilt is not None:
+            return rebuilt
+        kl, vl = self.latents()
+        k = self.rotary.rotate(self._expand(kl, self.kbasis), self.pos)
+        return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
 
     def _project(self, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """``(N, D)`` -> ``(N, r)`` latents on each token's head basis ``(H, D, r)``."""

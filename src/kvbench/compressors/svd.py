@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.segments import GroupedSegment, Segment, as_float
+from kvbench.cache.segments import GroupedSegment, RebuiltOnEncode, as_float
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
 from kvbench.errors import ConfigError
@@ -31,7 +31,7 @@ from kvbench.select import leaving_window
 
 
 @dataclass
-class SVDSegment(GroupedSegment):
+class SVDSegment(RebuiltOnEncode, GroupedSegment):
     """Factored blocks. Per token: ``ka`` ``(N, rk)``, ``va`` ``(N, rv)`` (or full values ``(N, D)``
     when ``vb`` is None). Per block: ``kb`` ``(M, D, rk)``, ``vb`` ``(M, D, rv)``, ``gcount`` ``(M,)``."""
 
@@ -63,22 +63,12 @@ class SVDSegment(GroupedSegment):
         return ragged.from_padded(torch.bmm(p, as_float(b).transpose(1, 2)), valid)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        decoded = self.__dict__.pop("_decoded", None)  # from factoring, for these very tokens
-        if decoded is None:
-            k = self.rotary.rotate(self.expand(self.ka, self.kb), self.pos)
-            v = self.va if self.vb is None else self.expand(self.va, self.vb)
-        else:
-            kpre, v, angles = decoded
-            k = self.rotary.rotate(kpre, self.pos, angles)
+        rebuilt = self.rebuilt(dtype)  # from factoring, for these very tokens
+        if rebuilt is not None:
+            return rebuilt
+        k = self.rotary.rotate(self.expand(self.ka, self.kb), self.pos)
+        v = self.va if self.vb is None else self.expand(self.va, self.vb)
         return k.to(dtype), v.to(dtype)
-
-    def keep(self, keep: torch.Tensor) -> None:
-        self.__dict__.pop("_decoded", None)
-        super().keep(keep)
-
-    def extend(self, other: Segment) -> None:
-        self.__dict__.pop("_decoded", None)
-        super().extend(other)
 
 
 def factor_blocks(x: torch.Tensor, block: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +141,7 @@ class SVDCompressor(Compressor):
         if seg.vb is not None:
             vrebuilt = seg.expand(seg.va, seg.vb, n)
             self.residuals[1].add(v, vrebuilt)
-        seg.__dict__["_decoded"] = (krebuilt, vrebuilt, angles)
+        seg.remember(krebuilt, vrebuilt, angles)
         return seg
 
     def metrics(self) -> dict[str, float | list[float] | None]:

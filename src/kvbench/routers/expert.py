@@ -19,33 +19,17 @@ from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Router
 
 
-def chunk_start(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
-    """``(B, 1, 1)``: where each sequence's chunk starts, its first real query (``seen`` if none).
-
-    ``qpos`` ``(B, q)``, -1 for padding; a real query's position is below ``seen``, so the
-    minimum over real queries and ``seen`` is the first real query when there is one.
-    """
-    return torch.where(qpos >= 0, qpos, store.seen[:, None]).amin(-1)[:, None, None]
-
-
-def always_read(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
-    """``(B, H, T)``: sinks, the window before the chunk, protected positions and the chunk itself.
-
-    ``qpos`` ``(B, q)``: the chunk of each sequence starts at its first real query.
-    """
-    pos, start = store.view().pos, chunk_start(store, qpos)
-    return budget.protected(pos, start, store.view_protect_from()) | (pos >= start)
-
-
 def routable_tokens(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
-    """``(B, H, T)``: the stored tokens a router routes, every valid one not :func:`always_read`.
+    """``(B, H, T)``: the stored tokens a router routes, every valid one but those always read (the
+    sinks, the window before the chunk, protected positions and the chunk itself).
 
-    The same mask as ``valid & ~always_read(...)``, in fewer operations (the chunk lies inside
-    the window before it, so ``pos < start - window`` excludes both).
+    ``qpos`` ``(B, q)``: the chunk of each sequence starts at its first real query; the chunk lies
+    after the window before it, so ``pos < start - window`` excludes both.
     """
     view = store.view()
     pos = view.pos
-    out = view.valid & (pos >= budget.sinks) & (pos < chunk_start(store, qpos) - budget.window)
+    start = store.chunk_start(qpos)[:, None, None]
+    out = view.valid & (pos >= budget.sinks) & (pos < start - budget.window)
     protect_from = store.view_protect_from()
     return out if protect_from is None else out & (pos < protect_from)
 
@@ -57,8 +41,8 @@ def position_blocks(
 
     Args:
         pos: ``(B, H, T)`` positions; routable: ``(B, H, T)`` bool.
-        ordered: positions strictly increase along T (one full-precision segment: tokens stay in
-            arrival order), so a token's rank is a running count instead of two sorts.
+        ordered: positions increase along T (:meth:`LayerStore.in_position_order`), so a token's
+            rank is a running count instead of two sorts.
 
     Returns:
         ``(B, H, T)`` long, -1 where not routable.
@@ -75,18 +59,11 @@ def position_blocks(
     return eid.masked_fill_(~routable, -1)
 
 
-def expert_onehot(eid: torch.Tensor, member: torch.Tensor, experts: int) -> torch.Tensor:
-    """``(B, H, T, E)`` float: 1 where token ``t`` is a ``member`` of expert ``eid``."""
-    return F.one_hot(eid.clamp(min=0), experts).float() * member[..., None].float()
-
-
-def routed_onehot(eid: torch.Tensor, experts: int) -> torch.Tensor:
-    """``(B, H, T, E)`` float: 1 where token ``t`` is routed to expert ``eid`` (-1: none).
-
-    The same tensor as ``expert_onehot(eid, eid >= 0, experts)`` (values and layout), in two
-    operations instead of five.
-    """
-    return (eid[..., None] == torch.arange(experts, device=eid.device)).float()
+def expert_onehot(eid: torch.Tensor, member: torch.Tensor | None, experts: int) -> torch.Tensor:
+    """``(B, H, T, E)`` float: 1 where token ``t`` is a ``member`` of expert ``eid`` (a member's
+    ``eid`` is an expert, ``>= 0``); ``member`` None: every token whose ``eid`` is not -1."""
+    onehot = eid[..., None] == torch.arange(experts, device=eid.device)
+    return (onehot if member is None else onehot & member[..., None]).float()
 
 
 def expert_counts(eid: torch.Tensor, experts: int) -> torch.Tensor:
@@ -228,7 +205,7 @@ class ExpertRouter(Router):
 
         Default: the mean key of each expert's routed tokens (zero for an empty expert).
         """
-        onehot = routed_onehot(eid, self.num_experts)
+        onehot = expert_onehot(eid, None, self.num_experts)
         count = onehot.sum(2)
         return count, expert_sums(onehot, store.view().k) / count.clamp(min=1)[..., None]
 
@@ -326,6 +303,4 @@ class PositionExperts:
     num_experts: int
 
     def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
-        # one full-precision segment keeps its tokens in arrival order: positions increase along T
-        ordered = len(store.segments) == 1
-        return position_blocks(store.view().pos, routable, self.num_experts, ordered)
+        return position_blocks(store.view().pos, routable, self.num_experts, store.in_position_order())

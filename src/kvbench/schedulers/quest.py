@@ -66,19 +66,6 @@ def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> 
     )
 
 
-def chunk_start(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
-    """First position of the current chunk of each sequence ``(B,)`` (``seen`` if it has none)."""
-    real = qpos >= 0
-    first = torch.where(real, qpos, torch.full_like(qpos, torch.iinfo(qpos.dtype).max)).amin(-1)
-    return torch.where(real.any(-1), first, store.seen)
-
-
-def in_order(store: LayerStore) -> bool:
-    """The view holds the full-precision rows alone, every slot a token: positions increase along
-    ``T`` (tokens arrive in order and keep it), so position order is view order."""
-    return len(store.segments) == 1 and store.view().dense
-
-
 @dataclass
 class QuestScheduler(Scheduler):
     """Keeps every token; each query reads the top pages of its KV head by Quest's bound.
@@ -111,7 +98,7 @@ class QuestScheduler(Scheduler):
         view = store.view()
         b, h, t, d = view.k.shape
         p = self.page_size
-        if in_order(store):
+        if store.in_position_order() and view.dense:  # every slot a token, in position order
             keys = view.k
         else:
             last = torch.full_like(view.pos, torch.iinfo(view.pos.dtype).max)
@@ -134,8 +121,9 @@ class QuestScheduler(Scheduler):
             mask = view.valid[:, :, None, :].expand(b, h, q, t)
             self._account(layer, store, query, qpos, mask, None)
             return mask
-        start = chunk_start(store, qpos)[:, None, None]
-        page, in_page, n_full = self.layout(view.pos, view.valid & (view.pos < start), in_order(store))
+        start = store.chunk_start(qpos)[:, None, None]
+        prior = view.valid & (view.pos < start)
+        page, in_page, n_full = self.layout(view.pos, prior, store.in_position_order())
         bounds = store.side(PageBounds)
         if bounds is None or int(n_full.sum()) != bounds.kmin.shape[0]:
             raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
@@ -165,8 +153,8 @@ class QuestScheduler(Scheduler):
     ) -> tuple[torch.Tensor, ...]:
         """Pages of the tokens stored before the chunk (``prior`` ``(B, H, T)``), in position order.
 
-        ``ordered``: positions increase along ``T`` (:func:`in_order`), so a prior token's rank is
-        a running count instead of a sort.
+        ``ordered``: positions increase along ``T`` (:meth:`LayerStore.in_position_order`), so a
+        prior token's rank is a running count instead of a sort.
 
         Returns:
             ``page`` ``(B, H, T)`` page of each prior token (any value for the others); ``in_page``
