@@ -27,14 +27,24 @@ def _order(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices, keep.sum(-1)
 
 
-def _gathered(
-    values: torch.Tensor, order: torch.Tensor, live: torch.Tensor | None, width: int
-) -> torch.Tensor:
-    """``values`` ``(BH, W, ...)`` reordered by ``order``, cut to ``width``, zero where ``live``
-    ``(BH, width)`` is False (None: every row keeps ``width`` tokens)."""
-    trail = [1] * (values.dim() - 2)
-    index = order[:, :width].reshape(order.shape[0], width, *trail)
-    out = torch.gather(values, 1, index.expand(-1, -1, *values.shape[2:]))  # only the kept slots
+def _flat_index(order: torch.Tensor, width: int, stride: int) -> torch.Tensor:
+    """Flat slot of each of the first ``width`` entries of ``order`` ``(BH, W)`` in a field whose
+    rows are ``stride`` slots apart: ``(BH * width,)``."""
+    rows = torch.arange(order.shape[0], device=order.device)[:, None] * stride
+    return (order[:, :width] + rows).reshape(-1)
+
+
+def _gathered(values: torch.Tensor, index: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """The slots ``index`` (:func:`_flat_index`) of ``values`` ``(BH, W, ...)`` as ``(BH, width, ...)``,
+    zero where ``live`` ``(BH, width)`` is False (None: every row keeps ``width`` tokens).
+
+    Whole slots are copied by one ``index_select`` over the rows of a ``(BH * W, rest)`` view (a
+    ``gather`` along the slots with an index expanded over ``rest`` costs several times more)."""
+    bh, w = values.shape[:2]
+    rest = values.shape[2:]
+    out = values.reshape(bh * w, *rest).index_select(0, index)  # only the kept slots
+    out = out.view(bh, index.numel() // bh, *rest)
+    trail = [1] * len(rest)
     return out if live is None else out.masked_fill_(~live.view(*out.shape[:2], *trail), 0)
 
 
@@ -43,7 +53,7 @@ def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
     order, counts = _order(keep)
     width = int(counts.max()) if counts.numel() else 0
-    return _gathered(values, order, valid_mask(counts, width), width)
+    return _gathered(values, _flat_index(order, width, values.shape[1]), valid_mask(counts, width))
 
 
 class Rows:
@@ -61,6 +71,16 @@ class Rows:
         self.uniform = True  # every row holds ``width`` tokens
         self.capacity = 0
         self.fields: dict[str, torch.Tensor] = {}
+        self.changed_from: int | None = 0  # first column of the rectangle changed since :meth:`changes`
+
+    def changes(self) -> int | None:
+        """The first column of the rectangle that may have changed since the last call (None: no
+        change), for a reader that keeps a copy of the rectangle up to date (the store's view)."""
+        out, self.changed_from = self.changed_from, None
+        return out
+
+    def _changed(self, start: int) -> None:
+        self.changed_from = start if self.changed_from is None else min(self.changed_from, start)
 
     # --- reading ---------------------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -99,6 +119,7 @@ class Rows:
     def set(self, name: str, values: torch.Tensor) -> None:
         """Overwrite field ``name`` with ``values`` ``(BH, width, *rest)`` (padding slots included)."""
         self.ensure(name, tuple(values.shape[2:]), values.dtype)[:, : self.width] = values
+        self._changed(0)
 
     def _reserve(self, need: int) -> None:
         if need <= self.capacity:
@@ -121,6 +142,7 @@ class Rows:
         q = next(iter(new.values())).shape[1]
         for name, value in new.items():
             self.ensure(name, tuple(value.shape[2:]), value.dtype)
+        self._changed(self.width if self.uniform else 0)
         if self.uniform:
             self._reserve(self.width + q)
             for name, field in self.fields.items():
@@ -138,6 +160,7 @@ class Rows:
         """Append flat head-major tokens, ``new_lens`` ``(BH,)`` per row: ``new[name]`` ``(n, *rest)``."""
         for name, value in new.items():
             self.ensure(name, tuple(value.shape[1:]), value.dtype)
+        self._changed(self.width if self.uniform else 0)
         lens = self.lens + new_lens
         most = int(lens.max())
         self._open(most)
@@ -152,14 +175,16 @@ class Rows:
     def keep(self, mask: torch.Tensor) -> None:
         """Keep the slots where ``mask`` ``(BH, width)`` holds, in order, compacted to each row's front.
 
-        Writes new tensors: rectangles read before (a layer's view) keep what they showed.
+        Writes new tensors: rectangles read before keep what they showed.
         """
+        self._changed(0)
         order, lens = _order(mask if self.uniform else mask & self.valid())  # one sort for every field
         counts = lens.tolist()  # the one synchronisation: the new width
         low, high = min(counts), max(counts)
         live = None if low == high else valid_mask(lens, high)
+        index = _flat_index(order, high, self.capacity)  # slots of the whole fields, not the rectangle
         for name, field in self.fields.items():
             new = torch.empty_like(field)
-            new[:, :high] = _gathered(field[:, : self.width], order, live, high)
+            new[:, :high] = _gathered(field, index, live)
             self.fields[name] = new
         self.lens, self.width, self.uniform = lens, high, low == high

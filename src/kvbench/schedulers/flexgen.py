@@ -79,11 +79,14 @@ class FlexGenScheduler(Scheduler):
         self.slow_device = torch.device("cpu")
         self.pinned = torch.cuda.is_available()
 
+    def fast_count(self, store: LayerStore) -> int:
+        """Head-rows in the fast tier: the first ones of ``B * H``."""
+        return math.floor(self.fast_percent * store.batch * store.kv_heads / 100 + 1e-9)
+
     def fast_rows(self, store: LayerStore) -> torch.Tensor:
         """``(B, H)`` bool: the head-rows in the fast tier."""
-        rows = store.batch * store.kv_heads
-        n_fast = math.floor(self.fast_percent * rows / 100 + 1e-9)
-        return (torch.arange(rows, device=store.device) < n_fast).view(store.batch, store.kv_heads)
+        fast = torch.arange(store.batch * store.kv_heads, device=store.device) < self.fast_count(store)
+        return fast.view(store.batch, store.kv_heads)
 
     def evict(self, layer: int, store: LayerStore) -> None:
         """Nothing is evicted: measure the tiers' bytes and the new slow-row tokens written."""
@@ -155,12 +158,11 @@ class FlexGenScheduler(Scheduler):
         if view.bias is not None:
             rows["bias"] = view.bias.reshape(b * h, 1, t)
         out = query.new_empty(b * h, g, q, view.v.shape[-1])
-        idx = fast.flatten().nonzero()[:, 0]
-        if idx.numel():
-            out[idx] = self._attend({k: v[idx] for k, v in rows.items()}, scaling)
-        idx = (~fast).flatten().nonzero()[:, 0]
-        if idx.numel():
-            out[idx] = self._attend_slow({k: v[idx] for k, v in rows.items()}, scaling)
+        n_fast = self.fast_count(store)  # the fast rows come first: each tier is a slice, not a copy
+        if n_fast:
+            out[:n_fast] = self._attend({k: v[:n_fast] for k, v in rows.items()}, scaling)
+        if n_fast < b * h:
+            out[n_fast:] = self._attend_slow({k: v[n_fast:] for k, v in rows.items()}, scaling)
         return out.view(b, h * g, q, -1)
 
     @staticmethod

@@ -1,0 +1,107 @@
+"""The store's view across segments: kept up to date between steps, always what concatenating
+every segment's rows gives, whatever sequence of appends, moves and evictions led there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kvbench.cache.segments import Segment
+from kvbench.cache.store import LayerStore
+
+
+@dataclass
+class _Halved(Segment):
+    """A representation for the test: keys and values stored at half their value (``tag`` tells
+    layouts apart, so two of them can sit side by side); ``biased`` adds a per-token logit."""
+
+    k: torch.Tensor = None  # type: ignore[assignment]
+    v: torch.Tensor = None  # type: ignore[assignment]
+    tag: int = 0
+    biased: bool = False
+
+    def data_fields(self) -> dict[str, torch.Tensor]:
+        return {"k": self.k, "v": self.v}
+
+    def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.k * 0.5).to(dtype), (self.v * 0.5).to(dtype)
+
+    def layout(self) -> tuple:
+        return (self.tag,)
+
+    def bias(self) -> torch.Tensor | None:
+        return self.pos.float() / 100 if self.biased else None
+
+
+def _reference(store: LayerStore) -> dict[str, torch.Tensor | None]:
+    """The view as a plain concatenation of every segment's rows."""
+    segs = store.segments
+    cat = {name: torch.cat([s.rows.get(name) for s in segs], dim=1) for name in ("k", "v", "pos")}
+    cat["valid"] = torch.cat([s.rows.valid() for s in segs], dim=1)
+    cat["bias"] = None
+    if any("bias" in s.rows for s in segs):
+        cat["bias"] = torch.cat(
+            [s.rows.get("bias") if "bias" in s.rows else torch.zeros(s.rows.bh, s.rows.width) for s in segs],
+            dim=1,
+        )
+    return cat
+
+
+def _check(store: LayerStore) -> None:
+    view, ref = store.view(), _reference(store)
+    b, h = store.batch, store.kv_heads
+    assert view.widths == [s.rows.width for s in store.segments]
+    assert view.dense == all(s.rows.uniform for s in store.segments)
+    for name in ("k", "v", "pos", "valid"):
+        got = getattr(view, name)
+        assert torch.equal(got.reshape(b * h, *got.shape[2:]), ref[name]), name
+    if ref["bias"] is None:
+        assert view.bias is None
+    else:
+        assert view.bias is not None and torch.equal(view.bias.reshape(b * h, -1), ref["bias"])
+
+
+def _leaving(store: LayerStore, keep_first: int, keep_last: int) -> torch.Tensor:
+    """The oldest full-precision tokens after ``keep_first`` (sinks), leaving ``keep_last`` (window)."""
+    valid = store.fp_valid()
+    rank = valid.long().cumsum(-1)
+    return valid & (rank > keep_first) & (rank <= valid.sum(-1, keepdim=True) - keep_last)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_view_tracks_every_change(batch, seed):
+    gen = torch.Generator().manual_seed(seed)
+    h, d = 2, 4
+    store = LayerStore(batch, h, d, torch.float32, torch.device("cpu"))
+
+    def build(tag, biased):
+        def make(k, v, pos, lens):
+            return _Halved(lens=lens, pos=pos, k=k, v=v, tag=tag, biased=biased)
+
+        return make
+
+    for step in range(60):
+        q = 8 if step == 0 else int(torch.randint(1, 3, (1,), generator=gen))
+        k, v = torch.randn(batch, h, q, d, generator=gen), torch.randn(batch, h, q, d, generator=gen)
+        real = None
+        if batch > 1 and step % 7 == 3:  # a padded chunk: the sequences advance unevenly
+            real = torch.rand(batch, q, generator=gen) > 0.3
+        store.append(k, v, real)
+        _check(store)
+        op = int(torch.randint(0, 6, (1,), generator=gen))
+        if op <= 2:  # a decode step's move: the oldest tokens past the sinks, into the newest segment
+            store.move_out(_leaving(store, 2, 4), build(0, False))
+        elif op == 3:  # into a second representation (with a bias), sometimes first in the list
+            store.move_out(_leaving(store, 0, 6), build(1, True), first=bool(step % 2))
+        elif op == 4:  # an eviction anywhere
+            view = store.view()
+            store.keep(torch.rand(view.valid.shape, generator=gen) > 0.15)
+        _check(store)
+        if step % 5 == 0:  # two changes between reads
+            store.append(k, v, real)
+            store.move_out(_leaving(store, 2, 4), build(0, False))
+            _check(store)
+    assert len(store.segments) > 1
