@@ -116,7 +116,14 @@ class _Joined:
         return rows.get(name)
 
     def update(self, segs: list[Any]) -> dict[str, torch.Tensor]:
-        """Bring the joined rows up to date with ``segs``; returns each field's ``(B * H, T)`` rectangle."""
+        """Bring the joined rows up to date with ``segs``; returns each field's ``(B * H, T)`` rectangle.
+
+        Under inference mode, as the store's own updates: a view read outside it (a test, a probe)
+        may rewrite joined rows that a forward created."""
+        with torch.inference_mode():
+            return self._update(segs)
+
+    def _update(self, segs: list[Any]) -> dict[str, torch.Tensor]:
         changed = [seg.rows.changes() for seg in segs]
         names = [n for n in _VIEWED if n != "bias" or any("bias" in seg.rows for seg in segs)] + ["valid"]
         same = (
