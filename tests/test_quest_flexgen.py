@@ -95,6 +95,28 @@ def test_quest_counts_page_metadata_bytes(tiny_93):
     assert layer1 % FP_TOKEN == 0 and abs(layer1 / FP_TOKEN / h - 25) <= P // 2
 
 
+@pytest.mark.parametrize("compressor", [None, quant])
+def test_quest_page_bounds_kept_between_steps_equal_a_full_pass(tiny_93, compressor):
+    """Bounds grown page by page over decode steps (and rebuilt after moves into a representation)
+    are those a fresh pass over every stored page gives, bit for bit."""
+    lm = tiny_93
+    stack = make_stack(
+        lm, compressor=compressor and compressor(), scheduler=quest(), budget=0.5, sinks=2, window=4
+    )
+    sizes = [40] + [1] * 20
+    cache = loop.new_cache(lm, stack)
+    ids, at = tokens(sum(sizes)), 0
+    for n in sizes:
+        loop.step(lm, cache, ids[at : at + n])
+        at += n
+        for layer, store in enumerate(cache.stores[1:], start=1):
+            kept = store.side(PageBounds)
+            QuestScheduler(page_size=P, dense_layers=1).evict(layer, store)  # from scratch
+            fresh = store.side(PageBounds)
+            assert torch.equal(kept.kmin, fresh.kmin) and torch.equal(kept.kmax, fresh.kmax)
+            store.set_side(kept)
+
+
 def test_quest_with_quantized_counts_bytes(tiny_93):
     lm, h, d = tiny_93, tiny_93.kv_heads, tiny_93.head_dim
     stack = make_stack(lm, compressor=quant(), scheduler=quest(), budget=0.25, sinks=2, window=4)

@@ -165,6 +165,10 @@ class LayerStore:
     ``seen`` ``(B,)`` counts the real tokens each sequence has fed (its next position): in a padded
     batch, sequences advance at their own pace and padding is never stored. Technique metadata
     that attention needs lives in :class:`SideData` records, counted in :meth:`nbytes`.
+
+    ``edits`` counts the changes to stored tokens other than appends (evictions, moves into a
+    representation): while it stays the same, every token stored before is still stored, unchanged
+    and at the same place, so metadata derived from them (Quest's page bounds) stays valid.
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -180,6 +184,7 @@ class LayerStore:
         self._seen_max = 0
         self._view: PaddedView | None = None
         self._joined: _Joined | None = None  # the view's rows when several segments hold tokens
+        self.edits = 0  # changes to stored tokens other than appends (evictions, moves): see ``edits``
 
     # --- segments (read-only to techniques) ---------------------------------------------
     @property
@@ -267,6 +272,7 @@ class LayerStore:
         flat = {name: rows.take(name, move) for name in rows.fields}
         seg = build(flat.pop("k"), flat.pop("v"), flat["pos"], move.sum(-1))
         rows.keep(~move)
+        self.edits += 1
         self.adopt(seg, {n: x for n, x in flat.items() if n != "pos"}, first)
         return seg
 
@@ -291,6 +297,7 @@ class LayerStore:
         else:
             old.extend(seg)
             old.rows.append_ragged(new, seg.lens)
+        self.edits += 1
         self._view = None
 
     def keep(self, mask: torch.Tensor) -> None:
@@ -303,6 +310,7 @@ class LayerStore:
                 seg.keep(keep[rows.valid()])
             seg.rows.keep(keep)
         self._compressed = [s for s in self._compressed if s.rows.width > 0]
+        self.edits += 1
         self._view = None
 
     # --- reading --------------------------------------------------------------------------

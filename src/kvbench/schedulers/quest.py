@@ -19,12 +19,15 @@ Deviations from the paper, kvbench's choices:
   page in bound order; a page is taken when at least half of it fits (rounding to whole pages).
 - Queries of every chunk after the first compression point are selected (the paper selects at
   decode only; a decode step is one such chunk); earlier queries of a chunk read densely.
-- Page metadata is recomputed from the stored keys after every forward, in :meth:`evict`; the
+- Page metadata is derived from the stored keys after every forward, in :meth:`evict`: over a
+  cache in position order only the pages filled since the last forward are reduced, and every
+  page again after a change to stored tokens (an eviction, a move into a representation); the
   paper updates the last page in place. The pages and bounds are the same.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -90,26 +93,55 @@ class QuestScheduler(Scheduler):
         self._tokens = [0.0, 0.0, 0.0, 0.0]  # read, visible: dense layers, then selected layers
         self._meta_bytes: dict[int, int] = {}  # page metadata stored per layer, after the last forward
         self._last: tuple | None = None
+        # Per store: (its ``edits``, full pages, their minimum and maximum keys ``(B * H, P, D)``)
+        self._pages: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def evict(self, layer: int, store: LayerStore) -> None:
-        """Nothing is evicted: recompute the min/max keys of every full page of every head-row."""
+        """Nothing is evicted: the min/max keys of every full page of every head-row."""
         if layer < self.dense_layers:
             return
         view = store.view()
         b, h, t, d = view.k.shape
         p = self.page_size
         if store.in_position_order() and view.dense:  # every slot a token, in position order
-            keys = view.k
-        else:
-            last = torch.full_like(view.pos, torch.iinfo(view.pos.dtype).max)
-            order = torch.where(view.valid, view.pos, last).argsort(-1)
-            keys = torch.gather(view.k, 2, order[..., None].expand(b, h, t, d))
+            self._grow_pages(layer, store)
+            return
+        last = torch.full_like(view.pos, torch.iinfo(view.pos.dtype).max)
+        order = torch.where(view.valid, view.pos, last).argsort(-1)
+        keys = torch.gather(view.k, 2, order[..., None].expand(b, h, t, d))
         npages = -(-t // p)
         keys = torch.nn.functional.pad(keys, (0, 0, 0, npages * p - t)).view(b, h, npages, p, d)
         full = torch.arange(npages, device=keys.device) < (view.valid.sum(-1) // p)[..., None]  # (B, H, P)
         kmin, kmax = keys.amin(3)[full].contiguous(), keys.amax(3)[full].contiguous()
+        self._set_bounds(layer, store, kmin, kmax)
+        self._pages.pop(store, None)
+
+    def _set_bounds(self, layer: int, store: LayerStore, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
         store.set_side(PageBounds(kmin, kmax))
         self._meta_bytes[layer] = (kmin.numel() + kmax.numel()) * kmin.element_size()
+
+    def _grow_pages(self, layer: int, store: LayerStore) -> None:
+        """:meth:`evict` when every slot is a token in position order: the pages are the view's
+        consecutive ``page_size`` slots. Pages bounded at the last call are kept while no stored
+        token changed since (``store.edits``); only pages filled since are reduced (a minimum
+        and maximum are exact, so the bounds are those a full pass gives)."""
+        view = store.view()
+        b, h, t, d = view.k.shape
+        p = self.page_size
+        done, kmin, kmax = 0, None, None
+        prev = self._pages.get(store)
+        if prev is not None and prev[0] == store.edits and prev[1] * p <= t:
+            done, kmin, kmax = prev[1:]
+        n_full = t // p
+        if n_full > done or kmin is None:
+            keys = view.k[:, :, done * p : n_full * p].reshape(b * h, n_full - done, p, d)
+            if kmin is None:
+                kmin, kmax = keys.amin(2), keys.amax(2)
+            else:
+                kmin = torch.cat([kmin, keys.amin(2)], dim=1)
+                kmax = torch.cat([kmax, keys.amax(2)], dim=1)
+        self._pages[store] = (store.edits, n_full, kmin, kmax)
+        self._set_bounds(layer, store, kmin.view(-1, d), kmax.view(-1, d))
 
     def read_mask(
         self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
