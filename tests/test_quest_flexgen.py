@@ -14,7 +14,7 @@ from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.routers.moba import BaseRouter
-from kvbench.schedulers.flexgen import FlexGenScheduler
+from kvbench.schedulers.flexgen import FlexGenScheduler, visible_counts
 from kvbench.schedulers.quest import PageBounds, QuestScheduler, page_bounds
 
 SIZES = [96, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
@@ -268,7 +268,21 @@ def test_flexgen_split_attention_equals_one_attention(tiny_93, percent):
     mask = att.read_mask(view.pos, view.valid, store.last_qpos, None)
     ref = att.attend(query, view.k, view.v, mask, 0.25, view.bias)
     assert torch.allclose(stack.scheduler.attend_tiers(1, store, query, mask, 0.25), ref, atol=1e-6)
-    assert torch.allclose(stack.scheduler.attend_tiers(1, store, query, None, 0.25), ref, atol=1e-6)
+    # mask None is the engine's plain causal attention, as in att.attend: queries over every slot
+    t = view.k.shape[2]
+    query = torch.randn(2, 9, t, tiny_93.head_dim, generator=torch.Generator().manual_seed(1))
+    store.last_qpos = torch.arange(t).expand(2, t)
+    ref = att.attend(query, view.k, view.v, None, 0.25)
+    assert torch.equal(stack.scheduler.attend_tiers(1, store, query, None, 0.25), ref)
+
+
+def test_flexgen_visible_counts_equal_the_mask_sum():
+    gen = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 50, (2, 3, 30), generator=gen)
+    valid = torch.rand(2, 3, 30, generator=gen) > 0.2
+    qpos = torch.tensor([[40, 41, 42, 43], [-1, -1, 20, 21]])
+    mask = att.read_mask(pos, valid, qpos, None) & (qpos >= 0)[:, None, :, None]
+    assert torch.equal(visible_counts(pos, valid, qpos), mask.sum((2, 3)))
 
 
 def test_flexgen_padded_batch_matches_one_by_one(tiny_93):

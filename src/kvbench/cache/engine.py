@@ -177,7 +177,10 @@ class KVCache(Cache):
         qreal = qpos >= 0
 
         def mask_fn(start: int, stop: int) -> torch.Tensor:
-            mask = att.read_mask(view.pos, view.valid, qpos[:, start:stop], sliding_window)
+            if q_len == 1 and sliding_window is None:  # one step: every stored token is in its past
+                mask = view.valid[:, :, None, :]
+            else:
+                mask = att.read_mask(view.pos, view.valid, qpos[:, start:stop], sliding_window)
             if selector is not None:
                 mask = mask & selector.read_mask(layer, store, query[:, :, start:stop], qpos[:, start:stop])
             if padded:  # padding queries read every stored token (their output is discarded)

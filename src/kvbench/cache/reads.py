@@ -37,8 +37,11 @@ def token_bytes(store: LayerStore) -> torch.Tensor:
 def visible(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
     """``(B, H, q, T)``: the stored tokens each real query may attend to (causal by position)."""
     view = store.view()
+    real = (qpos >= 0)[:, None, :, None]
+    if qpos.shape[1] == 1 == store.last_qpos.shape[1]:  # one step: every stored token is in its past
+        return view.valid[:, :, None, :] & real
     vis = view.valid[:, :, None, :] & (view.pos[:, :, None, :] <= qpos[:, None, :, None])
-    return vis & (qpos >= 0)[:, None, :, None]
+    return vis & real
 
 
 @dataclass

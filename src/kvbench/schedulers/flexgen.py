@@ -51,6 +51,19 @@ def row_bytes(store: LayerStore) -> torch.Tensor:
     return rows
 
 
+def visible_counts(pos: torch.Tensor, valid: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    """Stored tokens visible to the real queries, summed over them, per head-row ``(B, H)``: the sum
+    of a causal read mask, counted without building it. A token at ``p`` is read by every query at
+    ``p`` or after (padding, ``qpos`` -1, by none).
+
+    Args:
+        pos, valid: ``(B, H, T)`` the stored tokens; qpos: ``(B, q)`` query positions.
+    """
+    b, h, t = pos.shape
+    earlier = torch.searchsorted(qpos.sort(-1).values, pos.reshape(b, h * t))  # queries before each token
+    return ((qpos.shape[1] - earlier).view(b, h, t) * valid).sum(-1)
+
+
 @dataclass
 class FlexGenScheduler(Scheduler):
     """Keeps every token; ``fast_percent`` percent of the head-rows reside in the fast tier.
@@ -144,17 +157,20 @@ class FlexGenScheduler(Scheduler):
         view = store.view()
         b, h, t, d = view.k.shape
         g, q = query.shape[1] // h, query.shape[2]
+        qpos = store.last_qpos
         if mask is None:
-            mask = att.read_mask(view.pos, view.valid, store.last_qpos, None)
-        fast = self.fast_rows(store)
-        self._count_reads((mask & (store.last_qpos >= 0)[:, None, :, None]).sum((2, 3)), fast)
+            per_row = visible_counts(view.pos, view.valid, qpos)
+        else:
+            per_row = (mask & (qpos >= 0)[:, None, :, None]).sum((2, 3))
+        self._count_reads(per_row, self.fast_rows(store))
         self._hooked = True
         rows = {
             "q": query.reshape(b * h, g, q, -1),
             "k": view.k.reshape(b * h, 1, t, d).to(query.dtype),
             "v": view.v.reshape(b * h, 1, t, -1).to(query.dtype),
-            "mask": mask.reshape(b * h, 1, q, t),
         }
+        if mask is not None:  # None: plain causal attention (the engine's call), on SDPA's fused path
+            rows["mask"] = mask.reshape(b * h, 1, q, t)
         if view.bias is not None:
             rows["bias"] = view.bias.reshape(b * h, 1, t)
         out = query.new_empty(b * h, g, q, view.v.shape[-1])
@@ -167,7 +183,7 @@ class FlexGenScheduler(Scheduler):
 
     @staticmethod
     def _attend(rows: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
-        return att.attend(rows["q"], rows["k"], rows["v"], rows["mask"], scaling, rows.get("bias"))
+        return att.attend(rows["q"], rows["k"], rows["v"], rows.get("mask"), scaling, rows.get("bias"))
 
     def _attend_slow(self, rows: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         device = rows["q"].device
