@@ -128,18 +128,16 @@ class QuestScheduler(Scheduler):
         view = store.view()
         b, h, t, d = view.k.shape
         p = self.page_size
-        done, kmin, kmax = 0, None, None
-        prev = self._pages.get(store)
-        if prev is not None and prev[0] == store.edits and prev[1] * p <= t:
-            done, kmin, kmax = prev[1:]
         n_full = t // p
-        if n_full > done or kmin is None:
+        prev = self._pages.get(store)
+        if prev is not None and prev[0] == store.edits and prev[1] <= n_full:
+            done, kmin, kmax = prev[1:]
+        else:
+            done, kmin, kmax = 0, view.k.new_empty(b * h, 0, d), view.k.new_empty(b * h, 0, d)
+        if n_full > done:
             keys = view.k[:, :, done * p : n_full * p].reshape(b * h, n_full - done, p, d)
-            if kmin is None:
-                kmin, kmax = keys.amin(2), keys.amax(2)
-            else:
-                kmin = torch.cat([kmin, keys.amin(2)], dim=1)
-                kmax = torch.cat([kmax, keys.amax(2)], dim=1)
+            kmin = torch.cat([kmin, keys.amin(2)], dim=1)
+            kmax = torch.cat([kmax, keys.amax(2)], dim=1)
         self._pages[store] = (store.edits, n_full, kmin, kmax)
         self._set_bounds(layer, store, kmin.view(-1, d), kmax.view(-1, d))
 
