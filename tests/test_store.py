@@ -105,3 +105,32 @@ def test_view_tracks_every_change(batch, seed):
             store.move_out(_leaving(store, 2, 4), build(0, False))
             _check(store)
     assert len(store.segments) > 1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_keep_compacts_every_row_in_order(seed):
+    """Rows.keep and compact against a row-by-row reference: kept slots to the front, in order,
+    zeros past each row's length, for uniform and ragged results."""
+    from kvbench.cache.rows import Rows, compact
+
+    gen = torch.Generator().manual_seed(seed)
+    bh, w = 4, 30
+    rows = Rows(bh, torch.device("cpu"))
+    rows.append({"k": torch.randn(bh, w, 3, generator=gen), "pos": torch.arange(w).expand(bh, w)})
+    keep = torch.rand(bh, w, generator=gen) > 0.4
+    if seed % 2:  # every row keeps the same number of slots
+        keep = torch.zeros(bh, w, dtype=torch.bool)
+        for r in range(bh):
+            keep[r, torch.randperm(w, generator=gen)[:12]] = True
+    before = {name: rows.get(name).clone() for name in rows.fields}
+    rows.keep(keep)
+    width = int(keep.sum(-1).max())
+    assert rows.width == width and rows.lens.tolist() == keep.sum(-1).tolist()
+    assert rows.uniform == (len(set(keep.sum(-1).tolist())) == 1)
+    for name, old in before.items():
+        want = torch.zeros(bh, width, *old.shape[2:], dtype=old.dtype)
+        for r in range(bh):
+            kept = old[r][keep[r]]
+            want[r, : len(kept)] = kept
+        assert torch.equal(rows.get(name), want), name
+        assert torch.equal(compact(old, keep), want), name

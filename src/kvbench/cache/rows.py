@@ -15,6 +15,8 @@ are kept on the host, so reading the rectangle needs no device synchronisation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvbench.cache.ragged import segment_ids, starts, valid_mask
@@ -22,38 +24,52 @@ from kvbench.cache.ragged import segment_ids, starts, valid_mask
 _MIN_GROWTH = 64
 
 
-def _order(keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, the kept slots first in order (``(BH, W)`` gather indices), and how many ``(BH,)``."""
-    return torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices, keep.sum(-1)
+@dataclass
+class _Compaction:
+    """Where the kept slots of ``keep`` ``(BH, W)`` go when each row's are moved to its front, in
+    order, in fields whose rows are ``stride`` slots apart (flat slot indices of a ``(BH * stride,
+    ...)`` view): ``src`` the kept slots, ``dst`` their new places (None when every row keeps
+    ``width``: then they fill ``[:, :width]`` in order), ``lens`` ``(BH,)`` kept per row, between
+    ``least`` and ``width``."""
 
+    src: torch.Tensor
+    dst: torch.Tensor | None
+    lens: torch.Tensor
+    least: int
+    width: int
 
-def _flat_index(order: torch.Tensor, width: int, stride: int) -> torch.Tensor:
-    """Flat slot of each of the first ``width`` entries of ``order`` ``(BH, W)`` in a field whose
-    rows are ``stride`` slots apart: ``(BH * width,)``."""
-    rows = torch.arange(order.shape[0], device=order.device)[:, None] * stride
-    return (order[:, :width] + rows).reshape(-1)
+    @classmethod
+    def of(cls, keep: torch.Tensor, stride: int) -> _Compaction:
+        lens = keep.sum(-1)
+        counts = lens.tolist()  # the one synchronisation: the new width
+        low, high = (min(counts), max(counts)) if counts else (0, 0)
+        rows, cols = keep.nonzero(as_tuple=True)  # the kept slots, row after row, in order
+        src = rows * stride + cols
+        dst = None
+        if low != high:
+            dst = rows * stride + (keep.long().cumsum(-1) - 1)[rows, cols]
+        return cls(src, dst, lens, low, high)
 
-
-def _gathered(values: torch.Tensor, index: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
-    """The slots ``index`` (:func:`_flat_index`) of ``values`` ``(BH, W, ...)`` as ``(BH, width, ...)``,
-    zero where ``live`` ``(BH, width)`` is False (None: every row keeps ``width`` tokens).
-
-    Whole slots are copied by one ``index_select`` over the rows of a ``(BH * W, rest)`` view (a
-    ``gather`` along the slots with an index expanded over ``rest`` costs several times more)."""
-    bh, w = values.shape[:2]
-    rest = values.shape[2:]
-    out = values.reshape(bh * w, *rest).index_select(0, index)  # only the kept slots
-    out = out.view(bh, index.numel() // bh, *rest)
-    trail = [1] * len(rest)
-    return out if live is None else out.masked_fill_(~live.view(*out.shape[:2], *trail), 0)
+    def apply(self, values: torch.Tensor, out: torch.Tensor) -> None:
+        """Write the kept slots of ``values`` ``(BH, stride, ...)`` into ``out`` (same shape, its
+        slots past ``width`` left as they are): whole slots move by one ``index_select`` over a
+        ``(BH * stride, ...)`` view; slots of a row past its length read as zeros."""
+        bh, stride, *rest = values.shape
+        kept = values.reshape(bh * stride, *rest).index_select(0, self.src)
+        if self.dst is None:
+            out[:, : self.width] = kept.view(bh, self.width, *rest)
+        else:
+            out[:, self.least : self.width] = 0  # where some row ends short: zeros, then its tokens
+            out.view(bh * stride, *rest).index_copy_(0, self.dst, kept)
 
 
 def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``values`` ``(BH, W, ...)`` without the slots where ``keep`` ``(BH, W)`` is False, per row, in
     order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
-    order, counts = _order(keep)
-    width = int(counts.max()) if counts.numel() else 0
-    return _gathered(values, _flat_index(order, width, values.shape[1]), valid_mask(counts, width))
+    plan = _Compaction.of(keep, values.shape[1])
+    out = torch.empty_like(values, memory_format=torch.contiguous_format)
+    plan.apply(values.contiguous(), out)
+    return out[:, : plan.width]
 
 
 class Rows:
@@ -178,13 +194,10 @@ class Rows:
         Writes new tensors: rectangles read before keep what they showed.
         """
         self._changed(0)
-        order, lens = _order(mask if self.uniform else mask & self.valid())  # one sort for every field
-        counts = lens.tolist()  # the one synchronisation: the new width
-        low, high = min(counts), max(counts)
-        live = None if low == high else valid_mask(lens, high)
-        index = _flat_index(order, high, self.capacity)  # slots of the whole fields, not the rectangle
+        keep = mask if self.uniform else mask & self.valid()
+        plan = _Compaction.of(keep, self.capacity)  # one plan for every field
         for name, field in self.fields.items():
             new = torch.empty_like(field)
-            new[:, :high] = _gathered(field, index, live)
+            plan.apply(field, new)
             self.fields[name] = new
-        self.lens, self.width, self.uniform = lens, high, low == high
+        self.lens, self.width, self.uniform = plan.lens, plan.width, plan.dst is None
