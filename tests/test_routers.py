@@ -18,6 +18,7 @@ from kvbench.routers.centroids import EXPERT, Centroids
 from kvbench.routers.eplb import EPLBRouter, Placement, device_reads, eplb_plan, imbalance, water_fill
 from kvbench.routers.expert import ExpertRouter, fill_by_preference, position_blocks
 from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
+from kvbench.routers.moba import BaseRouter
 from kvbench.routers.pikv import PikvRouter, PreviousChoice
 from kvbench.routers.topk_balanced import TopKBalancedRouter
 from kvbench.schedulers.h2o import H2OScheduler
@@ -438,3 +439,38 @@ def test_routers_write_after_the_rows_grow_inside_inference_mode(tiny_93, make):
     it update them in place, so the stack must be applied under inference mode too."""
     _, cache = run(tiny_93, make(), sizes=[48, 96, 1, 1])
     assert cache.stores[0].fp.rows.capacity > 48 + 64  # grown at least once
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: BaseRouter(num_experts=4, top_k=2),
+        ROUTERS["adaptive"][0],
+        ROUTERS["hierarchical"][0],
+    ],
+)
+@pytest.mark.parametrize("protect", [None, 30])
+def test_position_blocks_shared_by_the_layers_of_a_step(tiny_93, make, protect, monkeypatch):
+    """Where every slot holds its own position, the layers of a step share one set of position
+    blocks: the logits and read figures are those of blocks derived in every layer."""
+    from kvbench.routers.expert import PositionExperts
+
+    def go():
+        router = make()
+        stack = make_stack(tiny_93, router=router, sinks=SINKS, window=WINDOW)
+        cache = loop.new_cache(tiny_93, stack)
+        ids, outs, at = tokens(N), [], 0
+        for n in SIZES:
+            if protect is not None:
+                for store in cache.stores:
+                    store.set_protect_from(protect)
+            outs.append(loop.step(tiny_93, cache, ids[at : at + n]))
+            at += n
+        return torch.cat(outs), router.metrics(), router
+
+    shared, m_shared, router = go()
+    assert router.__dict__.get("_blocks") is not None  # the shared path ran
+    monkeypatch.setattr(PositionExperts, "route_experts", ExpertRouter.route_experts)
+    alone, m_alone, _ = go()
+    assert torch.equal(shared, alone)
+    assert m_shared == m_alone

@@ -179,8 +179,10 @@ class LayerStore:
         self.seen = torch.zeros(batch, dtype=torch.long, device=device)
         self.seen_host = [0] * batch  # ``seen`` on the host: decisions that need no device work
         self.protect_from: torch.Tensor | None = None  # (B,): positions >= this are never evicted
+        self.protect_from_host: tuple[int, ...] | None = None  # the same, on the host
         self._side: dict[type, SideData] = {}
         self.last_qpos = torch.empty(batch, 0, dtype=torch.long, device=device)  # (B, q) of the last append
+        self.last_padded = False  # the last append came with a padding mask (``real``)
         self._seen_max = 0
         self._view: PaddedView | None = None
         self._joined: _Joined | None = None  # the view's rows when several segments hold tokens
@@ -206,9 +208,10 @@ class LayerStore:
     def set_protect_from(self, start: int | torch.Tensor | None) -> None:
         """Positions at or after ``start`` (one per sequence, or one for all) are never evicted."""
         if start is None:
-            self.protect_from = None
+            self.protect_from, self.protect_from_host = None, None
         else:
             self.protect_from = torch.as_tensor(start, device=self.device).expand(self.batch).clone()
+            self.protect_from_host = tuple(self.protect_from.tolist())
 
     # --- writing --------------------------------------------------------------------------
     def append(self, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor | None = None) -> None:
@@ -231,6 +234,7 @@ class LayerStore:
             self.seen = self.seen + q
             self.seen_host = [n + q for n in self.seen_host]
             self._seen_max += q
+            self.last_padded = False
         else:
             real = real.to(k.device)
             pos = self.seen[:, None] + real.long().cumsum(-1) - 1  # (B, q)
@@ -248,6 +252,7 @@ class LayerStore:
             self.seen = self.seen + real.sum(-1)
             self.seen_host = self.seen.tolist()  # the one synchronisation of a padded append
             self._seen_max = max(self.seen_host)
+            self.last_padded = True
         self._view = None
 
     def move_out(self, move: torch.Tensor, build: Build, first: bool = False) -> Segment | None:
@@ -445,6 +450,19 @@ class LayerStore:
         """First position of each sequence's current chunk ``(B,)``: its first real query (``qpos``
         ``(B, q)``, -1 for padding), else ``seen`` (every real query lies below ``seen``)."""
         return torch.where(qpos >= 0, qpos, self.seen[:, None]).amin(-1)
+
+    def every_position(self) -> bool:
+        """Every stored slot holds the token of its own position (row ``t`` of ``view()`` is position
+        ``t`` in every head-row), from host figures: one in-order segment, nothing evicted, every
+        sequence at the same length and the last chunk unpadded. Layers of one step then share
+        the layout, and whatever derives from positions alone."""
+        rows = self._fp.rows
+        return (
+            self.in_position_order()
+            and not self.last_padded
+            and rows.uniform
+            and all(n == rows.width for n in self.seen_host)
+        )
 
     def in_position_order(self) -> bool:
         """Positions increase along every row of ``view()`` over its live slots: the full-precision

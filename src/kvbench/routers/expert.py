@@ -198,6 +198,10 @@ class ExpertRouter(Router):
         """``(B, H, T)`` expert of each routed token, -1 elsewhere (every token not ``routable``)."""
         raise NotImplementedError
 
+    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+        """:meth:`experts` of the tokens routable for the queries at ``qpos``."""
+        return self.experts(layer, store, routable_tokens(self.budget, store, qpos))
+
     def summarize(
         self, layer: int, store: LayerStore, eid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,9 +209,13 @@ class ExpertRouter(Router):
 
         Default: the mean key of each expert's routed tokens (zero for an empty expert).
         """
-        onehot = expert_onehot(eid, None, self.num_experts)
-        count = onehot.sum(2)
+        onehot, count = self.membership(eid)
         return count, expert_sums(onehot, store.view().k) / count.clamp(min=1)[..., None]
+
+    def membership(self, eid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One-hot ``(B, H, T, E)`` float of each token's expert, and the experts' sizes ``(B, H, E)``."""
+        onehot = expert_onehot(eid, None, self.num_experts)
+        return onehot, onehot.sum(2)
 
     def choose(
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
@@ -235,7 +243,7 @@ class ExpertRouter(Router):
             and torch.equal(last[2], query)
         ):
             return last[3]
-        eid = self.experts(layer, store, routable_tokens(self.budget, store, qpos))
+        eid = self.route_experts(layer, store, qpos)
         count, centroid = self.summarize(layer, store, eid)
         empty = (count == 0)[:, :, None, :]
         score = group_scores(query, centroid).masked_fill(empty, float("-inf"))
@@ -296,11 +304,57 @@ class ExpertRouter(Router):
         }
 
 
+@dataclass
+class _Blocks:
+    """Position blocks shared by the layers of one step (:meth:`PositionExperts.route_experts`)."""
+
+    key: tuple[Any, ...]
+    eid: torch.Tensor
+    onehot: torch.Tensor
+    count: torch.Tensor
+
+
 class PositionExperts:
     """Mixin: write = contiguous position blocks over the routed tokens, derived at read time
-    (a token's block follows from its rank, so nothing is stored and ``write`` keeps nothing)."""
+    (a token's block follows from its rank, so nothing is stored and ``write`` keeps nothing).
+
+    Where every stored slot holds its own position (:meth:`LayerStore.every_position`), the blocks
+    depend on the positions alone, so they are the same in every layer of a step: the first
+    layer derives them (and their one-hot and sizes) and the others reuse those very tensors.
+    """
 
     num_experts: int
+    budget: Any
 
     def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
         return position_blocks(store.view().pos, routable, self.num_experts, store.in_position_order())
+
+    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+        key = None
+        if store.every_position() and qpos.shape == store.last_qpos.shape:  # one whole chunk
+            key = (
+                store.device,
+                store.batch,
+                store.kv_heads,
+                store.seen_max,
+                qpos.shape[1],
+                store.protect_from_host,
+                self.budget,
+                self.num_experts,
+            )
+            cached: _Blocks | None = self.__dict__.get("_blocks")
+            if cached is not None and cached.key == key:
+                return cached.eid
+        eid = self.experts(layer, store, routable_tokens(self.budget, store, qpos))
+        if key is not None:
+            onehot = expert_onehot(eid, None, self.num_experts)
+            self.__dict__["_blocks"] = _Blocks(key, eid, onehot, onehot.sum(2))
+        return eid
+
+    def membership(self, eid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's shared one-hot and sizes when ``eid`` is the step's shared blocks."""
+        cached: _Blocks | None = self.__dict__.get("_blocks")
+        if cached is not None and cached.eid is eid:
+            return cached.onehot, cached.count
+        onehot = expert_onehot(eid, None, self.num_experts)
+        return onehot, onehot.sum(2)
