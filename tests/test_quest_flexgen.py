@@ -337,3 +337,29 @@ def _batch_matches_solo(lm, mk):
     """Two sequences of different lengths, padded into one batch, give their one-by-one logits."""
     stack, cache, _ = padded_batch_vs_solo(lm, mk, atol=1e-5)
     return stack, cache
+
+
+@pytest.mark.parametrize("protect", [None, 50])
+def test_quest_pages_shared_by_the_layers_of_a_step(tiny_93, protect, monkeypatch):
+    """Where every slot holds its own position, the layers of a step share one page layout: the
+    logits and read figures are those of pages derived in every layer."""
+    from kvbench.cache.store import LayerStore
+
+    def go():
+        stack = make_stack(tiny_93, scheduler=quest(), budget=0.25, sinks=2, window=4)
+        cache = loop.new_cache(tiny_93, stack)
+        ids, outs, at = tokens(N), [], 0
+        for n in SIZES:
+            if protect is not None:
+                for store in cache.stores:
+                    store.set_protect_from(protect)
+            outs.append(loop.step(tiny_93, cache, ids[at : at + n]))
+            at += n
+        return torch.cat(outs), stack.scheduler.metrics(), stack.scheduler
+
+    shared, m_shared, scheduler = go()
+    assert scheduler._shared is not None  # the shared path ran
+    monkeypatch.setattr(LayerStore, "position_key", lambda self, qpos: None)
+    alone, m_alone, _ = go()
+    assert torch.equal(shared, alone)
+    assert m_shared == m_alone

@@ -464,6 +464,15 @@ class LayerStore:
             and all(n == rows.width for n in self.seen_host)
         )
 
+    def position_key(self, qpos: torch.Tensor) -> tuple[Any, ...] | None:
+        """A host key of what derives from positions alone for the queries at ``qpos``: set where
+        every slot holds its own position (:meth:`every_position`) and ``qpos`` is the whole last
+        chunk, else None. Stores with the same key (the layers of one step) have the same stored
+        positions, chunk and protected positions, so such derivations can be shared."""
+        if not self.every_position() or qpos.shape != self.last_qpos.shape:
+            return None
+        return (self.device, self.batch, self.kv_heads, self._seen_max, qpos.shape[1], self.protect_from_host)
+
     def in_position_order(self) -> bool:
         """Positions increase along every row of ``view()`` over its live slots: the full-precision
         rows alone, whose tokens keep the order they arrived in."""

@@ -330,18 +330,9 @@ class PositionExperts:
         return position_blocks(store.view().pos, routable, self.num_experts, store.in_position_order())
 
     def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
-        key = None
-        if store.every_position() and qpos.shape == store.last_qpos.shape:  # one whole chunk
-            key = (
-                store.device,
-                store.batch,
-                store.kv_heads,
-                store.seen_max,
-                qpos.shape[1],
-                store.protect_from_host,
-                self.budget,
-                self.num_experts,
-            )
+        key = store.position_key(qpos)
+        if key is not None:
+            key = (*key, self.budget, self.num_experts)
             cached: _Blocks | None = self.__dict__.get("_blocks")
             if cached is not None and cached.key == key:
                 return cached.eid

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,6 +71,24 @@ def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> 
 
 
 @dataclass
+class _Pages:
+    """What :meth:`QuestScheduler.pages` derives from positions: full pages per head-row ``n_full``
+    ``(B, H)`` (``total`` of them, ``width`` at most), the always-read and pageable tokens ``(B, H,
+    T)``, each page's unread tokens ``cost`` ``(B, H, P)``, the budget left for pages ``extra``
+    ``(B, H)``, and the page of each token as a gather index ``(B, H, 1, T)``."""
+
+    key: tuple[Any, ...] | None
+    n_full: torch.Tensor
+    total: int
+    width: int
+    always: torch.Tensor
+    pageable: torch.Tensor
+    cost: torch.Tensor
+    extra: torch.Tensor
+    index: torch.Tensor
+
+
+@dataclass
 class QuestScheduler(Scheduler):
     """Keeps every token; each query reads the top pages of its KV head by Quest's bound.
 
@@ -93,8 +112,9 @@ class QuestScheduler(Scheduler):
         self._tokens = [0.0, 0.0, 0.0, 0.0]  # read, visible: dense layers, then selected layers
         self._meta_bytes: dict[int, int] = {}  # page metadata stored per layer, after the last forward
         self._last: tuple | None = None
+        self._shared: _Pages | None = None  # the pages of the current step, shared by its layers
         # Per store: (its ``edits``, full pages, their minimum and maximum keys ``(B * H, P, D)``)
-        self._pages: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._kept_bounds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def evict(self, layer: int, store: LayerStore) -> None:
         """Nothing is evicted: the min/max keys of every full page of every head-row."""
@@ -114,7 +134,7 @@ class QuestScheduler(Scheduler):
         full = torch.arange(npages, device=keys.device) < (view.valid.sum(-1) // p)[..., None]  # (B, H, P)
         kmin, kmax = keys.amin(3)[full].contiguous(), keys.amax(3)[full].contiguous()
         self._set_bounds(layer, store, kmin, kmax)
-        self._pages.pop(store, None)
+        self._kept_bounds.pop(store, None)
 
     def _set_bounds(self, layer: int, store: LayerStore, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
         store.set_side(PageBounds(kmin, kmax))
@@ -129,7 +149,7 @@ class QuestScheduler(Scheduler):
         b, h, t, d = view.k.shape
         p = self.page_size
         n_full = t // p
-        prev = self._pages.get(store)
+        prev = self._kept_bounds.get(store)
         if prev is not None and prev[0] == store.edits and prev[1] <= n_full:
             done, kmin, kmax = prev[1:]
         else:
@@ -138,7 +158,7 @@ class QuestScheduler(Scheduler):
             keys = view.k[:, :, done * p : n_full * p].reshape(b * h, n_full - done, p, d)
             kmin = torch.cat([kmin, keys.amin(2)], dim=1)
             kmax = torch.cat([kmax, keys.amax(2)], dim=1)
-        self._pages[store] = (store.edits, n_full, kmin, kmax)
+        self._kept_bounds[store] = (store.edits, n_full, kmin, kmax)
         self._set_bounds(layer, store, kmin.view(-1, d), kmax.view(-1, d))
 
     def read_mask(
@@ -151,32 +171,53 @@ class QuestScheduler(Scheduler):
             mask = view.valid[:, :, None, :].expand(b, h, q, t)
             self._account(layer, store, query, qpos, mask, None)
             return mask
+        key = store.position_key(qpos)
+        if key is not None:  # the layers of a step share the pages: they derive from positions alone
+            key = (*key, self.budget, self.page_size)
+            if self._shared is None or self._shared.key != key:
+                self._shared = self.pages(store, qpos, key)
+            lay = self._shared
+        else:
+            lay = self.pages(store, qpos, None)
+        bounds = store.side(PageBounds)
+        if bounds is None or lay.total != bounds.kmin.shape[0]:
+            raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
+        width = lay.width
+        if width == 0:  # no full page yet: only the always-read tokens exist
+            mask = lay.always[:, :, None, :].expand(b, h, q, t)
+            self._account(layer, store, query, qpos, mask, lay.n_full * 0)
+            return mask
+        if key is not None:  # every head-row holds the same full pages
+            kmin, kmax = bounds.kmin.view(b, h, width, d), bounds.kmax.view(b, h, width, d)
+        else:
+            kmin = ragged.to_padded(bounds.kmin, lay.n_full.flatten())[0].view(b, h, width, d)
+            kmax = ragged.to_padded(bounds.kmax, lay.n_full.flatten())[0].view(b, h, width, d)
+        bound = page_bounds(query, kmin, kmax).amax(2)  # (B, H, q, P): max over the query group
+        take = self.take_pages(bound, lay.cost, lay.extra)
+        tok = torch.gather(take, -1, lay.index.expand(b, h, q, t))
+        mask = (tok & lay.pageable[:, :, None, :]) | lay.always[:, :, None, :]
+        self._account(layer, store, query, qpos, mask, lay.n_full * 2 * d * bounds.kmin.element_size())
+        return mask
+
+    def pages(self, store: LayerStore, qpos: torch.Tensor, key: tuple[Any, ...] | None) -> _Pages:
+        """The pages of the tokens stored before the chunk of the queries at ``qpos``, and what every
+        query reads whatever its bounds (sinks, window, protected positions, the chunk, the partial
+        last page)."""
+        view = store.view()
         start = store.chunk_start(qpos)[:, None, None]
         prior = view.valid & (view.pos < start)
         page, in_page, n_full = self.layout(view.pos, prior, store.in_position_order())
-        bounds = store.side(PageBounds)
-        if bounds is None or int(n_full.sum()) != bounds.kmin.shape[0]:
-            raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
         protected = self.budget.protected(view.pos, start, store.view_protect_from())
         always = view.valid & (protected | ~in_page)  # with the chunk and the partial last page
         pageable = in_page & ~always
         width = int(n_full.max()) if n_full.numel() else 0
-        if width == 0:  # no full page yet: only the always-read tokens exist
-            mask = always[:, :, None, :].expand(b, h, q, t)
-            self._account(layer, store, query, qpos, mask, n_full * 0)
-            return mask
-        kmin = ragged.to_padded(bounds.kmin, n_full.flatten())[0].view(b, h, width, d)
-        kmax = ragged.to_padded(bounds.kmax, n_full.flatten())[0].view(b, h, width, d)
-        bound = page_bounds(query, kmin, kmax).amax(2)  # (B, H, q, P): max over the query group
+        b, h, _ = view.pos.shape
         page_idx = torch.where(pageable, page, torch.full_like(page, width))
-        cost = torch.zeros(b, h, width + 1, dtype=torch.long, device=view.k.device)
+        cost = torch.zeros(b, h, width + 1, dtype=torch.long, device=view.pos.device)
         cost = cost.scatter_add_(-1, page_idx, pageable.long())[..., :width]  # unread tokens per page
         extra = self.budget.capacity(view.valid.sum(-1)) - always.sum(-1)  # (B, H)
-        take = self.take_pages(bound, cost, extra)
-        tok = torch.gather(take, -1, page_idx.clamp(max=max(width - 1, 0))[:, :, None, :].expand(b, h, q, t))
-        mask = (tok & pageable[:, :, None, :]) | always[:, :, None, :]
-        self._account(layer, store, query, qpos, mask, n_full * 2 * d * bounds.kmin.element_size())
-        return mask
+        index = page_idx.clamp(max=max(width - 1, 0))[:, :, None, :]
+        return _Pages(key, n_full, int(n_full.sum()), width, always, pageable, cost, extra, index)
 
     def layout(
         self, pos: torch.Tensor, prior: torch.Tensor, ordered: bool = False
