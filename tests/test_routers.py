@@ -206,6 +206,26 @@ def test_fill_by_preference_overflows_to_next_best_within_capacity():
     assert chosen[0, :3, :2].all() and chosen[0, 3:, 2:].all()  # the first three took the favourites
 
 
+def test_fill_by_preference_one_item_equals_the_rounds():
+    """One item (a decode step) takes what the round-by-round greedy gives it: the same item beside
+    a second one that wants nothing (which offers nothing) goes through the rounds."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        e = int(torch.randint(1, 9, (1,), generator=gen))
+        order = torch.rand(2, 3, 1, e, generator=gen).argsort(-1)
+        allowed = torch.rand(2, 3, 1, e, generator=gen) > 0.3
+        need = torch.randint(0, e + 1, (2, 3, 1), generator=gen)
+        room = torch.randint(0, 3, (2, 3, e), generator=gen)
+        one = fill_by_preference(order, allowed, need, room)
+        two = fill_by_preference(
+            torch.cat([order, order], -2),
+            torch.cat([allowed, allowed], -2),
+            torch.cat([need, 0 * need], -1),
+            room,
+        )
+        assert torch.equal(one, two[..., :1, :])
+
+
 def test_topk_balanced_never_exceeds_write_or_read_capacity(tiny_93):
     router = TopKBalancedRouter(num_experts=4, top_k=2, capacity_factor=1.0)
     reads: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []

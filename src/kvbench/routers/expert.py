@@ -123,6 +123,11 @@ def fill_by_preference(
         ``(..., N, E)`` bool, the experts each item took.
     """
     experts = order.shape[-1]
+    if order.shape[-2] == 1:  # one item (a decode step): every expert gets one offer at most, so
+        # the item takes its first ``need`` allowed experts with room, in its order of preference
+        ok = allowed.gather(-1, order) & (room[..., None, :].gather(-1, order) > 0)
+        took = ok & (ok.long().cumsum(-1) <= need[..., None])
+        return torch.zeros_like(allowed).scatter(-1, order, took)
     chosen = torch.zeros_like(allowed)
     got = torch.zeros_like(need)
     room = room.clone()
