@@ -134,3 +134,46 @@ def test_keep_compacts_every_row_in_order(seed):
             want[r, : len(kept)] = kept
         assert torch.equal(rows.get(name), want), name
         assert torch.equal(compact(old, keep), want), name
+
+
+def test_queued_extends_join_on_read():
+    """A segment with fields joined on read: extends queue their tokens (nothing joined, bytes and
+    size still exact); reading a field, decoding or evicting joins them, per head-row in order."""
+    from kvbench.cache.segments import RowCounts, joined_on_read
+
+    @joined_on_read("k", "v")
+    @dataclass
+    class Queued(RowCounts, Segment):
+        k: torch.Tensor = None  # type: ignore[assignment]
+        v: torch.Tensor = None  # type: ignore[assignment]
+
+        def data_fields(self) -> dict[str, torch.Tensor]:
+            return {"k": self.k, "v": self.v}
+
+    bh, d = 3, 4
+    gen = torch.Generator().manual_seed(0)
+
+    def make(n, start):
+        k, v = torch.randn(bh * n, d, generator=gen), torch.randn(bh * n, 2 * d, generator=gen)
+        pos = (torch.arange(n) + start).repeat(bh)
+        return Queued(lens=torch.full((bh,), n), pos=pos, k=k, v=v)
+
+    parts = [make(5, 0), make(1, 5), make(2, 6), make(1, 8)]
+    want = {
+        name: torch.cat([getattr(p, name).view(bh, -1, *getattr(p, name).shape[1:]) for p in parts], 1)
+        for name in ("k", "v", "pos")
+    }
+    seg = parts[0]
+    for part in parts[1:]:
+        seg.extend(part)
+    assert seg.__dict__.get("_queued")  # queued, not joined
+    assert seg.size == bh * 9 and seg.nbytes() == bh * 9 * (d + 2 * d) * 4
+    assert seg.__dict__.get("_queued")  # counting bytes joined nothing
+    assert torch.equal(seg.k, want["k"].reshape(bh * 9, d))  # reading joins
+    assert not seg.__dict__.get("_queued")
+    assert torch.equal(seg.v, want["v"].reshape(bh * 9, 2 * d))
+    assert torch.equal(seg.pos, want["pos"].reshape(-1))
+    seg.extend(make(1, 9))
+    keep = torch.arange(bh * 10) % 3 != 0
+    seg.keep(keep)  # an eviction joins first, then keeps
+    assert seg.size == int(keep.sum()) and seg.pos.shape[0] == seg.size

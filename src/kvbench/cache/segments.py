@@ -186,16 +186,53 @@ def as_float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
+class _Joined:
+    """A per-token field of a :class:`RowCounts` segment (see :func:`joined_on_read`): reading it
+    first joins the tokens that extends have queued."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        if obj is None:
+            return self
+        obj.join()
+        return obj.__dict__[self.name]
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        obj.__dict__[self.name] = value
+
+
+def joined_on_read(*names: str):
+    """Class decorator (outside ``@dataclass``) for a :class:`RowCounts` segment: its per-token
+    fields ``names`` (and ``pos``) are joined with the tokens queued by :meth:`RowCounts.extend`
+    when read, not at every extend."""
+
+    def install(cls: type) -> type:
+        cls.JOINED = (*names, "pos")  # type: ignore[attr-defined]
+        for name in cls.JOINED:  # type: ignore[attr-defined]
+            setattr(cls, name, _Joined(name))
+        return cls
+
+    return install
+
+
 class RowCounts:
     """Mixin for a :class:`Segment`: its tokens per head-row on the host, when every head-row holds
     the same number (as a decode step moves one token of each), so per-head layouts and appends are
     views and one ``cat`` instead of ragged padding with device synchronisations.
+
+    With :func:`joined_on_read`, an extend by a segment of the same count in every head-row only
+    queues it (O(its tokens)); its fields are joined, by one ``cat`` per field for every queued
+    segment, when one is read (decoding, an eviction, a test): a decode step that moves a token in
+    does not copy the tokens already stored. Counting bytes reads no field.
 
     The count is cached against the ``lens`` tensor it was read from: anything that replaces
     ``lens`` (an eviction, an append) makes it read again, or set by :meth:`extend`.
     """
 
     lens: torch.Tensor
+    JOINED: tuple[str, ...] = ()
 
     def row_count(self) -> int | None:
         """Tokens of every head-row, or None when head-rows differ."""
@@ -220,21 +257,58 @@ class RowCounts:
         return padded.reshape(-1, *padded.shape[2:]) if valid is None else ragged.from_padded(padded, valid)
 
     def extend(self, other: Segment) -> None:
-        """:meth:`Segment.extend`, as one ``cat`` per field when both hold the same number of tokens in
-        every head-row (bitwise what the ragged concatenation gives)."""
+        """:meth:`Segment.extend`; when both hold the same number of tokens in every head-row, queued
+        (:func:`joined_on_read`) or one ``cat`` per field (bitwise what the ragged concatenation
+        gives)."""
         assert isinstance(other, RowCounts)
         mine, theirs = self.row_count(), other.row_count()
         if mine is None or theirs is None:
+            self.join()
             super().extend(other)  # type: ignore[misc]
             return
-        bh = self.lens.numel()
-        for name in [*self.data_fields(), "pos"]:  # type: ignore[attr-defined]
-            a, b = getattr(self, name), getattr(other, name)
-            rest = a.shape[1:]
-            both = torch.cat([a.view(bh, mine, *rest), b.view(bh, theirs, *rest)], dim=1)
-            setattr(self, name, both.view(-1, *rest))
+        if self.JOINED:
+            queue = self.__dict__.setdefault("_queued", [])
+            if not queue:
+                queue.append((self, mine))
+            queue.append((other, theirs))
+        else:
+            self._cat([(self, mine), (other, theirs)], [*self.data_fields(), "pos"])  # type: ignore[attr-defined]
         self.lens = self.lens + other.lens
         self.__dict__["_row_count"] = (self.lens, mine + theirs)
+
+    def join(self) -> None:
+        """Join the queued segments' fields to this one's."""
+        queue = self.__dict__.pop("_queued", None)
+        if queue:
+            self._cat(queue, self.JOINED)
+
+    def _cat(self, parts: list[tuple[Any, int]], names) -> None:
+        """Each field ``names`` of ``parts`` (segments, tokens per head-row) joined per head-row."""
+        bh = self.lens.numel()
+        for name in names:
+            fields = [seg.__dict__[name] for seg, _ in parts]
+            if fields[0] is None:  # an optional field this layout does not store
+                continue
+            rest = fields[0].shape[1:]
+            both = torch.cat([f.view(bh, n, *rest) for f, (_, n) in zip(fields, parts)], dim=1)
+            self.__dict__[name] = both.view(-1, *rest)
+
+    @property
+    def size(self) -> int:
+        n = self.row_count()
+        return n * self.lens.numel() if n is not None else int(self.lens.sum())
+
+    def token_nbytes(self) -> int:
+        """Bytes of one token's per-token data (read from the fields' shapes, nothing joined)."""
+        if not self.size:
+            return 0
+        fields = [self.__dict__[n] for n in self.JOINED if n != "pos"] if self.JOINED else None
+        if fields is None:
+            fields = list(self.data_fields().values())  # type: ignore[attr-defined]
+        return sum(t[0].numel() * t.element_size() for t in fields if t is not None)
+
+    def nbytes(self) -> int:
+        return self.size * self.token_nbytes()
 
 
 class RebuiltOnEncode:

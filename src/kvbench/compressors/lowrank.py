@@ -18,7 +18,7 @@ import torch
 
 from kvbench.cache import quant
 from kvbench.cache.rotary import Angles, Rotary
-from kvbench.cache.segments import RebuiltOnEncode, RowCounts, Segment, as_float
+from kvbench.cache.segments import RebuiltOnEncode, RowCounts, Segment, as_float, joined_on_read
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
@@ -94,6 +94,10 @@ def layer_bases(
     return side.bases[prefix]
 
 
+LATENT_FIELDS = ("klat", "vlat", "kzero", "kstep", "vzero", "vstep")  # per token, the optional ones None
+
+
+@joined_on_read(*LATENT_FIELDS)
 @dataclass
 class LatentSegment(RebuiltOnEncode, RowCounts, Segment):
     """Tokens as latents on per-head bases: ``K = rotate(klat · kbasisᵀ)``, ``V = vlat · vbasisᵀ``.
@@ -114,7 +118,7 @@ class LatentSegment(RebuiltOnEncode, RowCounts, Segment):
     vzero: torch.Tensor | None = None
     vstep: torch.Tensor | None = None
 
-    FIELDS = ("klat", "vlat", "kzero", "kstep", "vzero", "vstep")
+    FIELDS = LATENT_FIELDS
 
     @classmethod
     def encode(

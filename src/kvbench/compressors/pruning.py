@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.cache.ragged import segment_ids
-from kvbench.cache.segments import RowCounts, Segment
+from kvbench.cache.segments import RowCounts, Segment, joined_on_read
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
@@ -42,6 +42,7 @@ class KeptChannels(SideData):
     channels: torch.Tensor
 
 
+@joined_on_read("kp", "v")
 @dataclass
 class PrunedSegment(RowCounts, Segment):
     """Tokens with thinned keys. ``kp`` ``(N, d_keep)`` kept key channels, ``v`` ``(N, D)``.
