@@ -139,7 +139,7 @@ def test_keep_compacts_every_row_in_order(seed):
 def test_queued_extends_join_on_read():
     """A segment with fields joined on read: extends queue their tokens (nothing joined, bytes and
     size still exact); reading a field, decoding or evicting joins them, per head-row in order."""
-    from kvbench.cache.segments import RowCounts, joined_on_read
+    from kvbench.cache.segments import JOIN_EVERY, RowCounts, joined_on_read
 
     @joined_on_read("k", "v")
     @dataclass
@@ -177,3 +177,9 @@ def test_queued_extends_join_on_read():
     keep = torch.arange(bh * 10) % 3 != 0
     seg.keep(keep)  # an eviction joins first, then keeps
     assert seg.size == int(keep.sum()) and seg.pos.shape[0] == seg.size
+    seg, longest = make(3, 0), 0
+    for step in range(70):  # the queue stays bounded: joined after JOIN_EVERY extends at the latest
+        seg.extend(make(1, 3 + step))
+        longest = max(longest, len(seg.__dict__.get("_queued", [])))
+    assert longest == JOIN_EVERY and seg.size == bh * 73
+    assert torch.equal(seg.pos, torch.arange(73).repeat(bh))

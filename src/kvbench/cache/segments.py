@@ -217,6 +217,9 @@ def joined_on_read(*names: str):
     return install
 
 
+JOIN_EVERY = 64  # queued extends joined at the latest after this many (see RowCounts.extend)
+
+
 class RowCounts:
     """Mixin for a :class:`Segment`: its tokens per head-row on the host, when every head-row holds
     the same number (as a decode step moves one token of each), so per-head layouts and appends are
@@ -224,8 +227,9 @@ class RowCounts:
 
     With :func:`joined_on_read`, an extend by a segment of the same count in every head-row only
     queues it (O(its tokens)); its fields are joined, by one ``cat`` per field for every queued
-    segment, when one is read (decoding, an eviction, a test): a decode step that moves a token in
-    does not copy the tokens already stored. Counting bytes reads no field.
+    segment, when one is read (decoding, an eviction, a test) or after ``JOIN_EVERY`` extends: a
+    decode step that moves a token in copies the tokens already stored once per ``JOIN_EVERY``
+    steps, not every step, and the queue's memory stays bounded. Counting bytes reads no field.
 
     The count is cached against the ``lens`` tensor it was read from: anything that replaces
     ``lens`` (an eviction, an append) makes it read again, or set by :meth:`extend`.
@@ -271,6 +275,8 @@ class RowCounts:
             if not queue:
                 queue.append((self, mine))
             queue.append((other, theirs))
+            if len(queue) > JOIN_EVERY:  # a bounded queue: each token is copied 1/JOIN_EVERY as often
+                self.join()
         else:
             self._cat([(self, mine), (other, theirs)], [*self.data_fields(), "pos"])  # type: ignore[attr-defined]
         self.lens = self.lens + other.lens
