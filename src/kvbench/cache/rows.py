@@ -113,10 +113,6 @@ class Rows:
             return torch.ones(self.bh, self.width, dtype=torch.bool, device=self.device)
         return valid_mask(self.lens, self.width)
 
-    def take(self, name: str, mask: torch.Tensor) -> torch.Tensor:
-        """The tokens of ``name`` where ``mask`` ``(BH, width)`` holds, flat and head-major ``(n, *rest)``."""
-        return self.get(name)[mask]
-
     def size(self) -> int:
         """Live tokens over all rows."""
         return self.bh * self.width if self.uniform else int(self.lens.sum())
@@ -187,6 +183,29 @@ class Rows:
         self.lens = lens
         self.width = most
         self.uniform = bool((lens == most).all())
+
+    def take_out(self, move: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, int | None] | None:
+        """Remove the slots where ``move`` ``(BH, width)`` holds (the rest kept, as :meth:`keep`).
+
+        Returns:
+            None when no live slot moves; else every field's moved tokens, flat and head-major
+            ``(n, *rest)``, their count per row ``(BH,)``, and that count on the host when every
+            row moves the same number (else None).
+        """
+        if not self.uniform:
+            move = move & self.valid()
+        lens = move.sum(-1)
+        counts = lens.tolist()  # one synchronisation: whether and how many
+        if not any(counts):
+            return None
+        rows, cols = move.nonzero(as_tuple=True)  # the moved slots, row after row, in order
+        src = rows * self.capacity + cols
+        taken = {
+            name: field.view(self.bh * self.capacity, *field.shape[2:]).index_select(0, src)
+            for name, field in self.fields.items()
+        }
+        self.keep(~move)
+        return taken, lens, counts[0] if len(set(counts)) == 1 else None
 
     def keep(self, mask: torch.Tensor) -> None:
         """Keep the slots where ``mask`` ``(BH, width)`` holds, in order, compacted to each row's front.

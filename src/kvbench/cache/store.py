@@ -270,15 +270,14 @@ class LayerStore:
         Returns:
             The segment built (before merging), or None if nothing moved.
         """
-        if not bool(move.any()):
-            return None
         rows = self._fp.rows
-        move = move & rows.valid()
-        flat = {name: rows.take(name, move) for name in rows.fields}
-        seg = build(flat.pop("k"), flat.pop("v"), flat["pos"], move.sum(-1))
-        rows.keep(~move)
+        taken = rows.take_out(move)
+        if taken is None:
+            return None
+        flat, lens, per_row = taken
+        seg = build(flat.pop("k"), flat.pop("v"), flat["pos"], lens)
         self.edits += 1
-        self.adopt(seg, {n: x for n, x in flat.items() if n != "pos"}, first)
+        self.adopt(seg, {n: x for n, x in flat.items() if n != "pos"}, first, per_row)
         return seg
 
     def replace(self, sel: torch.Tensor, seg: Segment, state: dict[str, torch.Tensor]) -> None:
@@ -287,8 +286,13 @@ class LayerStore:
         self.keep(~sel)
         self.adopt(seg, state, first=True)
 
-    def adopt(self, seg: Segment, state: dict[str, torch.Tensor], first: bool = False) -> None:
-        """Add a built segment's tokens (and their flat per-token ``state``), decoded once."""
+    def adopt(
+        self, seg: Segment, state: dict[str, torch.Tensor], first: bool = False, per_row: int | None = None
+    ) -> None:
+        """Add a built segment's tokens (and their flat per-token ``state``), decoded once.
+
+        ``per_row``: the segment's tokens of every head-row, when the same and known on the host
+        (a decode step's move), so joining rows that hold the same number appends rectangles."""
         k, v = seg.read(self.dtype)
         new = {"pos": seg.pos, "k": k, "v": v, **state}
         bias = seg.bias()
@@ -297,11 +301,15 @@ class LayerStore:
         old = next((s for s in self._compressed if type(s) is type(seg) and s.layout() == seg.layout()), None)
         if old is None:
             seg.rows = Rows(self.batch * self.kv_heads, self.device)
-            seg.rows.append_ragged(new, seg.lens)
             self._compressed.insert(0 if first else len(self._compressed), seg)
+            target = seg.rows
         else:
             old.extend(seg)
-            old.rows.append_ragged(new, seg.lens)
+            target = old.rows
+        if per_row is not None and target.uniform:
+            target.append({name: x.view(target.bh, per_row, *x.shape[1:]) for name, x in new.items()})
+        else:
+            target.append_ragged(new, seg.lens)
         self.edits += 1
         self._view = None
 
