@@ -418,3 +418,22 @@ def test_padded_batch_equals_one_by_one(tiny_93, name):
                 view, sview = bs.view(), ss.view()
                 got = sorted(view.pos[i, h][view.valid[i, h]].tolist())
                 assert got == sorted(sview.pos[0, h][sview.valid[0, h]].tolist())
+
+
+def test_window_scores_of_ragged_rows_in_position_order_equal_the_sorted_pool():
+    """Rows of different lengths in position order pool as the position sort would order them."""
+    from kvbench.cache.store import LayerStore
+    from kvbench.schedulers.adakv import AdaKVScheduler
+    from kvbench.select import pool_scores
+
+    gen = torch.Generator().manual_seed(0)
+    store = LayerStore(2, 3, 4, torch.float32, torch.device("cpu"))
+    store.append(torch.randn(2, 3, 40, 4, generator=gen), torch.randn(2, 3, 40, 4, generator=gen))
+    store.keep(torch.rand(2, 3, 40, generator=gen) > 0.3)  # rows keep different numbers
+    view = store.view()
+    assert store.in_position_order() and not view.dense
+    sched = AdaKVScheduler(pool=5)
+    ring = torch.rand(*view.valid.shape, sched.obs_window, generator=gen) * view.valid[..., None]
+    store.set_state(sched.ring, ring)
+    want = pool_scores(ring.sum(-1), view.pos, view.valid, 5)
+    assert torch.equal(sched.window_scores(store), want)

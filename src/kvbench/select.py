@@ -144,9 +144,13 @@ class ObservationWindow:
         """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV)."""
         view = store.view()
         score = store.state(self.ring).sum(-1)
-        if store.in_position_order() and view.dense:  # every slot a token, in position order
+        if not store.in_position_order() or self.pool <= 1:
+            return pool_scores(score, view.pos, view.valid, self.pool)
+        if view.dense:  # every slot a token, in position order
             return pool_sorted(score, self.pool)
-        return pool_scores(score, view.pos, view.valid, self.pool)
+        # In position order, each row's tokens first: its padding pools as -inf, reads as 0
+        padding = ~view.valid
+        return pool_sorted(score.masked_fill(padding, float("-inf")), self.pool).masked_fill(padding, 0.0)
 
 
 def pool_scores(score: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
