@@ -27,11 +27,16 @@ def make_stack(lm, router=None, compressor=None, scheduler=None, **budget) -> St
     return stack
 
 
-def run_chunks(lm, stack, ids, sizes, shadow=False):
-    """Feed ``ids`` in chunks of ``sizes`` with the stack applied after each; returns (logits, cache)."""
+def run_chunks(lm, stack, ids, sizes, shadow=False, protect=None):
+    """Feed ``ids`` in chunks of ``sizes`` with the stack applied after each; returns (logits, cache).
+
+    ``protect``: positions from this one on are protected in every layer before each chunk."""
     cache = loop.new_cache(lm, stack, shadow=shadow)
     outs, at = [], 0
     for n in sizes:
+        if protect is not None:
+            for store in cache.stores:
+                store.set_protect_from(protect)
         outs.append(loop.step(lm, cache, ids[at : at + n]))
         at += n
     return torch.cat(outs), cache

@@ -347,15 +347,8 @@ def test_quest_pages_shared_by_the_layers_of_a_step(tiny_93, protect, monkeypatc
 
     def go():
         stack = make_stack(tiny_93, scheduler=quest(), budget=0.25, sinks=2, window=4)
-        cache = loop.new_cache(tiny_93, stack)
-        ids, outs, at = tokens(N), [], 0
-        for n in SIZES:
-            if protect is not None:
-                for store in cache.stores:
-                    store.set_protect_from(protect)
-            outs.append(loop.step(tiny_93, cache, ids[at : at + n]))
-            at += n
-        return torch.cat(outs), stack.scheduler.metrics(), stack.scheduler
+        logits, _ = run_chunks(tiny_93, stack, tokens(N), SIZES, protect=protect)
+        return logits, stack.scheduler.metrics(), stack.scheduler
 
     shared, m_shared, scheduler = go()
     assert scheduler._shared is not None  # the shared path ran

@@ -478,15 +478,8 @@ def test_position_blocks_shared_by_the_layers_of_a_step(tiny_93, make, protect, 
     def go():
         router = make()
         stack = make_stack(tiny_93, router=router, sinks=SINKS, window=WINDOW)
-        cache = loop.new_cache(tiny_93, stack)
-        ids, outs, at = tokens(N), [], 0
-        for n in SIZES:
-            if protect is not None:
-                for store in cache.stores:
-                    store.set_protect_from(protect)
-            outs.append(loop.step(tiny_93, cache, ids[at : at + n]))
-            at += n
-        return torch.cat(outs), router.metrics(), router
+        logits, _ = run_chunks(tiny_93, stack, tokens(N), SIZES, protect=protect)
+        return logits, router.metrics(), router
 
     shared, m_shared, router = go()
     assert router.__dict__.get("_blocks") is not None  # the shared path ran
