@@ -46,7 +46,7 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     temperature: float = 1.0
     k_min: int = 1
     k_max: int = 4
-    experts_read: list[float] = field(default_factory=list, init=False, repr=False)
+    experts_read: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)  # per call
 
     def check_knobs(self) -> None:
         self.check_experts()
@@ -66,15 +66,18 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     ) -> torch.Tensor:
         scaled = score * store.head_dim**-0.5
         chosen = top_p_choice(scaled, self.top_p, self.temperature, self.k_min, self.k_max)
-        real = (qpos >= 0)[:, None, :].expand(chosen.shape[:3])
-        if bool(real.any()):
-            self.experts_read.append(float(chosen.sum(-1)[real].float().mean()))
+        per_query = chosen.sum(-1)  # (B, H, q)
+        if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real
+            self.experts_read.append(per_query.float().mean())  # kept a tensor: no synchronisation
+        else:
+            real = (qpos >= 0)[:, None, :].expand(chosen.shape[:3])
+            if bool(real.any()):
+                self.experts_read.append(per_query[real].float().mean())
         return chosen
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         out = super().metrics()
         if out:
-            out["mean_experts_read"] = (
-                sum(self.experts_read) / len(self.experts_read) if self.experts_read else None
-            )
+            reads = [float(x) for x in self.experts_read]
+            out["mean_experts_read"] = sum(reads) / len(reads) if reads else None
         return out
