@@ -16,11 +16,13 @@
     case's work) against the full cache's, target at most 1.3x. Store share: the part of the decode step
     spent in kvbench's cache engine (KVCache.update, attend, after_forward; attend includes the
     attention computation itself, so the full cache's share is the floor to compare with).
+    --rounds N repeats the whole pass and prints each figure's median over the rounds, every ratio
+    taken within its own round (on a machine that is not quiet a single ratio moves by ~0.1x).
 
     python scripts/bench_overhead.py [--prefill 512] [--decode 32] [--repeats 3] [--skip-b] [--skip-c]
         [--techniques]
     python scripts/bench_overhead.py --only-d [--contexts 512,2048] [--decode 32] [--budget 0.5]
-        [--only scheduler/h2o,compressor/quantized]
+        [--only scheduler/h2o,compressor/quantized] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import contextlib
 import inspect
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -302,8 +305,7 @@ def _cell(r: dict[str, float]) -> float:
     return r["prefill"] + CELL_STEPS * r["decode"]
 
 
-def _row(name: str, r: dict[str, float], ref: dict[str, float], full: bool = False) -> str:
-    ratio, cell = r["decode"] / ref["decode"], _cell(r) / _cell(ref)
+def _row(name: str, r: dict[str, float], ratio: float = 1.0, cell: float = 1.0, full: bool = False) -> str:
     mark = "!" if ratio > TARGET_D else " "
     cmark = "!" if cell > TARGET_CELL else " "
     rtxt = " " * 8 if full else f"{ratio:6.2f}x{mark}"
@@ -311,8 +313,16 @@ def _row(name: str, r: dict[str, float], ref: dict[str, float], full: bool = Fal
     return f"  {name:28s} {r['decode'] * 1e3:9.2f} {rtxt} {r['prefill']:9.3f} {ctxt} {r['share'] * 100:7.1f}%"
 
 
-def bench_d(contexts: list[int], decode: int, budget: float, only: list[str] | None) -> None:
-    """Each technique alone against the full cache, per context length (see the module docstring)."""
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def bench_d(contexts: list[int], decode: int, budget: float, only: list[str] | None, rounds: int = 1) -> None:
+    """Each technique alone against the full cache, per context length (see the module docstring).
+
+    ``rounds`` > 1 repeats the whole pass (full cache first, every technique, full cache last) and
+    prints each figure's median over the rounds, each ratio taken within its own round: a machine
+    that is not quiet moves single ratios by about 0.1x."""
     from hydra import initialize_config_dir
 
     from kvbench import config, models
@@ -343,38 +353,45 @@ def bench_d(contexts: list[int], decode: int, budget: float, only: list[str] | N
         time_stack(lm, build_cell_stack(lm, None, budget), ids[:64], 2, clock)  # warm-up
         for ctx in contexts:
             ctx_ids = ids[:ctx]
-            full = [time_stack(lm, build_cell_stack(lm, None, budget), ctx_ids, decode, clock)]
-            rows: dict[str, dict[str, float]] = {}
             errors = dict(failed)
-            for name in names:
-                if name in failed:
-                    continue
-                try:
-                    stack = build_cell_stack(lm, name, budget)  # its calibration is cached by now
-                    rows[name] = time_stack(lm, stack, ctx_ids, decode, clock)
-                except Exception as err:  # noqa: BLE001 - reported, the others go on
-                    errors[name] = f"run: {type(err).__name__}: {err}".splitlines()[0]
-            full.append(time_stack(lm, build_cell_stack(lm, None, budget), ctx_ids, decode, clock))
-            ref = {k: (full[0][k] + full[1][k]) / 2 for k in full[0]}
-            spread = abs(full[0]["decode"] - full[1]["decode"]) / ref["decode"]
+            refs, runs, spreads = [], [], []  # per round: the full cache, the techniques, the drift
+            for _ in range(rounds):
+                full = [time_stack(lm, build_cell_stack(lm, None, budget), ctx_ids, decode, clock)]
+                rows: dict[str, dict[str, float]] = {}
+                for name in names:
+                    if name in errors:
+                        continue
+                    try:
+                        stack = build_cell_stack(lm, name, budget)  # its calibration is cached by now
+                        rows[name] = time_stack(lm, stack, ctx_ids, decode, clock)
+                    except Exception as err:  # noqa: BLE001 - reported, the others go on
+                        errors[name] = f"run: {type(err).__name__}: {err}".splitlines()[0]
+                full.append(time_stack(lm, build_cell_stack(lm, None, budget), ctx_ids, decode, clock))
+                refs.append({k: (full[0][k] + full[1][k]) / 2 for k in full[0]})
+                spreads.append(abs(full[0]["decode"] - full[1]["decode"]) / refs[-1]["decode"])
+                runs.append(rows)
+            ref = {k: _median([r[k] for r in refs]) for k in refs[0]}
+            spread = " ".join(f"{x * 100:.1f}%" for x in spreads)
+            over = f", median of {rounds} rounds" if rounds > 1 else ""
             print(
-                f"(d) context {ctx}, decode {decode} (mean of {max(decode - 1, 1)} steps), budget {budget}: "
-                f"full cache first {full[0]['decode'] * 1e3:.2f} ms, last {full[1]['decode'] * 1e3:.2f} ms "
-                f"(spread {spread * 100:.1f}%)"
+                f"(d) context {ctx}, decode {decode} (mean of {max(decode - 1, 1)} steps), budget {budget}"
+                f"{over}: full cache {ref['decode'] * 1e3:.2f} ms (first-to-last spread {spread})"
             )
             print(
                 f"  {'technique':28s} {'decode ms':>9s} {'ratio':>8s} {'prefill s':>9s} "
                 f"{'cell':>8s} {'store':>8s}"
             )
-            print(_row(FULL, ref, ref, full=True))
-            ratios = {}
+            print(_row(FULL, ref, full=True))
+            ratios, cells = {}, {}
             for name in names:
-                if name in rows:
-                    ratios[name] = rows[name]["decode"] / ref["decode"]
-                    print(_row(name, rows[name], ref))
-                else:
+                if name in errors:
                     print(f"  {name:28s} failed ({errors[name]})")
-            cells = {n: _cell(rows[n]) / _cell(ref) for n in ratios}
+                    continue
+                mine = [rows[name] for rows in runs]
+                ratios[name] = _median([r["decode"] / f["decode"] for r, f in zip(mine, refs)])
+                cells[name] = _median([_cell(r) / _cell(f) for r, f in zip(mine, refs)])
+                row = {k: _median([r[k] for r in mine]) for k in mine[0]}
+                print(_row(name, row, ratios[name], cells[name]))
             meet = sum(r <= TARGET_D for r in ratios.values())
             worst_cell = max(cells, key=cells.get) if cells else None
             worst = max(ratios, key=ratios.get) if ratios else None
@@ -405,7 +422,10 @@ def main() -> None:
     ap.add_argument("--contexts", default="512,2048", help="(d): context lengths, comma-separated")
     ap.add_argument("--budget", type=float, default=0.5, help="(d): the stack-wide budget")
     ap.add_argument("--only", default=None, help="(d): techniques to run, role/name, comma-separated")
+    ap.add_argument("--rounds", type=int, default=1, help="(d): repeat the pass, print medians")
     args = ap.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds={args.rounds}: must be >= 1")
     torch.set_num_threads(2)
     if not args.only_d:
         if not args.only_c:
@@ -417,7 +437,7 @@ def main() -> None:
     if args.techniques or args.only_d:
         contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
         only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else None
-        bench_d(contexts, args.decode, args.budget, only)
+        bench_d(contexts, args.decode, args.budget, only, args.rounds)
 
 
 if __name__ == "__main__":
