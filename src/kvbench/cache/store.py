@@ -30,6 +30,7 @@ import torch
 
 from kvbench.cache.rows import Rows
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
+from kvbench.cache.view import JoinedRows, PaddedView, padded_view
 
 
 @dataclass(frozen=True)
@@ -65,98 +66,7 @@ class SideData:
 S = TypeVar("S", bound=SideData)
 
 
-@dataclass
-class PaddedView:
-    """A rectangle over all segments of a layer, for attention and scoring.
-
-    Shapes use ``(B, H, T, D)``; ``valid`` marks real tokens, ``widths`` the segment widths;
-    ``bias`` ``(B, H, T)`` is an additive logit per unit (merged tokens), or None; ``dense`` is
-    True when every slot is a real token (``valid`` all True). A view shows the store as it was when
-    read, until the store next changes (several segments' joined rows are then updated in place).
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    pos: torch.Tensor
-    valid: torch.Tensor
-    widths: list[int]
-    bias: torch.Tensor | None = None
-    dense: bool = False
-
-
 Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
-
-_VIEWED = ("k", "v", "pos", "bias")  # the rows' fields a view shows (``bias``: merged units only)
-
-
-class _Joined:
-    """The rows of several segments side by side, ``(B * H, capacity)`` per field, as
-    :meth:`LayerStore.view` shows them.
-
-    Kept between steps and updated from the first column that changed (:meth:`Rows.changes`): a
-    decode step appends a token to the full-precision rows and a compressor moves the oldest ones
-    into its segment, the newest compressed one, so only the columns from that segment's old end
-    are rewritten, not every stored token. A change of the segments themselves (one added or
-    emptied) rewrites everything, once.
-    """
-
-    def __init__(self) -> None:
-        self.segs: list[Any] = []
-        self.widths: list[int] = []
-        self.fields: dict[str, torch.Tensor] = {}
-        self.capacity = 0
-
-    @staticmethod
-    def _part(seg: Any, name: str) -> torch.Tensor:
-        rows = seg.rows
-        if name == "valid":
-            return rows.valid()
-        if name == "bias" and "bias" not in rows:  # tokens of a segment without one add nothing
-            return torch.zeros(rows.bh, rows.width, dtype=torch.float32, device=rows.device)
-        return rows.get(name)
-
-    def update(self, segs: list[Any]) -> dict[str, torch.Tensor]:
-        """Bring the joined rows up to date with ``segs``; returns each field's ``(B * H, T)`` rectangle.
-
-        Under inference mode, as the store's own updates: a view read outside it (a test, a probe)
-        may rewrite joined rows that a forward created."""
-        with torch.inference_mode():
-            return self._update(segs)
-
-    def _update(self, segs: list[Any]) -> dict[str, torch.Tensor]:
-        changed = [seg.rows.changes() for seg in segs]
-        names = [n for n in _VIEWED if n != "bias" or any("bias" in seg.rows for seg in segs)] + ["valid"]
-        same = (
-            len(segs) == len(self.segs)
-            and all(a is b for a, b in zip(segs, self.segs))
-            and list(self.fields) == names
-        )
-        first, start = (sum(self.widths) if same else 0), 0
-        if same:
-            for change, width in zip(changed, self.widths):
-                if change is not None:
-                    first = min(first, start + change)
-                start += width
-        widths = [seg.rows.width for seg in segs]
-        total = sum(widths)
-        if total > self.capacity or not same:
-            cap = total + max(64, total // 4)
-            fields = {}
-            for name in names:
-                part = self._part(segs[0], name)
-                fields[name] = part.new_zeros(part.shape[0], cap, *part.shape[2:])
-                if same:
-                    fields[name][:, :first] = self.fields[name][:, :first]
-            self.fields, self.capacity = fields, cap
-        start = 0
-        for seg, width in zip(segs, widths):
-            lo = max(first, start)
-            if lo < start + width:
-                for name, field in self.fields.items():
-                    field[:, lo : start + width] = self._part(seg, name)[:, lo - start :]
-            start += width
-        self.segs, self.widths = list(segs), widths
-        return {name: field[:, :total] for name, field in self.fields.items()}
 
 
 class LayerStore:
@@ -185,7 +95,7 @@ class LayerStore:
         self.last_padded = False  # the last append came with a padding mask (``real``)
         self._seen_max = 0
         self._view: PaddedView | None = None
-        self._joined: _Joined | None = None  # the view's rows when several segments hold tokens
+        self._joined: JoinedRows | None = None  # the view's rows when several segments hold tokens
         self.edits = 0  # changes to stored tokens other than appends (evictions, moves): see ``edits``
 
     # --- segments (read-only to techniques) ---------------------------------------------
@@ -335,31 +245,12 @@ class LayerStore:
         return self._fp.rows.valid()
 
     def view(self) -> PaddedView:
-        """Padded keys, values and positions over every segment, oldest representation first.
-
-        One segment: its rows, a free slice. Several: their rows side by side in :class:`_Joined`,
-        which rewrites only the columns from the first one that changed."""
+        """Padded keys, values and positions over every segment, oldest representation first
+        (:func:`kvbench.cache.view.padded_view`: with several segments, their joined rows are kept
+        between steps)."""
         if self._view is None:
-            segs = self.segments
-            if len(segs) == 1:
-                self._joined = None
-                rows = segs[0].rows
-                joined = {name: rows.get(name) for name in _VIEWED if name in rows}
-                joined["valid"] = rows.valid()
-            else:
-                if self._joined is None:
-                    self._joined = _Joined()
-                joined = self._joined.update(segs)
-            shape = (self.batch, self.kv_heads, -1)
-            bias = joined.get("bias")
-            self._view = PaddedView(
-                k=joined["k"].view(*shape, self.head_dim),
-                v=joined["v"].view(*shape, self.head_dim),
-                pos=joined["pos"].view(shape),
-                valid=joined["valid"].view(shape),
-                widths=[s.rows.width for s in segs],
-                bias=None if bias is None else bias.view(shape),
-                dense=all(s.rows.uniform for s in segs),
+            self._view, self._joined = padded_view(
+                self.segments, self._joined, self.batch, self.kv_heads, self.head_dim
             )
         return self._view
 
