@@ -39,9 +39,18 @@ class _Compaction:
     width: int
 
     @classmethod
-    def of(cls, keep: torch.Tensor, stride: int) -> _Compaction:
-        lens = keep.sum(-1)
-        counts = lens.tolist()  # the one synchronisation: the new width
+    def of(
+        cls,
+        keep: torch.Tensor,
+        stride: int,
+        lens: torch.Tensor | None = None,
+        counts: list[int] | None = None,
+    ) -> _Compaction:
+        """The plan of ``keep``; ``lens`` ``(BH,)`` and ``counts`` (the same on the host), the kept
+        slots per row, when the caller has them already."""
+        if lens is None or counts is None:
+            lens = keep.sum(-1)
+            counts = lens.tolist()  # the one synchronisation: the new width
         low, high = (min(counts), max(counts)) if counts else (0, 0)
         rows, cols = keep.nonzero(as_tuple=True)  # the kept slots, row after row, in order
         src = rows * stride + cols
@@ -195,7 +204,8 @@ class Rows:
         if not self.uniform:
             move = move & self.valid()
         lens = move.sum(-1)
-        counts = lens.tolist()  # one synchronisation: whether and how many
+        kept = self.lens - lens
+        counts, kept_counts = torch.stack([lens, kept]).tolist()  # the one synchronisation
         if not any(counts):
             return None
         rows, cols = move.nonzero(as_tuple=True)  # the moved slots, row after row, in order
@@ -204,7 +214,8 @@ class Rows:
             name: field.view(self.bh * self.capacity, *field.shape[2:]).index_select(0, src)
             for name, field in self.fields.items()
         }
-        self.keep(~move)
+        stays = ~move if self.uniform else ~move & self.valid()
+        self._compact(_Compaction.of(stays, self.capacity, kept, kept_counts))
         return taken, lens, counts[0] if len(set(counts)) == 1 else None
 
     def keep(self, mask: torch.Tensor) -> None:
@@ -212,9 +223,11 @@ class Rows:
 
         Writes new tensors: rectangles read before keep what they showed.
         """
-        self._changed(0)
         keep = mask if self.uniform else mask & self.valid()
-        plan = _Compaction.of(keep, self.capacity)  # one plan for every field
+        self._compact(_Compaction.of(keep, self.capacity))  # one plan for every field
+
+    def _compact(self, plan: _Compaction) -> None:
+        self._changed(0)
         for name, field in self.fields.items():
             new = torch.empty_like(field)
             plan.apply(field, new)

@@ -308,9 +308,8 @@ class RowCounts:
         """Bytes of one token's per-token data (read from the fields' shapes, nothing joined)."""
         if not self.size:
             return 0
-        fields = [self.__dict__[n] for n in self.JOINED if n != "pos"] if self.JOINED else None
-        if fields is None:
-            fields = list(self.data_fields().values())  # type: ignore[attr-defined]
+        names = [n for n in self.JOINED if n != "pos"] or list(self.data_fields())  # type: ignore[attr-defined]
+        fields = [self.__dict__[n] for n in names]  # as stored, queued tokens not joined
         return sum(t[0].numel() * t.element_size() for t in fields if t is not None)
 
     def nbytes(self) -> int:

@@ -186,7 +186,6 @@ class LayerStore:
             return None
         flat, lens, per_row = taken
         seg = build(flat.pop("k"), flat.pop("v"), flat["pos"], lens)
-        self.edits += 1
         self.adopt(seg, {n: x for n, x in flat.items() if n != "pos"}, first, per_row)
         return seg
 
