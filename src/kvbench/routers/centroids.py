@@ -123,55 +123,61 @@ class CentroidExperts:
         self.forget(layer)  # type: ignore[attr-defined]
         self.assign_new(store)
 
-    def assign_new(self, store: LayerStore) -> torch.Tensor:
-        """Assign the tokens that became routable; returns the assignment ``(B, H, T)`` (-1: none)."""
+    def assign_new(self, store: LayerStore) -> tuple[torch.Tensor, torch.Tensor]:
+        """Assign the tokens that became routable.
+
+        Returns:
+            the assignment ``(B, H, T)`` (-1: none) and the tokens assigned now ``(B, H, T)`` bool.
+        """
         view = store.view()
         routable = view.valid & ~self.budget.protected_view(store)
         held = held_experts(store, self.num_experts)
         new = routable & (held < 0)
-        if not bool(new.any()):
-            return torch.where(view.valid, held, torch.full_like(held, -1))
-        keys = view.k.float()
         cent, count = self.state(store)
-        if bool((count > 0).all() & (new.sum(-1) <= 1).all()):
-            eid, cent, count = self._assign_one(keys, view.pos, new, cent, count, held, view.valid)
-        else:
-            cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
-            eid = self.place(keys, cent, defined, new, seeded, held, view.valid)
-            cent, count = self.update(cent, count, keys, eid, new, view.pos)
+        # one host read for both decisions: anything to assign, and a decode step's one token per row
+        any_new, one = torch.stack([new.any(), (count > 0).all() & (new.sum(-1) <= 1).all()]).tolist()
+        if not any_new:
+            return torch.where(view.valid, held, torch.full_like(held, -1)), new
+        if one:
+            return self._assign_one(store, new, cent, count, held), new
+        keys = view.k.float()
+        cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
+        eid = self.place(keys, cent, defined, new, seeded, held, view.valid)
+        cent, count = self.update(cent, count, keys, eid, new, view.pos)
         store.set_side(Centroids(cent.contiguous(), count.contiguous()))
         held = torch.where(new, eid, held)
         store.set_state(EXPERT, (held + 1).float())
-        return torch.where(view.valid, held, torch.full_like(held, -1))
+        return torch.where(view.valid, held, torch.full_like(held, -1)), new
 
     def _assign_one(
         self,
-        keys: torch.Tensor,
-        pos: torch.Tensor,
+        store: LayerStore,
         new: torch.Tensor,
         cent: torch.Tensor,
         count: torch.Tensor,
         held: torch.Tensor,
-        valid: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`assign_new`'s placement and update when every expert holds a centroid (nothing to
-        seed) and each head-row has at most one new token (a decode step).
-
-        The distances stay computed over every token (their last bits depend on the matmul's
-        shape), but the placement (:meth:`place_one`) and the update read only the new token: an
-        expert sum over one member is that member's (weighted) key, exactly, so gathering it gives
-        the numbers of the sum over T.
+    ) -> torch.Tensor:
+        """:meth:`assign_new` when every expert holds a centroid (nothing to seed) and each head-row
+        has at most one new token (a decode step): the new token's distances, placement
+        (:meth:`place_one`), centroid update and stored expert touch that token alone, so a step
+        costs O(E·D) per head-row here, not O(T·D). (An expert sum over one member is that
+        member's key exactly; the distances of one row may differ from those of a T-row matmul in
+        the last bit, which decides a placement only between equidistant centroids.)
 
         Returns:
-            ``eid`` ``(B, H, T)`` as :meth:`place`, the centroids and counts.
+            the assignment ``(B, H, T)`` as :meth:`assign_new`.
         """
+        view = store.view()
         col = new.long().argmax(-1, keepdim=True)  # (B, H, 1): the row's new token, if any
-        dist = sq_dist(keys, cent).gather(2, col[..., None].expand(-1, -1, 1, cent.shape[2]))
+        one = view.k.gather(2, col[..., None].expand(-1, -1, 1, view.k.shape[-1])).float()
         one_new = new.gather(-1, col)
-        placed = self.place_one(dist, one_new, held, valid)  # (B, H, 1)
-        one = keys.gather(2, col[..., None].expand(-1, -1, 1, keys.shape[-1]))
-        cent, count = self.update(cent, count, one, placed, one_new, pos.gather(-1, col))
-        return held.scatter(-1, col, placed), cent, count
+        placed = self.place_one(sq_dist(one, cent), one_new, held, view.valid)  # (B, H, 1)
+        cent, count = self.update(cent, count, one, placed, one_new, view.pos.gather(-1, col))
+        store.set_side(Centroids(cent.contiguous(), count.contiguous()))
+        placed = torch.where(one_new, placed, held.gather(-1, col))
+        store.scatter_state(EXPERT, col, (placed + 1).float())
+        held = held.scatter(-1, col, placed)
+        return torch.where(view.valid, held, torch.full_like(held, -1))
 
     def place(
         self,

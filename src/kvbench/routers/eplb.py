@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -47,6 +48,7 @@ class Placement(SideData):
     base_device: torch.Tensor | None = None
     replica_k: torch.Tensor | None = None
     replica_v: torch.Tensor | None = None
+    replica_key: tuple[Any, ...] | None = None  # (store edits, slot experts) the replicas were made under
 
 
 def replicate(load: list[float], devices: int, replicas: int) -> list[int]:
@@ -157,15 +159,23 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
 
     def write(self, layer: int, store: LayerStore) -> None:
         self.forget(layer)
-        held = self.assign_new(store)
+        held, new = self.assign_new(store)
         side = self.plan(store)
         assert side.slot_expert is not None
         reps = torch.bincount(side.slot_expert, minlength=self.num_experts)
         extra = torch.where(held >= 0, reps[held.clamp(min=0)] - 1, torch.zeros_like(held))
-        copy = extra > 0
         view = store.view()
-        side.replica_k = view.k[copy].repeat_interleave(extra[copy], dim=0)
-        side.replica_v = view.v[copy].repeat_interleave(extra[copy], dim=0)
+        # The same plan over the same stored tokens (appends aside): the replicas so far stay and
+        # the tokens assigned now add theirs (replicas are counted, not read: order is free).
+        key = (store.edits, side.slot_expert.tolist())
+        grow = side.replica_key == key and side.replica_k is not None and side.replica_v is not None
+        copy = (extra > 0) & new if grow else extra > 0
+        k = view.k[copy].repeat_interleave(extra[copy], dim=0)
+        v = view.v[copy].repeat_interleave(extra[copy], dim=0)
+        if grow:
+            assert side.replica_k is not None and side.replica_v is not None
+            k, v = torch.cat([side.replica_k, k]), torch.cat([side.replica_v, v])
+        side.replica_k, side.replica_v, side.replica_key = k, v, key
 
     def plan(self, store: LayerStore) -> Placement:
         """Refresh the placement from the loads so far (created empty on first use)."""

@@ -29,7 +29,8 @@ from kvbench.routers.expert import ExpertRouter, expert_counts, expert_onehot, f
 
 def capacity(factor: float, demand: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
     """⌈factor · demand / experts⌉ as long (demand, experts broadcast)."""
-    return torch.ceil(factor * demand.double() / torch.as_tensor(experts).clamp(min=1) - 1e-9).long()
+    per = max(experts, 1) if isinstance(experts, int) else experts.clamp(min=1)
+    return (factor * demand.double() / per - 1e-9).ceil_().long()
 
 
 @dataclass
@@ -40,7 +41,11 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
     num_experts: int = 8
     top_k: int = 2
     capacity_factor: float = 1.25
-    short: list[float] = field(default_factory=list, init=False, repr=False)
+    short: list[float] = field(default_factory=list, init=False, repr=False)  # per call with a real query
+    # short and real (query, head-row) pairs of the calls not yet in ``short``, as tensors
+    _short_pending: list[tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=list, init=False, repr=False, compare=False
+    )
 
     def check_knobs(self) -> None:
         self.check_experts()
@@ -104,9 +109,13 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         order = score.argsort(dim=-1, descending=True, stable=True)
         chosen = fill_by_preference(order, torch.isfinite(score), need, room)
         short = (chosen.sum(-1) < need) & real
-        if bool(real.any()):
-            self.short.append(float(short.sum()) / float(real.expand_as(short).sum()))
+        self._short_pending.append((short.sum(), real.expand_as(short).sum()))  # no host sync here
         return chosen
+
+    def _settle(self) -> None:
+        super()._settle()
+        self.short.extend(int(s) / int(n) for s, n in self._short_pending if int(n))
+        self._short_pending.clear()
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         out = super().metrics()
