@@ -341,6 +341,25 @@ def test_water_fill_sends_each_read_to_the_least_loaded_replica():
     assert water_fill(loads, 0).tolist() == [0, 0, 0]
 
 
+def test_eplb_replicas_grown_step_by_step_equal_a_fresh_copy(tiny_93):
+    """Decode steps under an unchanged plan add only the newly assigned tokens' copies: the replicas
+    hold, row for row (in any order), the copies made from scratch of every replicated token."""
+    router = EPLBRouter(top_k=2)
+    _, cache = run(tiny_93, router, sizes=[48] + [1] * 12)
+    grown = 0
+    for store in cache.stores:
+        side = store.side(Placement)
+        copies = torch.bincount(side.slot_expert, minlength=router.num_experts) - 1
+        held = store.state(EXPERT).round().long() - 1
+        extra = torch.where(held >= 0, copies[held.clamp(min=0)], torch.zeros_like(held))
+        keep = extra > 0
+        fresh = store.view().k[keep].repeat_interleave(extra[keep], dim=0)
+        assert side.replica_k.shape == fresh.shape
+        assert torch.equal(side.replica_k.sort(0).values, fresh.sort(0).values)
+        grown += side.replica_key is not None
+    assert grown == len(cache.stores)
+
+
 def test_eplb_device_figures_conserve_reads(tiny_93):
     router = EPLBRouter(top_k=2)
     run(tiny_93, router)
