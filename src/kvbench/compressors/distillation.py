@@ -181,7 +181,8 @@ def kmeans(
     Args:
         keys: ``(S, D)`` flat head-major units (``lens`` ``(BH,)`` per head-row); weight, pos ``(S,)``.
         slots: centroids per head-row; initial centroids are units evenly spaced in position order.
-        iters: Lloyd iterations (assign, then re-center).
+        iters: Lloyd iterations (assign, then re-center); they stop early at a fixed point (an
+            assignment that repeats), which every further iteration would return unchanged.
 
     Returns:
         ``(S,)`` the centroid slot of every unit (``0 <= slot < slots``), -1 where ``slots`` is 0.
@@ -198,9 +199,15 @@ def kmeans(
     pick = pick.clamp(max=(lens - 1).clamp(min=0)[:, None])
     first = torch.gather(order, 1, pick)  # (R, M) unit index of each initial centroid
     c = torch.gather(x, 1, first[..., None].expand(-1, -1, x.shape[-1]))
-    for _ in range(iters):
-        c = _means(x, w, _nearest(x, c, cvalid), c)
     assign = _nearest(x, c, cvalid)
+    for _ in range(iters):
+        c = _means(x, w, assign, c)
+        after = _nearest(x, c, cvalid)
+        # A repeated assignment is a fixed point: the same members give the same centroids (an
+        # empty one keeps its own), so every later pass would return it again.
+        if torch.equal(after, assign):
+            break
+        assign = after
     assign = torch.where(slots[:, None] > 0, assign, torch.full_like(assign, -1))
     return ragged.from_padded(assign, valid)
 
