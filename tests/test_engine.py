@@ -104,3 +104,28 @@ def test_probs_skip_unread_keys_bitwise(case):
     blocks = list(att.probs_blocks(query, key, lambda s, e: mask[:, :, s:e], 0.25, bias))
     assert len(blocks) == 1
     assert torch.equal(blocks[0][1], want)
+
+
+@pytest.mark.parametrize("past, q", [(0, 700), (0, 200), (0, 512), (40, 600), (300, 16)])
+def test_plain_causal_scores_equal_the_masked_ones_bitwise(past, q):
+    """The plain causal path (no mask built, only each sub-block's diagonal masked) gives, bit for
+    bit, the scores of the causal read mask, for prefills longer and shorter than a sub-block and
+    for queries after a past (an observation window's last queries)."""
+    from kvbench.cache import attention as att
+
+    gen = torch.Generator().manual_seed(11)
+    b, h, g, d = 1, 3, 3, 16
+    t = past + q
+    query = torch.randn(b, h * g, q, d, generator=gen)
+    key = torch.randn(b, h, t, d, generator=gen)
+    mask = att.read_mask(
+        torch.arange(t).expand(b, h, t),
+        torch.ones(b, h, t, dtype=torch.bool),
+        torch.arange(past, t).expand(b, q),
+        None,
+    )
+    want = list(att.probs_blocks(query, key, lambda s, e: mask[:, :, s:e], 0.25))
+    got = list(att.probs_blocks(query, key, None, 0.25, causal_past=past))
+    assert [s for s, _ in got] == [s for s, _ in want]
+    for (_, a), (_, w) in zip(got, want):
+        assert torch.equal(a, w)

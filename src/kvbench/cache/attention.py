@@ -85,18 +85,27 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
     return torch.einsum("bhgqd,bhtd->bhgqt", grouped, key.float()).mul_(scaling)
 
 
-def probs_blocks(query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float, bias=None):
+def probs_blocks(
+    query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float, bias=None, causal_past=None
+):
     """Yield ``(start, probs)`` for query blocks; ``probs`` ``(B, H, g, q_blk, T)`` fp32.
 
     ``mask_fn(start, stop)`` returns the ``(B, H, stop - start, T)`` read mask of that block (None:
-    every token), so a long prefill never materializes a full ``q x T`` mask.
+    every token), so a long prefill never materializes a full ``q x T`` mask. ``causal_past``
+    (an int) says instead that the mask is plain causal over slots: query ``i`` reads the keys
+    ``0 .. causal_past + i`` (a prefill whose stored slots are its positions in order, with
+    ``causal_past`` keys before ``query``); no mask is built, only each sub-block's diagonal.
     """
     b, hq, q, _ = query.shape
     t = key.shape[2]
     block = max(1, _BLOCK_ELEMS // max(1, b * hq * t))
     for start in range(0, q, block):
         stop = min(q, start + block)
-        yield start, _probs(query[:, :, start:stop], key, mask_fn(start, stop), scaling, bias)
+        part = query[:, :, start:stop]
+        if causal_past is None:
+            yield start, _probs(part, key, mask_fn(start, stop), scaling, bias)
+        else:
+            yield start, _causal_probs(part, key, causal_past + start, scaling, bias)
 
 
 def _probs(query: torch.Tensor, key: torch.Tensor, mask, scaling: float, bias) -> torch.Tensor:
@@ -114,6 +123,41 @@ def _probs(query: torch.Tensor, key: torch.Tensor, mask, scaling: float, bias) -
         if mask is not None:
             logits.masked_fill_(~mask[:, :, None], float("-inf"))
         return torch.softmax(logits, dim=-1)
+    return _sub_blocks(
+        query,
+        key,
+        reach,
+        scaling,
+        bias,
+        lambda s, e, lim, x: x.masked_fill_(~mask[:, :, None, s:e, :lim], float("-inf")),
+    )
+
+
+def _causal_probs(query: torch.Tensor, key: torch.Tensor, past: int, scaling: float, bias) -> torch.Tensor:
+    """:func:`_probs` of queries at slots ``past .. past + q - 1`` under the plain causal mask: each
+    sub-block reads the keys up to its last query, and only its diagonal square is masked."""
+    q, t = query.shape[2], key.shape[2]
+    bounds = [(s, min(q, s + _SUB)) for s in range(0, q, _SUB)]
+    reach = [((s, e), past + e) for s, e in bounds]
+    above = torch.ones(_SUB, _SUB, dtype=torch.bool, device=query.device).triu_(1)  # key after query
+
+    def mask(s: int, e: int, lim: int, logits: torch.Tensor) -> torch.Tensor:
+        n = e - s  # the sub-block's queries sit at slots past + s .. lim - 1: the last n columns
+        return logits[..., lim - n :].masked_fill_(above[:n, :n], float("-inf"))
+
+    if len(bounds) == 1 and reach[0][1] == t:  # one sub-block reading every key: no zeros to write
+        logits = _logits(query, key, scaling)
+        if bias is not None:
+            logits.add_(bias[:, :, None, None, :].float())
+        mask(0, q, t, logits)
+        return torch.softmax(logits, dim=-1)
+    return _sub_blocks(query, key, reach, scaling, bias, mask)
+
+
+def _sub_blocks(query, key, reach, scaling: float, bias, mask) -> torch.Tensor:
+    """Softmax per sub-block of queries ``((start, stop), lim)`` against the keys before ``lim``;
+    ``mask(start, stop, lim, logits)`` sets the unread logits to ``-inf`` in place; the columns
+    from ``lim`` on are written as zeros."""
     b, hq, q, _ = query.shape
     h, t = key.shape[1], key.shape[2]
     out = torch.empty(b, h, hq // h, q, t, dtype=torch.float32, device=query.device)
@@ -121,7 +165,7 @@ def _probs(query: torch.Tensor, key: torch.Tensor, mask, scaling: float, bias) -
         logits = _logits(query[:, :, start:stop], key[:, :, :lim], scaling)
         if bias is not None:
             logits.add_(bias[:, :, None, None, :lim].float())
-        logits.masked_fill_(~mask[:, :, None, start:stop, :lim], float("-inf"))
+        mask(start, stop, lim, logits)
         out[:, :, :, start:stop, :lim] = torch.softmax(logits, dim=-1)
         out[:, :, :, start:stop, lim:] = 0.0
     return out

@@ -207,12 +207,15 @@ class KVCache(Cache):
         # Scores only for the queries some observer reads (e.g. SnapKV's window: the last 16).
         first = min((t.observed_from(layer, q_len, padded) for t in observers), default=q_len)
         if first < q_len:
+            # plain causal prefill: the stored slots are this chunk's positions in order
+            causal = view.k.shape[2] - q_len + first if mask is None and q_len > 1 else None
             blocks = att.probs_blocks(
                 query[:, :, first:],
                 view.k,
                 lambda a, b: score_mask(first + a, first + b),
                 scaling,
                 view.bias,
+                causal_past=causal,
             )
             for offset, probs in blocks:
                 start = first + offset
