@@ -341,6 +341,21 @@ def test_water_fill_sends_each_read_to_the_least_loaded_replica():
     assert water_fill(loads, 0).tolist() == [0, 0, 0]
 
 
+@pytest.mark.parametrize("name", CENTROID_ROUTERS)
+def test_a_write_with_nothing_routable_stores_no_centroids(tiny_93, name):
+    """A write while every token is a sink or in the window assigns nothing and creates no
+    centroids (a write can come before any read, and a centroid's bytes are counted)."""
+    router = ROUTERS[name][0]()
+    make_stack(tiny_93, router=router, sinks=SINKS, window=WINDOW)
+    _, cache = run_chunks(tiny_93, make_stack(tiny_93), tokens(SINKS + WINDOW), [SINKS + WINDOW])
+    store = cache.stores[0]
+    kv = store.nbytes()
+    router.write(0, store)
+    assert store.side(Centroids) is None
+    if name != "eplb":  # EPLB's plan (loads, slots) exists from the first write
+        assert store.nbytes() == kv
+
+
 def test_eplb_replicas_grown_step_by_step_equal_a_fresh_copy(tiny_93):
     """Decode steps under an unchanged plan add only the newly assigned tokens' copies: the replicas
     hold, row for row (in any order), the copies made from scratch of every replicated token."""

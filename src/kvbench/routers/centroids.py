@@ -133,12 +133,17 @@ class CentroidExperts:
         routable = view.valid & ~self.budget.protected_view(store)
         held = held_experts(store, self.num_experts)
         new = routable & (held < 0)
-        cent, count = self.state(store)
-        # one host read for both decisions: anything to assign, and a decode step's one token per row
-        any_new, one = torch.stack([new.any(), (count > 0).all() & (new.sum(-1) <= 1).all()]).tolist()
-        if not any_new:
+        # One host read for both decisions: anything to assign, and (centroids held, every expert
+        # defined) a decode step's one token per row. No centroids exist before the first write.
+        side = store.side(Centroids)
+        checks = [new.any()]
+        if side is not None:
+            checks.append((side.count > 0).all() & (new.sum(-1) <= 1).all())
+        flags = torch.stack(checks).tolist()
+        if not flags[0]:
             return torch.where(view.valid, held, torch.full_like(held, -1)), new
-        if one:
+        cent, count = self.state(store)
+        if len(flags) > 1 and flags[1]:
             return self._assign_one(store, new, cent, count, held), new
         keys = view.k.float()
         cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
