@@ -94,16 +94,22 @@ def eplb_plan(load: torch.Tensor, devices: int, replicas: int) -> tuple[torch.Te
 
 def water_fill(loads: torch.Tensor, n: float) -> torch.Tensor:
     """Split ``n`` reads over devices with ``loads`` ``(r,)``, each read to the least-loaded one."""
-    srt = loads.sort().values
-    r = srt.numel()
-    level = float(srt[0]) + n
+    return torch.tensor(fill_levels(loads.tolist(), n), dtype=loads.dtype)
+
+
+def fill_levels(loads: list[float], n: float) -> list[float]:
+    """:func:`water_fill` on the host. Loads and reads are whole numbers, so every sum is exact."""
+    srt = sorted(loads)
+    r = len(srt)
+    level = srt[0] + n
     for j in range(1, r + 1):
-        level = (float(srt[:j].sum()) + n) / j
-        if j == r or level <= float(srt[j]):
+        level = (sum(srt[:j]) + n) / j
+        if j == r or level <= srt[j]:
             break
-    add = (level - loads).clamp(min=0).floor()
-    left = int(round(n - float(add.sum())))
-    add[(loads + add).argsort(stable=True)[:left]] += 1
+    add = [float(math.floor(max(level - x, 0.0))) for x in loads]
+    left = int(round(n - sum(add)))
+    for i in sorted(range(r), key=lambda i: loads[i] + add[i])[:left]:  # stable: ties by index
+        add[i] += 1
     return add
 
 
@@ -115,14 +121,27 @@ def device_reads(
     A single-copy expert's reads go to its device; a replicated expert's go, read by read, to its
     least-loaded replica given the devices' load ``start`` ``(D,)`` plus what this call routed.
     """
-    reps = torch.bincount(slot_expert, minlength=reads.numel())
-    out = torch.zeros_like(start)
-    single = reps[slot_expert] == 1
-    out.index_add_(0, slot_device[single], reads[slot_expert[single]])
-    replicated = torch.nonzero(reps > 1).flatten()
-    for e in replicated[reads[replicated].argsort(descending=True, stable=True)].tolist():
-        devs = slot_device[slot_expert == e]
-        out[devs] += water_fill(start[devs] + out[devs], float(reads[e]))
+    out = serve(reads.tolist(), slot_expert.tolist(), slot_device.tolist(), start.tolist())
+    return torch.tensor(out, dtype=start.dtype)
+
+
+def serve(
+    reads: list[float], slot_expert: list[int], slot_device: list[int], start: list[float]
+) -> list[float]:
+    """:func:`device_reads` on the host (a plan has a few dozen slots: lists beat small tensors)."""
+    devices: dict[int, list[int]] = {}
+    for e, d in zip(slot_expert, slot_device):
+        devices.setdefault(e, []).append(d)
+    out = [0.0] * len(start)
+    for e, devs in devices.items():
+        if len(devs) == 1:
+            out[devs[0]] += reads[e]
+    replicated = [e for e, devs in devices.items() if len(devs) > 1]
+    for e in sorted(replicated, key=lambda e: -reads[e]):  # stable: ties by expert
+        devs = devices[e]
+        add = fill_levels([start[d] + out[d] for d in devs], reads[e])
+        for d, a in zip(devs, add):
+            out[d] += a
     return out
 
 
@@ -202,10 +221,17 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         assert plan.slot_expert is not None and plan.slot_device is not None and plan.base_device is not None
         reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
         plan.load = plan.load + reads
-        device_load = plan.device_load.cpu()
-        after = device_reads(reads.cpu(), plan.slot_expert.cpu(), plan.slot_device.cpu(), device_load)
-        before = torch.zeros_like(after).index_add_(0, plan.base_device.cpu(), reads.cpu())
-        plan.device_load = (device_load + after).to(store.device)
+        counts = reads.tolist()
+        device_load = plan.device_load.tolist()
+        served = serve(counts, plan.slot_expert.tolist(), plan.slot_device.tolist(), device_load)
+        unreplicated = [0.0] * self.num_devices
+        for e, d in enumerate(plan.base_device.tolist()):
+            unreplicated[d] += counts[e]
+        plan.device_load = torch.tensor(
+            [x + y for x, y in zip(device_load, served)], dtype=torch.float64, device=store.device
+        )
+        after = torch.tensor(served, dtype=torch.float64)
+        before = torch.tensor(unreplicated, dtype=torch.float64)
         zero = torch.zeros_like(after)
         self.after[layer] = self.after.get(layer, zero) + after
         self.before[layer] = self.before.get(layer, zero) + before
