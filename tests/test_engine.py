@@ -106,12 +106,17 @@ def test_probs_skip_unread_keys_bitwise(case):
     assert torch.equal(blocks[0][1], want)
 
 
+@pytest.mark.parametrize("block", [None, 10, 300])
 @pytest.mark.parametrize("past, q", [(0, 700), (0, 200), (0, 512), (40, 600), (300, 16)])
-def test_plain_causal_scores_equal_the_masked_ones_bitwise(past, q):
+def test_plain_causal_scores_equal_the_masked_ones_bitwise(past, q, block, monkeypatch):
     """The plain causal path (no mask built, only each sub-block's diagonal masked) gives, bit for
-    bit, the scores of the causal read mask, for prefills longer and shorter than a sub-block and
-    for queries after a past (an observation window's last queries)."""
+    bit, the scores of the causal read mask, for prefills longer and shorter than a sub-block, for
+    queries after a past (an observation window's last queries), and in outer blocks of a few
+    queries or of more than a sub-block (``block`` queries: a long context's blocks)."""
     from kvbench.cache import attention as att
+
+    if block is not None:
+        monkeypatch.setattr(att, "_BLOCK_ELEMS", block * 9 * (past + q))
 
     gen = torch.Generator().manual_seed(11)
     b, h, g, d = 1, 3, 3, 16

@@ -134,23 +134,26 @@ def _probs(query: torch.Tensor, key: torch.Tensor, mask, scaling: float, bias) -
 
 
 def _causal_probs(query: torch.Tensor, key: torch.Tensor, past: int, scaling: float, bias) -> torch.Tensor:
-    """:func:`_probs` of queries at slots ``past .. past + q - 1`` under the plain causal mask: each
-    sub-block reads the keys up to its last query, and only its diagonal square is masked."""
-    q, t = query.shape[2], key.shape[2]
-    bounds = [(s, min(q, s + _SUB)) for s in range(0, q, _SUB)]
-    reach = [((s, e), past + e) for s, e in bounds]
+    """:func:`_probs` of queries at slots ``past .. past + q - 1`` under the plain causal mask, with
+    the same sub-blocks: a block of at most ``_SUB`` queries is one softmax over every key (the
+    keys after its last query masked whole), a longer one goes in sub-blocks, each against the
+    keys up to its last query; only the diagonal square of queries against their own slots is
+    masked element by element."""
+    q = query.shape[2]
     above = torch.ones(_SUB, _SUB, dtype=torch.bool, device=query.device).triu_(1)  # key after query
 
     def mask(s: int, e: int, lim: int, logits: torch.Tensor) -> torch.Tensor:
-        n = e - s  # the sub-block's queries sit at slots past + s .. lim - 1: the last n columns
-        return logits[..., lim - n :].masked_fill_(above[:n, :n], float("-inf"))
+        n = e - s  # the sub-block's queries sit at slots past + s .. lim - 1
+        logits[..., lim - n : lim].masked_fill_(above[:n, :n], float("-inf"))
+        return logits[..., lim:].fill_(float("-inf"))  # keys after every query of the sub-block
 
-    if len(bounds) == 1 and reach[0][1] == t:  # one sub-block reading every key: no zeros to write
+    if q <= _SUB:  # as :func:`_reach`: one softmax over every key
         logits = _logits(query, key, scaling)
         if bias is not None:
             logits.add_(bias[:, :, None, None, :].float())
-        mask(0, q, t, logits)
+        mask(0, q, past + q, logits)
         return torch.softmax(logits, dim=-1)
+    reach = [((s, min(q, s + _SUB)), past + min(q, s + _SUB)) for s in range(0, q, _SUB)]
     return _sub_blocks(query, key, reach, scaling, bias, mask)
 
 
