@@ -94,7 +94,7 @@ def eplb_plan(load: torch.Tensor, devices: int, replicas: int) -> tuple[torch.Te
 
 def water_fill(loads: torch.Tensor, n: float) -> torch.Tensor:
     """Split ``n`` reads over devices with ``loads`` ``(r,)``, each read to the least-loaded one."""
-    return torch.tensor(fill_levels(loads.tolist(), n), dtype=loads.dtype)
+    return torch.tensor(fill_levels(loads.tolist(), n), dtype=loads.dtype, device=loads.device)
 
 
 def fill_levels(loads: list[float], n: float) -> list[float]:
@@ -122,7 +122,7 @@ def device_reads(
     least-loaded replica given the devices' load ``start`` ``(D,)`` plus what this call routed.
     """
     out = serve(reads.tolist(), slot_expert.tolist(), slot_device.tolist(), start.tolist())
-    return torch.tensor(out, dtype=start.dtype)
+    return torch.tensor(out, dtype=start.dtype, device=start.device)
 
 
 def serve(
