@@ -117,12 +117,8 @@ def _probs(query: torch.Tensor, key: torch.Tensor, mask, scaling: float, bias) -
     """
     reach = _reach(mask, query.shape[2]) if mask is not None else None
     if reach is None:
-        logits = _logits(query, key, scaling)
-        if bias is not None:
-            logits.add_(bias[:, :, None, None, :].float())
-        if mask is not None:
-            logits.masked_fill_(~mask[:, :, None], float("-inf"))
-        return torch.softmax(logits, dim=-1)
+        unread = None if mask is None else lambda x: x.masked_fill_(~mask[:, :, None], float("-inf"))
+        return _softmax(query, key, scaling, bias, unread)
     return _sub_blocks(
         query,
         key,
@@ -148,13 +144,20 @@ def _causal_probs(query: torch.Tensor, key: torch.Tensor, past: int, scaling: fl
         return logits[..., lim:].fill_(float("-inf"))  # keys after every query of the sub-block
 
     if q <= _SUB:  # as :func:`_reach`: one softmax over every key
-        logits = _logits(query, key, scaling)
-        if bias is not None:
-            logits.add_(bias[:, :, None, None, :].float())
-        mask(0, q, past + q, logits)
-        return torch.softmax(logits, dim=-1)
+        return _softmax(query, key, scaling, bias, lambda x: mask(0, q, past + q, x))
     reach = [((s, min(q, s + _SUB)), past + min(q, s + _SUB)) for s in range(0, q, _SUB)]
     return _sub_blocks(query, key, reach, scaling, bias, mask)
+
+
+def _softmax(query: torch.Tensor, key: torch.Tensor, scaling: float, bias, unread) -> torch.Tensor:
+    """One softmax of the block's logits over every key; ``unread(logits)`` (or None) sets the
+    logits of unread keys to ``-inf`` in place."""
+    logits = _logits(query, key, scaling)
+    if bias is not None:
+        logits.add_(bias[:, :, None, None, :].float())
+    if unread is not None:
+        unread(logits)
+    return torch.softmax(logits, dim=-1)
 
 
 def _sub_blocks(query, key, reach, scaling: float, bias, mask) -> torch.Tensor:

@@ -319,14 +319,6 @@ class LayerStore:
         if len(self._compressed):  # ``state`` concatenated the segments: a copy
             self.set_state(st, state)
 
-    def scatter_state(self, st: TokenState, col: torch.Tensor, values: torch.Tensor) -> None:
-        """``state(st)`` at column ``col`` ``(B, H, n)`` of each head-row set to ``values`` ``(B, H, n)``
-        (a state without extra dimensions), written into the store in place."""
-        state = self.state(st)
-        state.scatter_(2, col, values)
-        if len(self._compressed):  # ``state`` concatenated the segments: a copy
-            self.set_state(st, state)
-
     def set_state(self, st: TokenState, values: torch.Tensor) -> None:
         """Replace the state with ``values`` ``(B, H, T, *shape)`` aligned with ``view()``."""
         for seg, new in zip(self.segments, self._split(values)):

@@ -180,7 +180,9 @@ class CentroidExperts:
         cent, count = self.update(cent, count, one, placed, one_new, view.pos.gather(-1, col))
         store.set_side(Centroids(cent.contiguous(), count.contiguous()))
         placed = torch.where(one_new, placed, held.gather(-1, col))
-        store.scatter_state(EXPERT, col, (placed + 1).float())
+        b = torch.arange(store.batch, device=col.device)[:, None, None]
+        h = torch.arange(store.kv_heads, device=col.device)[None, :, None]
+        store.put_state(EXPERT, (b, h, col), (placed + 1).float())
         held = held.scatter(-1, col, placed)
         return torch.where(view.valid, held, torch.full_like(held, -1))
 

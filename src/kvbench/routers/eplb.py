@@ -187,7 +187,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         # The same plan over the same stored tokens (appends aside): the replicas so far stay and
         # the tokens assigned now add theirs (replicas are counted, not read: order is free).
         key = (store.edits, side.slot_expert.tolist())
-        grow = side.replica_key == key and side.replica_k is not None and side.replica_v is not None
+        grow = side.replica_key == key  # set with the replicas
         copy = (extra > 0) & new if grow else extra > 0
         k = view.k[copy].repeat_interleave(extra[copy], dim=0)
         v = view.v[copy].repeat_interleave(extra[copy], dim=0)
