@@ -101,9 +101,10 @@ def test_probs_skip_unread_keys_bitwise(case):
     if bias is not None:
         logits = logits + bias[:, :, None, None, :]
     want = torch.softmax(logits.masked_fill(~mask[:, :, None], float("-inf")), dim=-1)
+    assert torch.equal(att.probs(query, key, mask, 0.25, bias), want)
     blocks = list(att.probs_blocks(query, key, lambda s, e: mask[:, :, s:e], 0.25, bias))
-    assert len(blocks) == 1
-    assert torch.equal(blocks[0][1], want)
+    # a causal prefill's sub-blocks are only as wide as the keys their queries read
+    assert [p.shape[-1] for _, p in blocks] == ([t] if case == "decode" else [256, 512, t])
 
 
 @pytest.mark.parametrize("block", [None, 10, 300])
@@ -134,3 +135,49 @@ def test_plain_causal_scores_equal_the_masked_ones_bitwise(past, q, block, monke
     assert [s for s, _ in got] == [s for s, _ in want]
     for (_, a), (_, w) in zip(got, want):
         assert torch.equal(a, w)
+
+
+@pytest.mark.parametrize("tech", ["h2o", "lru", "lru_plus", "pikv", "snapkv"])
+def test_observers_read_narrow_sub_blocks_as_one_full_block(tech):
+    """A causal prefill's scores come in sub-blocks only as wide as the keys their queries read
+    (the later keys have probability 0); every observer's state is the one a single full-width
+    block of the same probabilities gives: exactly for positions, to rounding for sums."""
+    from kvbench.cache import attention as att
+    from kvbench.cache.store import LayerStore
+    from kvbench.compressors.pikv import PiKVCompressor
+    from kvbench.compressors.snapkv import SnapKVCompressor
+    from kvbench.schedulers.h2o import H2OScheduler
+    from kvbench.schedulers.lru import LRUScheduler
+    from kvbench.schedulers.lru_plus import LRUPlusScheduler
+
+    make = {
+        "h2o": H2OScheduler,
+        "lru": LRUScheduler,
+        "lru_plus": LRUPlusScheduler,
+        "pikv": PiKVCompressor,
+        "snapkv": SnapKVCompressor,
+    }[tech]
+    gen = torch.Generator().manual_seed(5)
+    b, h, g, t, d = 2, 2, 3, 600, 8
+    k, v = torch.randn(b, h, t, d, generator=gen), torch.randn(b, h, t, d, generator=gen)
+    query = torch.randn(b, h * g, t, d, generator=gen)
+    stores = [LayerStore(b, h, d, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for store in stores:
+        store.append(k, v)
+    qpos = stores[0].last_qpos
+    observer = make()
+    view = stores[0].view()
+    mask = att.read_mask(view.pos, view.valid, qpos, None)
+    observer.observe(0, stores[0], att.probs(query, k, mask, 0.3), qpos)
+    blocks = list(att.probs_blocks(query, k, None, 0.3, causal_past=0))
+    assert [p.shape[-1] for _, p in blocks] == [256, 512, 600]
+    for start, part in blocks:
+        observer.observe(0, stores[1], part, qpos[:, start : start + part.shape[3]])
+    states = stores[0].states()
+    assert states and states == stores[1].states()
+    for st in states:
+        one, split = stores[0].state(st), stores[1].state(st)
+        if tech == "lru":
+            assert torch.equal(one, split)
+        else:
+            torch.testing.assert_close(one, split, rtol=1e-5, atol=1e-6)

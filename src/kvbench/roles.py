@@ -189,8 +189,11 @@ class Technique:
         Args:
             layer: layer index.
             store: the layer's storage; ``probs`` is aligned with ``store.view()``.
-            probs: ``(B, H_kv, g, q, T)`` fp32, ``g`` query heads per KV head, for the queries
-                from :meth:`observed_from` on (a block at a time); rows of padding queries are zero.
+            probs: ``(B, H_kv, g, q, w)`` fp32, ``g`` query heads per KV head, for the queries
+                from :meth:`observed_from` on (a block at a time), over the first ``w`` columns
+                of ``store.view()``: the block's queries read none after them (a causal prefill's
+                sub-block; :func:`kvbench.cache.attention.widen` pads a reduction to every
+                column); rows of padding queries are zero.
             qpos: ``(B, q)`` positions of the queries (-1 for padding).
         """
 

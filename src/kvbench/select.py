@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench import allocation
+from kvbench.cache import attention as att
 from kvbench.cache.store import LayerStore, TokenState
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Budget, Technique, keep_top
@@ -137,7 +138,7 @@ class ObservationWindow:
         recent = (qpos >= store.seen[:, None] - w) & (qpos >= 0)  # (B, q)
         # The recent queries of a sequence are distinct positions of the last w: distinct slots.
         seq, query = recent.nonzero(as_tuple=True)
-        summed = probs.sum(2).transpose(1, 2)  # (B, q, H, T)
+        summed = att.widen(probs.sum(2), store.view().pos.shape[2]).transpose(1, 2)  # (B, q, H, T)
         store.put_state(self.ring, (seq, slice(None), slice(None), qpos[seq, query] % w), summed[seq, query])
 
     def window_scores(self, store: LayerStore) -> torch.Tensor:

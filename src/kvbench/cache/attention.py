@@ -88,13 +88,16 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
 def probs_blocks(
     query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float, bias=None, causal_past=None
 ):
-    """Yield ``(start, probs)`` for query blocks; ``probs`` ``(B, H, g, q_blk, T)`` fp32.
+    """Yield ``(start, probs)`` for query blocks; ``probs`` ``(B, H, g, q_blk, w)`` fp32 over the
+    first ``w <= T`` keys: every key after them is unread by the block's queries (probability 0).
 
     ``mask_fn(start, stop)`` returns the ``(B, H, stop - start, T)`` read mask of that block (None:
     every token), so a long prefill never materializes a full ``q x T`` mask. ``causal_past``
     (an int) says instead that the mask is plain causal over slots: query ``i`` reads the keys
     ``0 .. causal_past + i`` (a prefill whose stored slots are its positions in order, with
     ``causal_past`` keys before ``query``); no mask is built, only each sub-block's diagonal.
+    A causal block longer than ``_SUB`` queries comes in sub-blocks, each only as wide as the keys
+    its queries read, so neither the unread columns nor a copy of the block is ever written.
     """
     b, hq, q, _ = query.shape
     t = key.shape[2]
@@ -103,22 +106,43 @@ def probs_blocks(
         stop = min(q, start + block)
         part = query[:, :, start:stop]
         if causal_past is None:
-            yield start, _probs(part, key, mask_fn(start, stop), scaling, bias)
+            parts = _probs(part, key, mask_fn(start, stop), scaling, bias)
         else:
-            yield start, _causal_probs(part, key, causal_past + start, scaling, bias)
+            parts = _causal_probs(part, key, causal_past + start, scaling, bias)
+        for offset, probs in parts:
+            yield start + offset, probs
 
 
-def _probs(query: torch.Tensor, key: torch.Tensor, mask, scaling: float, bias) -> torch.Tensor:
-    """Masked softmax of one block's logits ``(B, H, g, q, T)`` fp32.
+def probs(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None, scaling: float, bias=None):
+    """Every query's probabilities at once, ``(B, H, g, q, T)`` fp32 (``mask`` ``(B, H, q, T)`` or
+    None): :func:`probs_blocks` assembled, for the few queries of a probe or a test."""
+    b, hq, q, _ = query.shape
+    h, t = key.shape[1], key.shape[2]
+    out = torch.zeros(b, h, hq // h, q, t, dtype=torch.float32, device=query.device)
+    for start, part in probs_blocks(
+        query, key, lambda s, e: None if mask is None else mask[:, :, s:e], scaling, bias
+    ):
+        out[:, :, :, start : start + part.shape[3], : part.shape[4]] = part
+    return out
+
+
+def widen(x: torch.Tensor, t: int, fill: float = 0.0) -> torch.Tensor:
+    """``x`` ``(..., w)`` over the first ``w`` keys, padded with ``fill`` to all ``t`` keys (a
+    narrow block's reduction, widened to the store's layout)."""
+    return x if x.shape[-1] == t else F.pad(x, (0, t - x.shape[-1]), value=fill)
+
+
+def _probs(query: torch.Tensor, key: torch.Tensor, mask, scaling: float, bias):
+    """Masked softmax of one block's logits: ``(offset, probs)`` pieces as :func:`probs_blocks`.
 
     A causal prefill reads ever more keys as its queries advance: queries go in sub-blocks of
-    ``_SUB``, each against the keys up to the last one any of them reads; the columns after it
-    are written as the zeros their ``-inf`` logits give (the rows' softmax is the same).
+    ``_SUB``, each against the keys up to the last one any of them reads (the rows' softmax over
+    those keys is the one over every key, whose later logits are ``-inf``).
     """
     reach = _reach(mask, query.shape[2]) if mask is not None else None
     if reach is None:
         unread = None if mask is None else lambda x: x.masked_fill_(~mask[:, :, None], float("-inf"))
-        return _softmax(query, key, scaling, bias, unread)
+        return [(0, _softmax(query, key, scaling, bias, unread))]
     return _sub_blocks(
         query,
         key,
@@ -129,7 +153,7 @@ def _probs(query: torch.Tensor, key: torch.Tensor, mask, scaling: float, bias) -
     )
 
 
-def _causal_probs(query: torch.Tensor, key: torch.Tensor, past: int, scaling: float, bias) -> torch.Tensor:
+def _causal_probs(query: torch.Tensor, key: torch.Tensor, past: int, scaling: float, bias):
     """:func:`_probs` of queries at slots ``past .. past + q - 1`` under the plain causal mask, with
     the same sub-blocks: a block of at most ``_SUB`` queries is one softmax over every key (the
     keys after its last query masked whole), a longer one goes in sub-blocks, each against the
@@ -144,7 +168,7 @@ def _causal_probs(query: torch.Tensor, key: torch.Tensor, past: int, scaling: fl
         return logits[..., lim:].fill_(float("-inf"))  # keys after every query of the sub-block
 
     if q <= _SUB:  # as :func:`_reach`: one softmax over every key
-        return _softmax(query, key, scaling, bias, lambda x: mask(0, q, past + q, x))
+        return [(0, _softmax(query, key, scaling, bias, lambda x: mask(0, q, past + q, x)))]
     reach = [((s, min(q, s + _SUB)), past + min(q, s + _SUB)) for s in range(0, q, _SUB)]
     return _sub_blocks(query, key, reach, scaling, bias, mask)
 
@@ -160,21 +184,16 @@ def _softmax(query: torch.Tensor, key: torch.Tensor, scaling: float, bias, unrea
     return torch.softmax(logits, dim=-1)
 
 
-def _sub_blocks(query, key, reach, scaling: float, bias, mask) -> torch.Tensor:
-    """Softmax per sub-block of queries ``((start, stop), lim)`` against the keys before ``lim``;
-    ``mask(start, stop, lim, logits)`` sets the unread logits to ``-inf`` in place; the columns
-    from ``lim`` on are written as zeros."""
-    b, hq, q, _ = query.shape
-    h, t = key.shape[1], key.shape[2]
-    out = torch.empty(b, h, hq // h, q, t, dtype=torch.float32, device=query.device)
+def _sub_blocks(query, key, reach, scaling: float, bias, mask):
+    """Yield ``(start, probs)`` per sub-block of queries ``((start, stop), lim)``: the softmax over
+    the keys before ``lim``; ``mask(start, stop, lim, logits)`` sets the unread logits to ``-inf``
+    in place."""
     for (start, stop), lim in reach:
         logits = _logits(query[:, :, start:stop], key[:, :, :lim], scaling)
         if bias is not None:
             logits.add_(bias[:, :, None, None, :lim].float())
         mask(start, stop, lim, logits)
-        out[:, :, :, start:stop, :lim] = torch.softmax(logits, dim=-1)
-        out[:, :, :, start:stop, lim:] = 0.0
-    return out
+        yield start, torch.softmax(logits, dim=-1)
 
 
 _SUB = 256  # queries per causal sub-block in :func:`_probs`

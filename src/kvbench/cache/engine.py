@@ -243,7 +243,7 @@ class KVCache(Cache):
         q, qp = query[:, :, pick], qpos[:, pick]
         view = store.view()
         mask = mask_fn(0, query.shape[2])[:, :, pick]
-        p_stack = next(att.probs_blocks(q, view.k, lambda a, b: mask[:, :, a:b], scaling, view.bias))[1]
+        p_stack = att.probs(q, view.k, mask, scaling, view.bias)
         shadow = (
             torch.cat(self.shadow[layer], dim=2) if len(self.shadow[layer]) > 1 else self.shadow[layer][0]
         )
@@ -251,11 +251,7 @@ class KVCache(Cache):
         s = shadow.shape[2]
         spos = torch.arange(s, device=query.device).expand(*shadow.shape[:2], s)
         ones = torch.ones_like(spos, dtype=torch.bool)
-        p_full = next(
-            att.probs_blocks(
-                q, shadow, lambda a, b: att.read_mask(spos, ones, qp[:, a:b], sliding_window), scaling
-            )
-        )[1]
+        p_full = att.probs(q, shadow, att.read_mask(spos, ones, qp, sliding_window), scaling)
         chunk_start = int(qpos[0, 0])
         exclude = self.stack.budget.protected(torch.arange(s, device=query.device), chunk_start)
         exclude |= torch.arange(s, device=query.device) >= chunk_start

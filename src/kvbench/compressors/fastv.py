@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvbench.cache import attention as att
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags, keep_top
@@ -62,9 +63,9 @@ class FastVCompressor(Compressor):
         rows = last.any(-1)
         if not bool(rows.any()):
             return
-        b, h, g, _, t = probs.shape
-        per_head = (probs * last[:, None, None, :, None]).sum((2, 3))  # (B, H, T)
+        b, h, g = probs.shape[:3]
         pos = store.view().pos
+        per_head = att.widen((probs * last[:, None, None, :, None]).sum((2, 3)), pos.shape[2])  # (B, H, T)
         width = store.seen_max
         score = per_head.new_zeros(b, width + 1).scatter_add_(
             -1, torch.where(pos >= 0, pos, width).reshape(b, -1), per_head.reshape(b, -1)

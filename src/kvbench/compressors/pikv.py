@@ -27,6 +27,7 @@ from functools import partial
 
 import torch
 
+from kvbench.cache import attention as att
 from kvbench.cache import quant
 from kvbench.cache.rows import compact
 from kvbench.cache.store import LayerStore, TokenState
@@ -74,7 +75,7 @@ class PiKVCompressor(Allocated, Compressor):
         self._moved = [0, 0]
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
-        store.add_state(AUX, probs.sum((2, 3)))
+        store.add_state(AUX, att.widen(probs.sum((2, 3)), store.view().pos.shape[2]))
 
     def compress(self, layer: int, store: LayerStore) -> None:
         capacity = partial(self.allocated_capacity_host, layer)

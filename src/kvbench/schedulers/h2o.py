@@ -7,6 +7,7 @@ from functools import partial
 
 import torch
 
+from kvbench.cache import attention as att
 from kvbench.cache.store import LayerStore, TokenState
 from kvbench.roles import Flags, Scheduler
 from kvbench.select import Allocated, evict_by_score
@@ -27,7 +28,7 @@ class H2OScheduler(Allocated, Scheduler):
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
-        store.add_state(SCORE, probs.sum((2, 3)))
+        store.add_state(SCORE, att.widen(probs.sum((2, 3)), store.view().pos.shape[2]))
 
     def evict(self, layer: int, store: LayerStore) -> None:
         capacity = partial(self.layer_capacity_host, layer)

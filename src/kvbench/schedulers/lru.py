@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.cache import attention as att
 from kvbench.cache.store import LayerStore, TokenState
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
@@ -60,10 +61,10 @@ class LRUScheduler(Scheduler):
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         view = store.view()
-        hit = used(probs, qpos, self.tau)
-        last = torch.where(hit, qpos[:, None, :, None], -1).amax(2)  # (B, H, T), -1 if unused
+        hit = probs.amax(2) >= self.tau  # a padding query's position is -1: no use either way
+        last = torch.where(hit, qpos.int()[:, None, :, None], -1).amax(2)  # (B, H, w), -1 if unused
         state = torch.maximum(store.state(self.LAST), view.pos.float())  # arrival position initially
-        store.set_state(self.LAST, torch.maximum(state, last.float()))
+        store.set_state(self.LAST, torch.maximum(state, att.widen(last.float(), view.pos.shape[2], -1.0)))
 
     def last_used(self, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` last position at which each stored token was used (arrival if never)."""

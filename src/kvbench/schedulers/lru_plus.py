@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.cache import attention as att
 from kvbench.cache.store import LayerStore, TokenState
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
@@ -60,7 +61,8 @@ class LRUPlusScheduler(Scheduler):
         now = qpos.amax(-1)  # (B,)
         age = (now[:, None] - qpos).float() * log_decay  # (B, q) log decay ** (now - t)
         hit = used(probs, qpos, self.tau)
-        gained = age[:, None, :, None].masked_fill(~hit, float("-inf")).logsumexp(2)  # (B, H, T)
+        gained = age[:, None, :, None].masked_fill(~hit, float("-inf")).logsumexp(2)  # (B, H, w)
+        gained = att.widen(gained, store.view().pos.shape[2], float("-inf"))
         old = torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
         store.set_state(self.SCORE, torch.logaddexp(old + (delta * log_decay)[:, None, None], gained))
         store.set_state(self.SEEN, torch.ones_like(old))
