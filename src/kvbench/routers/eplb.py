@@ -182,15 +182,16 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         side = self.plan(store)
         assert side.slot_expert is not None
         reps = torch.bincount(side.slot_expert, minlength=self.num_experts)
-        extra = torch.where(held >= 0, reps[held.clamp(min=0)] - 1, torch.zeros_like(held))
         view = store.view()
         # The same plan over the same stored tokens (appends aside): the replicas so far stay and
         # the tokens assigned now add theirs (replicas are counted, not read: order is free).
         key = (store.edits, side.slot_expert.tolist())
         grow = side.replica_key == key  # set with the replicas
-        copy = (extra > 0) & new if grow else extra > 0
-        k = view.k[copy].repeat_interleave(extra[copy], dim=0)
-        v = view.v[copy].repeat_interleave(extra[copy], dim=0)
+        at = ((new & (held >= 0)) if grow else held >= 0).nonzero(as_tuple=True)
+        extra = reps[held[at]] - 1  # a copy per extra replica of the token's expert (0: none)
+        copies = int(extra.sum())
+        k = view.k[at].repeat_interleave(extra, dim=0, output_size=copies)
+        v = view.v[at].repeat_interleave(extra, dim=0, output_size=copies)
         if grow:
             assert side.replica_k is not None and side.replica_v is not None
             k, v = torch.cat([side.replica_k, k]), torch.cat([side.replica_v, v])
