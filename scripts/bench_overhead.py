@@ -79,7 +79,8 @@ def plain_run(lm, ids, decode: int) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
         cache = DynamicCache(config=lm.model.config)
-        out = lm.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True)
+        # the last position's logits only, as kvbench's loop asks for them (logits_to_keep)
+        out = lm.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
         tok = out.logits[0, -1].argmax()
         for _ in range(decode):
             out = lm.model(input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True)
@@ -96,7 +97,7 @@ def kvbench_run(lm, ids, decode: int) -> float:
     stack.bind(lm.num_layers)
     start = time.perf_counter()
     cache = loop.new_cache(lm, stack)
-    logits = loop.step(lm, cache, ids)
+    logits = loop.step(lm, cache, ids, keep=1)
     loop.greedy(lm, cache, logits[-1], decode + 1, [])
     return time.perf_counter() - start
 
@@ -283,7 +284,7 @@ def time_stack(lm, stack, ids: list[int], decode: int, clock: EngineClock) -> di
 
     cache = loop.new_cache(lm, stack)
     start = time.perf_counter()
-    logits = loop.forward(lm, cache, ids)
+    logits = loop.forward(lm, cache, ids, keep=1)  # as a needle cell: the last position's logits
     cache.after_forward()
     prefill = time.perf_counter() - start
     tok = int(logits[-1].argmax())

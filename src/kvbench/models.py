@@ -11,6 +11,7 @@ import functools
 import gc
 import hashlib
 import importlib.util
+import inspect
 import os
 import re
 import sys
@@ -54,6 +55,11 @@ class LoadedModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.model.parameters()).dtype
+
+    @functools.cached_property
+    def keeps_rows(self) -> bool:
+        """The model's forward takes ``logits_to_keep``: its lm head runs only over the rows asked for."""
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
 
 def cache_root() -> Path:

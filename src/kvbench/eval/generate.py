@@ -95,12 +95,13 @@ def _solo(lm, stack, group, b, start, query_aware, after_prefill) -> list[Genera
     for store in cache.stores:
         store.set_protect_from(len(p.head))
     ttft: list[float] = []
-    logits = loop.step(lm, cache, p.head + p.tail if query_aware else p.head, ttft)
+    # the first token comes from the last position: the lm head runs over it alone
+    logits = loop.step(lm, cache, p.head + p.tail if query_aware else p.head, ttft, keep=int(query_aware))
     ref, stored = cache.reference_bytes(), cache.nbytes()
     if after_prefill is not None:
         after_prefill(cache, 0, start)
     if not query_aware:
-        logits = loop.step(lm, cache, p.tail, ttft)
+        logits = loop.step(lm, cache, p.tail, ttft, keep=1)
     tpot: list[float] = []
     tokens = loop.greedy(lm, cache, logits[-1], p.max_new, tpot, p.done)
     end_ref, end = cache.reference_bytes(), cache.nbytes()
@@ -126,13 +127,13 @@ def _batch(lm, stack, group, b, start, query_aware, after_prefill) -> list[Gener
         store.set_protect_from(protect)
     ttft: list[float] = []
     first = [p.head + p.tail if query_aware else p.head for p in group]
-    logits = loop.step_batch(lm, cache, *_left_pad(first), ttft)
+    logits = loop.step_batch(lm, cache, *_left_pad(first), ttft, keep=int(query_aware))
     ref, stored = cache.reference_bytes(), cache.nbytes()
     if after_prefill is not None:
         for row in range(n):
             after_prefill(cache, row, start + row)
     if not query_aware:
-        logits = loop.step_batch(lm, cache, *_left_pad([p.tail for p in group]), ttft)
+        logits = loop.step_batch(lm, cache, *_left_pad([p.tail for p in group]), ttft, keep=1)
     tokens: list[list[int]] = [[int(t)] for t in logits[:, -1].argmax(-1)]
     steps: list[list[float]] = [[] for _ in group]
     while active := [r for r, p in enumerate(group) if not _finished(lm, p, tokens[r])]:

@@ -145,8 +145,11 @@ def bridge_class():
                 parts = [inputs[at : at + size] for at in range(0, len(inputs), size)]
             times: list[float] = []
             pieces, ref, stored = [], 0, 0
+            after = len(inputs)  # tokens from this part's start on
             for part in filter(None, parts):
-                pieces.append(loop.step(self.lm, cache, part, times))
+                after -= len(part)  # now: tokens after this part
+                # the lm head runs only over the part's positions among the last n
+                pieces.append(loop.step(self.lm, cache, part, times, keep=max(0, n - after)))
                 if len(pieces) == 1:  # the prefill: what it stored
                     ref, stored = cache.reference_bytes(), cache.nbytes()
             scored = generate.Generated(

@@ -23,57 +23,87 @@ def new_cache(lm: LoadedModel, stack: Stack, shadow: bool = False, batch: int = 
     )
 
 
+def _logits(lm: LoadedModel, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, keep: int | None):
+    """The model's logits ``(B, k, V)`` for the last ``k = keep`` of the chunk's columns (None: all).
+
+    transformers reads an int ``logits_to_keep`` as the last rows (0 meaning every row) and a
+    tensor as row indices, so no row at all is an empty index: the lm head then never runs over a
+    prefill whose logits nobody reads. A model without ``logits_to_keep`` computes every row.
+    """
+    n = ids.shape[1]
+    rows: dict[str, object] = {}
+    if keep is not None and keep < n and lm.keeps_rows:
+        rows["logits_to_keep"] = keep if keep > 0 else torch.zeros(0, dtype=torch.long)
+    out = lm.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, **rows)
+    logits = out.logits
+    if keep is not None and logits.shape[1] > keep:
+        logits = logits[:, logits.shape[1] - keep :]
+    return logits.float()
+
+
 @torch.inference_mode()
-def forward(lm: LoadedModel, cache: KVCache, ids: list[int] | torch.Tensor) -> torch.Tensor:
-    """Feed ``ids`` (one sequence) at the cache's true positions; returns logits ``(n, V)`` fp32."""
+def forward(
+    lm: LoadedModel, cache: KVCache, ids: list[int] | torch.Tensor, keep: int | None = None
+) -> torch.Tensor:
+    """Feed ``ids`` (one sequence) at the cache's true positions; returns logits ``(k, V)`` fp32 of
+    the last ``k = keep`` positions (None: all; 0: none), the only rows the lm head computes."""
     x = torch.as_tensor(ids, device=lm.device).view(1, -1)
     start = cache.get_seq_length()
     pos = torch.arange(start, start + x.shape[1], device=lm.device).view(1, -1)
-    out = lm.model(input_ids=x, position_ids=pos, past_key_values=cache, use_cache=True)
-    return out.logits[0].float()
+    return _logits(lm, x, pos, cache, keep)[0]
 
 
 @torch.inference_mode()
-def forward_batch(lm: LoadedModel, cache: KVCache, ids: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+def forward_batch(
+    lm: LoadedModel, cache: KVCache, ids: torch.Tensor, real: torch.Tensor, keep: int | None = None
+) -> torch.Tensor:
     """Feed a padded batch ``ids`` ``(B, q)``; ``real`` ``(B, q)`` marks non-padding tokens.
 
     Each sequence continues at its own true position; padding is neither stored nor counted.
-    Returns logits ``(B, q, V)`` fp32 (rows of padding are meaningless).
+    Returns logits ``(B, k, V)`` fp32 of the last ``k = keep`` columns (None: all; rows of padding
+    are meaningless).
     """
     ids, real = ids.to(lm.device), real.to(lm.device)
     seen = cache.stores[0].seen.to(lm.device)
     pos = (seen[:, None] + real.long().cumsum(-1) - 1).clamp(min=0)
     cache.real = real
     try:
-        out = lm.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+        return _logits(lm, ids, pos, cache, keep)
     finally:
         cache.real = None
-    return out.logits.float()
 
 
-def step(lm: LoadedModel, cache: KVCache, ids, times: list[float] | None = None) -> torch.Tensor:
+def step(
+    lm: LoadedModel, cache: KVCache, ids, times: list[float] | None = None, keep: int | None = None
+) -> torch.Tensor:
     """One forward chunk followed by the stack (compressor, scheduler, router writes); optionally timed.
 
+    ``keep``: the logits of the last ``keep`` positions only (None: every position; 0: none).
     The cell's deadline (``timeout_s``) is checked before the chunk, outside any timed region.
     """
     limits.check()
     if times is None:
-        logits = forward(lm, cache, ids)
+        logits = forward(lm, cache, ids, keep)
         cache.after_forward()
         return logits
     with measure.timed(lm.device, times):
-        logits = forward(lm, cache, ids)
+        logits = forward(lm, cache, ids, keep)
         cache.after_forward()
     return logits
 
 
 def step_batch(
-    lm: LoadedModel, cache: KVCache, ids: torch.Tensor, real: torch.Tensor, times: list[float]
+    lm: LoadedModel,
+    cache: KVCache,
+    ids: torch.Tensor,
+    real: torch.Tensor,
+    times: list[float],
+    keep: int | None = None,
 ) -> torch.Tensor:
     """:func:`step` for a padded batch (see :func:`forward_batch`); always timed into ``times``."""
     limits.check()
     with measure.timed(lm.device, times):
-        logits = forward_batch(lm, cache, ids, real)
+        logits = forward_batch(lm, cache, ids, real, keep)
         cache.after_forward()
     return logits
 

@@ -93,7 +93,7 @@ def score_window(
     """Run the protocol on one window of ``prefill + chunk * chunks_per_window + 1`` tokens."""
     cache = loop.new_cache(lm, stack, shadow=probe is not None)
     ttft: list[float] = []
-    loop.step(lm, cache, ids[: cfg.prefill], ttft)
+    loop.step(lm, cache, ids[: cfg.prefill], ttft, keep=0)  # the prefill's logits are not scored
     ref_bytes = cache.reference_bytes()
     out = WindowResult(
         nll=torch.empty(0),
@@ -155,7 +155,7 @@ def score_windows(
     ids = torch.tensor(group)  # (B, L)
     cache = loop.new_cache(lm, stack, shadow=probe is not None, batch=n)
     ttft: list[float] = []
-    _step_rows(lm, cache, ids[:, : cfg.prefill], ttft)
+    _step_rows(lm, cache, ids[:, : cfg.prefill], ttft, keep=0)  # the prefill's logits are not scored
     ref_bytes, stored = cache.reference_bytes(), cache.nbytes()
     outs = [
         WindowResult(
@@ -208,11 +208,16 @@ def _fidelity(out: WindowResult, reference: torch.Tensor, logprobs: torch.Tensor
 
 
 def _step_rows(
-    lm: LoadedModel, cache: KVCache, ids: torch.Tensor, times: list[float] | None = None
+    lm: LoadedModel,
+    cache: KVCache,
+    ids: torch.Tensor,
+    times: list[float] | None = None,
+    keep: int | None = None,
 ) -> torch.Tensor:
-    """One chunk ``(B, q)`` of a batch with no padding; logits ``(B, q, V)``; timed into ``times``."""
+    """One chunk ``(B, q)`` of a batch with no padding; logits ``(B, q, V)`` (the last ``keep``
+    columns' only, if given); timed into ``times``."""
     return loop.step_batch(
-        lm, cache, ids, torch.ones_like(ids, dtype=torch.bool), [] if times is None else times
+        lm, cache, ids, torch.ones_like(ids, dtype=torch.bool), [] if times is None else times, keep
     )
 
 

@@ -1,0 +1,89 @@
+"""Properties that decide whether kvbench fits at long context on a GPU, proven on the CPU: what
+a forward allocates is recorded through torch's dispatch hooks on a tiny model with a large
+vocabulary, where a ``q x vocabulary`` block of logits is the largest thing a prefill could make."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import tiny_cfg
+from helpers import make_stack, tokens
+from kvbench import models
+from kvbench.eval import generate, loop, perplexity
+from kvbench.schedulers.h2o import H2OScheduler
+from tracking import Allocations
+
+VOCAB = 20_000
+
+
+@pytest.fixture(scope="module")
+def wide_vocab():
+    return models.load(tiny_cfg("llama", vocab_size=VOCAB), "cpu")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_generation_computes_logits_of_the_last_position_only(wide_vocab, batch, query_aware, monkeypatch):
+    """A 300-token prompt's prefill makes no (300, V) logits: the lm head runs over each
+    sequence's last position, as greedy decoding reads no other; the tokens are those of a model
+    whose lm head runs over every position (one without ``logits_to_keep``)."""
+    prompts = [generate.Prompt(tokens(300, s), tokens(6, 9 + s), max_new=3) for s in range(batch)]
+
+    def run():
+        with Allocations() as seen:
+            out = generate.generate(
+                wide_vocab, make_stack(wide_vocab), prompts, batch_size=batch, query_aware=query_aware
+            )
+        return [g.tokens for g in out], seen.rows_of(VOCAB)
+
+    with monkeypatch.context() as m:
+        m.setitem(wide_vocab.__dict__, "keeps_rows", False)
+        want, every_row = run()
+    got, rows = run()
+    assert got == want
+    assert every_row >= 300 * batch and 0 < rows <= batch
+
+
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_perplexity_scores_logits_of_its_chunks_only(wide_vocab, batch_size):
+    """The prefill's logits are never scored, so never computed: the largest block of logits is a
+    chunk's (per window of the batch); the scores are those of every row computed."""
+    cfg = OmegaConf.create(
+        dict(
+            name="t",
+            prefill=200,
+            chunk=8,
+            chunks_per_window=2,
+            windows=2,
+            decode_steps=2,
+            batch_size=batch_size,
+        )
+    )
+    ids = tokens(1000)
+    stack = dict(scheduler=H2OScheduler(), budget=0.5, sinks=2, window=8)
+    with Allocations() as seen:
+        metrics, wins = perplexity.evaluate(wide_vocab, make_stack(wide_vocab, **stack), ids, cfg, None)
+    assert 0 < seen.rows_of(VOCAB) <= cfg.chunk * batch_size
+    # the same nll as a pass that keeps every row of the prefill
+    cache = loop.new_cache(wide_vocab, make_stack(wide_vocab, **stack))
+    loop.step(wide_vocab, cache, ids[: cfg.prefill])
+    chunk = loop.step(wide_vocab, cache, ids[cfg.prefill : cfg.prefill + cfg.chunk])
+    target = torch.tensor(ids[cfg.prefill + 1 : cfg.prefill + cfg.chunk + 1])
+    nll = -torch.log_softmax(chunk, -1).gather(-1, target[:, None])[:, 0]
+    torch.testing.assert_close(wins[0].nll[: cfg.chunk], nll)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 5, None])
+def test_step_keeps_the_last_rows_asked_for(wide_vocab, keep):
+    """``keep`` rows are the last rows of a full pass, and the only ones the lm head computes."""
+    ids = tokens(120)
+    full = loop.step(wide_vocab, loop.new_cache(wide_vocab, make_stack(wide_vocab)), ids)
+    cache = loop.new_cache(wide_vocab, make_stack(wide_vocab))
+    with Allocations() as seen:
+        got = loop.step(wide_vocab, cache, ids, keep=keep)
+    rows = len(ids) if keep is None else keep
+    assert got.shape == (rows, VOCAB) and cache.get_seq_length() == len(ids)
+    torch.testing.assert_close(got, full[len(ids) - rows :], rtol=1e-5, atol=1e-5)
+    assert seen.rows_of(VOCAB) == rows
