@@ -224,3 +224,48 @@ def test_tiny_knobs_are_knobs_below_the_keys(role, option):
             for kv in line.removeprefix("# tiny:").split():
                 key, sep, _ = kv.partition("=")
                 assert sep and key in knobs, f"conf/{role}/{option}.yaml: # tiny: {kv!r} is no knob=value"
+
+
+@pytest.mark.parametrize(
+    ("role", "option", "knobs"),
+    [(r, o, {}) for r, o in OPTIONS] + [("compressor", "chunkkv", {"reuse_layers": 2})],
+)
+def test_each_layers_work_stays_on_its_device(lm, ids, role, option, knobs, monkeypatch):
+    """With the layers placed on two (fake) devices, no technique reads, in one layer's work, a
+    tensor made in the other's: across GPUs (``device_map="auto"``) that read would fail. State
+    made at one layer and read at another goes through ``LayerStore.local``; what a cache shares
+    between the layers of one device has the device in its key (here the fake one)."""
+    from kvbench.cache.engine import KVCache
+    from kvbench.cache.store import LayerStore
+    from tracking import LayerDevices
+
+    seen = LayerDevices(split=1)
+
+    def at_layer(method, where):
+        def wrapped(*a, **k):
+            with seen.at(where(a)):
+                return method(*a, **k)
+
+        return wrapped
+
+    monkeypatch.setattr(KVCache, "update", at_layer(KVCache.update, lambda a: a[3]))
+    monkeypatch.setattr(KVCache, "attend", at_layer(KVCache.attend, lambda a: a[1]))
+    monkeypatch.setattr(Stack, "apply", at_layer(Stack.apply, lambda a: a[1]))
+
+    def local(self, x):
+        with seen.moving():
+            return x.clone()
+
+    real_key = LayerStore.position_key
+
+    def position_key(self, qpos):  # it names the device; the fake devices are one CPU
+        key = real_key(self, qpos)
+        return None if key is None else (*key, seen.device(seen.layer))
+
+    monkeypatch.setattr(LayerStore, "local", local)
+    monkeypatch.setattr(LayerStore, "position_key", position_key)
+    stack = stack_of(lm, {role: technique(role, option, **knobs)}, **TIGHT)
+    with seen:
+        run(lm, stack, ids)
+        stack.metrics()
+    assert not seen.mixed, seen.mixed[:3]

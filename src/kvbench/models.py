@@ -266,6 +266,17 @@ def _converted_gguf(cfg: DictConfig) -> Path:
     return out
 
 
+def _spans(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+
+
 def _wrap(cfg: DictConfig, model, codec) -> LoadedModel:
     c = model.config
     heads = c.num_attention_heads
@@ -275,6 +286,12 @@ def _wrap(cfg: DictConfig, model, codec) -> LoadedModel:
     # Read the KV head count off the key projection: some configs carry a key the model ignores.
     kv_heads = attn.k_proj.out_features // head_dim if hasattr(attn, "k_proj") else heads
     devices = [next(layer.parameters()).device for layer in layers]
+    if offloaded := [i for i, layer in enumerate(layers) if any(p.is_meta for p in layer.parameters())]:
+        raise ConfigError(
+            f"model.device_map={cfg.get('device_map')!r} (model={cfg.name}): layers {_spans(offloaded)} are "
+            "offloaded (weights on 'meta', loaded at each forward); kvbench keeps each layer's cache on its "
+            "layer's device: give every layer a GPU or the CPU (more GPUs or max_memory, or a smaller model)"
+        )
     info = {
         "name": cfg.name,
         "hf_id": cfg.get("hf_id"),

@@ -287,6 +287,11 @@ class LayerStore:
             start += seg.rows.width
         return out
 
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` on this layer's device: technique state made at another layer (FastV's plan,
+        ChunkKV's reused index) moves here before use, for a model whose layers span devices."""
+        return x if x.device == self.device else x.to(self.device)
+
     # --- per-token technique state --------------------------------------------------------
     def state(self, st: TokenState) -> torch.Tensor:
         """Per-token state laid out like ``view()``: ``(B, H, T, *shape)``, 0 where never set."""

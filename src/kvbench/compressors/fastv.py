@@ -79,9 +79,10 @@ class FastVCompressor(Compressor):
     def compress(self, layer: int, store: LayerStore) -> None:
         if layer < self.layer:
             return
-        if layer == self.layer or self._plan is None or not torch.equal(self._plan[0], store.seen):
-            self._plan = (store.seen.clone(), self._keep_positions(store))
-        keep_pos = self._plan[1]
+        plan = self._plan
+        if layer == self.layer or plan is None or not torch.equal(store.local(plan[0]), store.seen):
+            plan = self._plan = (store.seen.clone(), self._keep_positions(store))
+        keep_pos = store.local(plan[1])  # layer K's plan, for every later layer
         view = store.view()
         width = keep_pos.shape[-1]
         idx = view.pos.clamp(min=0, max=width - 1).reshape(view.pos.shape[0], -1)
@@ -99,7 +100,7 @@ class FastVCompressor(Compressor):
         score = torch.zeros(b, width, device=store.device)
         if self._score is not None and self._score.shape[0] == b:
             known = min(width, self._score.shape[1])
-            score[:, :known] = self._score[:, :known]
+            score[:, :known] = store.local(self._score)[:, :known]  # scored at layer K - 1
         allpos = torch.arange(width, device=store.device)
         protect_from = None if store.protect_from is None else store.protect_from[:, None]
         protected = self.budget.protected(allpos[None, :], store.seen[:, None], protect_from)

@@ -184,7 +184,7 @@ class ExpertRouter(Router):
     name: str = ""
     num_experts: int = 8
     flags = Flags(selects_reads=True)
-    reads: torch.Tensor | None = field(default=None, init=False, repr=False)
+    reads: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)  # per layer
     read_tokens: list[float] = field(default_factory=list, init=False, repr=False)
     # per layer: bytes read per real query at each call; tokens read and visible, summed
     read_bytes: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
@@ -270,7 +270,8 @@ class ExpertRouter(Router):
         real = qpos >= 0
         chosen = routing.chosen & real[:, None, :, None]
         per_expert = chosen.sum((0, 1, 2)).float()
-        self.reads = per_expert if self.reads is None else self.reads + per_expert
+        before = self.reads.get(layer)  # per layer: each on its layer's device
+        self.reads[layer] = per_expert if before is None else before + per_expert
         read = (chosen.float() * routing.count[:, :, None, :]).sum(-1)  # routed tokens read per query
         frac = read / routing.count.sum(-1, keepdim=True).clamp(min=1)
         weight = real[:, None, :].expand_as(frac).float()
@@ -293,9 +294,9 @@ class ExpertRouter(Router):
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         self._settle()
-        if self.reads is None:
+        if not self.reads:
             return {}
-        reads = self.reads.cpu()
+        reads = torch.stack([r.cpu() for r in self.reads.values()]).sum(0)  # whole numbers: exact
         mean = float(reads.mean())
         return {
             "reads_per_expert": reads.tolist(),
