@@ -57,6 +57,24 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
     @functools.cached_property
+    def devices(self) -> list[torch.device]:
+        """Every device holding some of the model's weights, the first layer's first (timing waits
+        for all of them; memory is read on each)."""
+        found = dict.fromkeys([*self.layer_devices, *(t.device for t in self._tensors())])
+        return [d for d in found if d.type != "meta"]
+
+    @functools.cached_property
+    def weight_bytes(self) -> dict[str, int]:
+        """Bytes of the model's parameters and buffers per device (``"cuda:0"``, ``"cpu"``)."""
+        out: dict[str, int] = {}
+        for t in self._tensors():
+            out[str(t.device)] = out.get(str(t.device), 0) + t.numel() * t.element_size()
+        return out
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+    @functools.cached_property
     def keeps_rows(self) -> bool:
         """The model's forward takes ``logits_to_keep``: its lm head runs only over the rows asked for."""
         return "logits_to_keep" in inspect.signature(self.model.forward).parameters

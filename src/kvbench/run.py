@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 import kvbench
 from kvbench import baseline as baselines
 from kvbench import cellstate, config, limits, models, results
-from kvbench.eval import measure, protocol
+from kvbench.eval import loop, measure, protocol
 from kvbench.roles import BindContext
 from kvbench.stack import Stack, stack_identity
 
@@ -208,8 +208,9 @@ def _release_memory(kind: str) -> None:
 
 def _evaluate(cfg, lm, stack, data, ident, record) -> None:
     stack.bind(BindContext.for_model(lm, int(cfg.seed)))  # may calibrate (cached)
+    loop.warm_up(lm)  # before the first timed pass of the process (the baseline's, if computed now)
     base = baselines.get(cfg, lm, data, ident) if stack.order else None  # once per model x dataset
-    measure.reset_peak(lm.device)
+    measure.reset_peak(lm.devices)
     t0 = time.perf_counter()
     result = protocol.get(cfg.dataset.task).evaluate(lm, stack, data, cfg.dataset, base)
     if result.per_layer_bytes:
@@ -218,7 +219,8 @@ def _evaluate(cfg, lm, stack, data, ident, record) -> None:
     if not stack.order and baselines.lookup(ident) is None:
         baselines.store(ident, result.baseline)  # the full-cache cell is the baseline: reuse it
     metrics = result.metrics.as_dict()
-    metrics["peak_memory_mb"] = measure.peak_mb(lm.device)
+    metrics["peak_memory_mb"] = measure.peak_mb(lm.devices)
+    metrics["memory"] = measure.memory(lm.devices, lm.weight_bytes)
     metrics["techniques"] = stack.metrics()
     record["metrics"] = metrics
     record["calibrations"] = stack.calibrations()

@@ -6,6 +6,7 @@ compressed cache refuses, and it cannot apply the stack between steps.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -21,6 +22,25 @@ def new_cache(lm: LoadedModel, stack: Stack, shadow: bool = False, batch: int = 
     return KVCache(
         stack, lm.num_layers, lm.kv_heads, lm.head_dim, batch, lm.dtype, lm.layer_devices, shadow=shadow
     )
+
+
+_WARM: weakref.WeakSet = weakref.WeakSet()  # models warmed up in this process
+
+
+def warm_up(lm: LoadedModel) -> None:
+    """A short untimed prefill and decode step through a throwaway full cache, once per model per
+    process: the first timed pass of a job then measures the model, not the allocator's first
+    requests and the kernels' first launches."""
+    if lm.model in _WARM:
+        return
+    stack = Stack()
+    stack.bind(lm.num_layers)
+    cache = new_cache(lm, stack)
+    forward(lm, cache, list(range(16)), keep=1)
+    cache.after_forward()
+    forward(lm, cache, [0], keep=1)
+    measure.sync(lm.devices)
+    _WARM.add(lm.model)
 
 
 def _logits(lm: LoadedModel, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, keep: int | None):
@@ -86,7 +106,7 @@ def step(
         logits = forward(lm, cache, ids, keep)
         cache.after_forward()
         return logits
-    with measure.timed(lm.device, times):
+    with measure.timed(lm.devices, times):
         logits = forward(lm, cache, ids, keep)
         cache.after_forward()
     return logits
@@ -102,7 +122,7 @@ def step_batch(
 ) -> torch.Tensor:
     """:func:`step` for a padded batch (see :func:`forward_batch`); always timed into ``times``."""
     limits.check()
-    with measure.timed(lm.device, times):
+    with measure.timed(lm.devices, times):
         logits = forward_batch(lm, cache, ids, real, keep)
         cache.after_forward()
     return logits
