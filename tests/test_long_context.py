@@ -10,9 +10,11 @@ from omegaconf import OmegaConf
 
 from conftest import tiny_cfg
 from helpers import make_stack, tokens
-from kvbench import models
+from kvbench import models, run
+from kvbench.errors import ConfigError
 from kvbench.eval import generate, loop, perplexity
 from kvbench.schedulers.h2o import H2OScheduler
+from test_bad_inputs import refused
 from tracking import Allocations
 
 VOCAB = 20_000
@@ -87,3 +89,74 @@ def test_step_keeps_the_last_rows_asked_for(wide_vocab, keep):
     assert got.shape == (rows, VOCAB) and cache.get_seq_length() == len(ids)
     torch.testing.assert_close(got, full[len(ids) - rows :], rtol=1e-5, atol=1e-5)
     assert seen.rows_of(VOCAB) == rows
+
+
+# --- the KV-hit probe's shadow: switched off, or sampled layers --------------------------------------
+
+PPL = dict(name="t", prefill=60, chunk=8, chunks_per_window=2, windows=2, decode_steps=0)
+
+
+def _probed(lm, **probe):
+    cfg = OmegaConf.create({**PPL, **probe})
+    stack = make_stack(lm, scheduler=H2OScheduler(), budget=0.5, sinks=2, window=8)
+    return perplexity.evaluate(lm, stack, tokens(400), cfg, None)[0]
+
+
+def test_kv_hit_switched_off_keeps_no_shadow(tiny, monkeypatch):
+    made = []
+    real = loop.new_cache
+    monkeypatch.setattr(loop, "new_cache", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    metrics = _probed(tiny, kv_hit=False)
+    assert metrics.kv_hit is None and metrics.kv_hit_excl is None
+    assert made and all(c.shadow is None for c in made)
+
+
+def test_kv_hit_of_sampled_layers_is_theirs(tiny, monkeypatch):
+    """Probing layer 0 or layer 1 alone shadows that layer only; every layer's KV hit is the mean
+    of the two (each layer samples the same queries), on keys kept on the host."""
+    shadows = []
+    real = loop.new_cache
+
+    def new_cache(*a, **k):
+        cache = real(*a, **k)
+        shadows.append(cache.shadow)
+        return cache
+
+    monkeypatch.setattr(loop, "new_cache", new_cache)
+    one = [_probed(tiny, kv_hit_layers=[i]) for i in range(tiny.num_layers)]
+    for i in range(tiny.num_layers):
+        assert [s is not None for s in shadows[i * 2]] == [j == i for j in range(tiny.num_layers)]
+    every = _probed(tiny, kv_hit_queries=4)
+    assert every.kv_hit == pytest.approx(sum(m.kv_hit for m in one) / len(one))
+    assert all(t.device.type == "cpu" for layer in shadows[-1] for t in layer)
+    fewer = _probed(tiny, kv_hit_queries=1)
+    assert fewer.kv_hit != every.kv_hit  # another sample of queries
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        ("dataset.kv_hit=maybe", "dataset.kv_hit='maybe': must be true or false"),
+        ("dataset.kv_hit_layers=[-1]", "dataset.kv_hit_layers=[-1]: must be null (every layer) or a list"),
+        ("dataset.kv_hit_layers=[]", "dataset.kv_hit_layers=[]: must be null"),
+        ("dataset.kv_hit_queries=0", "dataset.kv_hit_queries=0: must be an integer >= 1"),
+    ],
+)
+def test_bad_probe_settings_get_one_line_before_any_model(tmp_path, override, needle):
+    assert needle in refused(tmp_path, override)
+
+
+def test_a_probed_layer_past_the_model_is_refused(tiny):
+    with pytest.raises(
+        ConfigError, match=r"^dataset.kv_hit_layers=\[0, 7\]: 7 is past the model's last layer \(1\)$"
+    ):
+        _probed(tiny, kv_hit_layers=[0, 7])
+
+
+def test_probe_defaults_leave_the_cell_ids_as_they_were():
+    ds = OmegaConf.create(
+        {**PPL, "batch_size": 1, "kv_hit": True, "kv_hit_layers": None, "kv_hit_queries": 4}
+    )
+    assert run.dataset_identity(ds, "x") == {**PPL, "sha256": "x"}
+    ds.kv_hit_layers = [0]
+    assert run.dataset_identity(ds, "x") == {**PPL, "kv_hit_layers": [0], "sha256": "x"}

@@ -44,12 +44,18 @@ def _container(node: DictConfig) -> dict[str, Any]:
     return value  # type: ignore[return-value]
 
 
+# Keys added after cells were recorded, left out of a cell's identity at their defaults so that
+# those cells keep their ids.
+LATER_DEFAULTS = {"batch_size": 1, "kv_hit": True, "kv_hit_layers": None, "kv_hit_queries": 4}
+
+
 def dataset_identity(ds: DictConfig, sha: str) -> dict[str, Any]:
-    """The dataset config and its data's sha256; ``batch_size`` only when it is not 1, so the cells
-    that ran before batching existed keep their ids."""
+    """The dataset config and its data's sha256; a key of :data:`LATER_DEFAULTS` only when it is
+    not at its default (``batch_size`` 1, the KV-hit probe's settings)."""
     out = {**_container(ds), "sha256": sha}
-    if out.get("batch_size") == 1:
-        del out["batch_size"]
+    for key, default in LATER_DEFAULTS.items():
+        if key in out and out[key] == default:
+            del out[key]
     return out
 
 

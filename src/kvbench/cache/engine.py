@@ -20,6 +20,7 @@ never shifts rotary positions.
 from __future__ import annotations
 
 import contextvars
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -30,14 +31,17 @@ from kvbench.cache import attention as att
 from kvbench.cache.store import LayerStore
 
 ATTN_NAME = "kvbench"
+HOST = torch.device("cpu")  # where the KV-hit probe keeps its shadow keys and compares
 _ACTIVE: contextvars.ContextVar[KVCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
 
 
 @dataclass
 class HitProbe:
-    """Accumulates KV hit over sampled query positions (shadow keys kept out of byte counts)."""
+    """Accumulates KV hit over sampled query positions of the probed ``layers`` (None: every
+    layer), against shadow keys kept out of byte counts."""
 
     queries_per_chunk: int = 4
+    layers: frozenset[int] | None = None
     sums: list[float] = field(default_factory=lambda: [0.0, 0.0])
     counts: list[int] = field(default_factory=lambda: [0, 0])
 
@@ -83,7 +87,9 @@ class KVCache(Cache):
         num_layers, kv_heads, head_dim: model geometry.
         batch: sequences in the batch.
         dtype, device: of the stored full-precision tensors (per layer device for ``device_map``).
-        shadow: keep exact keys of every token, for the KV-hit probe.
+        shadow: keep exact keys of every token, for the KV-hit probe, in the layers given (True:
+            every layer). They are kept on the host (a model on GPUs copies each chunk's keys
+            there, queued behind its forward), out of the GPUs' memory, and probed there.
     """
 
     def __init__(
@@ -95,12 +101,16 @@ class KVCache(Cache):
         batch: int,
         dtype: torch.dtype,
         devices: list[torch.device],
-        shadow: bool = False,
+        shadow: bool | Collection[int] = False,
     ):
         self.stores = [LayerStore(batch, kv_heads, head_dim, dtype, devices[i]) for i in range(num_layers)]
         super().__init__(layers=[_Layer(s) for s in self.stores])
         self.stack = stack
-        self.shadow: list[list[torch.Tensor]] | None = [[] for _ in range(num_layers)] if shadow else None
+        probed = set(range(num_layers)) if shadow is True else set(shadow or ())
+        # per layer: the exact keys seen (on the host), None for a layer not probed
+        self.shadow: list[list[torch.Tensor] | None] | None = (
+            [[] if i in probed else None for i in range(num_layers)] if probed else None
+        )
         self.probe: HitProbe | None = None
         self.routed = False  # read selectors act for queries after the first compression point
         self.real: torch.Tensor | None = None  # (B, q) non-padding tokens of the coming forward
@@ -108,8 +118,9 @@ class KVCache(Cache):
     # --- transformers interface -------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         self.stores[layer_idx].append(key_states, value_states, self.real)
-        if self.shadow is not None:
-            self.shadow[layer_idx].append(key_states)
+        kept = None if self.shadow is None else self.shadow[layer_idx]
+        if kept is not None:
+            kept.append(_to_host(key_states))
         _ACTIVE.set(self)
         return key_states, value_states
 
@@ -224,7 +235,7 @@ class KVCache(Cache):
                     probs = probs * qreal[:, None, None, start:stop, None]
                 for tech in observers:
                     tech.observe(layer, store, probs, qpos[:, start:stop])
-        if self.probe is not None and self.shadow is not None:
+        if self.probe is not None and self.shadow is not None and self.shadow[layer] is not None:
             self._probe_hit(layer, store, query, qpos, mask_fn, scaling, sliding_window)
         return out
 
@@ -237,26 +248,33 @@ class KVCache(Cache):
         excluded positions are row 0's. Merged units are compared with the summed full-cache
         probability of the positions they absorbed.
         """
-        assert self.probe is not None and self.shadow is not None
+        kept = None if self.shadow is None else self.shadow[layer]
+        assert self.probe is not None and kept is not None
         n = min(self.probe.queries_per_chunk, query.shape[2])
         pick = torch.linspace(0, query.shape[2] - 1, n, device=query.device).round().long()
         q, qp = query[:, :, pick], qpos[:, pick]
         view = store.view()
         mask = mask_fn(0, query.shape[2])[:, :, pick]
-        p_stack = att.probs(q, view.k, mask, scaling, view.bias)
-        shadow = (
-            torch.cat(self.shadow[layer], dim=2) if len(self.shadow[layer]) > 1 else self.shadow[layer][0]
-        )
-        self.shadow[layer] = [shadow]
+        p_stack = att.probs(q, view.k, mask, scaling, view.bias).to(HOST)
+        if query.device.type == "cuda":  # the shadow's copies to the host were queued, not awaited
+            torch.cuda.synchronize(query.device)
+        shadow = torch.cat(kept, dim=2) if len(kept) > 1 else kept[0]
+        self.shadow[layer] = [shadow]  # type: ignore[index]
         s = shadow.shape[2]
-        spos = torch.arange(s, device=query.device).expand(*shadow.shape[:2], s)
+        qp = qp.to(HOST)
+        spos = torch.arange(s).expand(*shadow.shape[:2], s)
         ones = torch.ones_like(spos, dtype=torch.bool)
-        p_full = att.probs(q, shadow, att.read_mask(spos, ones, qp, sliding_window), scaling)
-        chunk_start = int(qpos[0, 0])
-        exclude = self.stack.budget.protected(torch.arange(s, device=query.device), chunk_start)
-        exclude |= torch.arange(s, device=query.device) >= chunk_start
-        hit, hit_excl = att.kv_hit(p_stack, store.units(s), p_full, exclude)
+        p_full = att.probs(q.to(HOST), shadow, att.read_mask(spos, ones, qp, sliding_window), scaling)
+        chunk_start = int(qp[0, 0])
+        exclude = self.stack.budget.protected(torch.arange(s), chunk_start)
+        exclude |= torch.arange(s) >= chunk_start
+        hit, hit_excl = att.kv_hit(p_stack, store.units(s).to(HOST), p_full, exclude)
         self.probe.add(hit, hit_excl)
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """``x`` on the host; from a GPU, a copy queued behind the forward (awaited before it is read)."""
+    return x if x.device.type == "cpu" else x.to(HOST, non_blocking=True)
 
 
 def kvbench_attention(

@@ -7,7 +7,7 @@ compressed cache refuses, and it cannot apply the stack between steps.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -18,7 +18,11 @@ from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
 
-def new_cache(lm: LoadedModel, stack: Stack, shadow: bool = False, batch: int = 1) -> KVCache:
+def new_cache(
+    lm: LoadedModel, stack: Stack, shadow: bool | Collection[int] = False, batch: int = 1
+) -> KVCache:
+    """An empty cache for ``stack``; ``shadow``: the layers whose exact keys the KV-hit probe keeps
+    (True: every layer)."""
     return KVCache(
         stack, lm.num_layers, lm.kv_heads, lm.head_dim, batch, lm.dtype, lm.layer_devices, shadow=shadow
     )

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 
 from kvbench import metrics
@@ -91,7 +92,7 @@ def score_window(
     keep_logprobs: bool,
 ) -> WindowResult:
     """Run the protocol on one window of ``prefill + chunk * chunks_per_window + 1`` tokens."""
-    cache = loop.new_cache(lm, stack, shadow=probe is not None)
+    cache = loop.new_cache(lm, stack, shadow=_shadowed(lm, probe))
     ttft: list[float] = []
     loop.step(lm, cache, ids[: cfg.prefill], ttft, keep=0)  # the prefill's logits are not scored
     ref_bytes = cache.reference_bytes()
@@ -153,7 +154,7 @@ def score_windows(
     """
     n = len(group)
     ids = torch.tensor(group)  # (B, L)
-    cache = loop.new_cache(lm, stack, shadow=probe is not None, batch=n)
+    cache = loop.new_cache(lm, stack, shadow=_shadowed(lm, probe), batch=n)
     ttft: list[float] = []
     _step_rows(lm, cache, ids[:, : cfg.prefill], ttft, keep=0)  # the prefill's logits are not scored
     ref_bytes, stored = cache.reference_bytes(), cache.nbytes()
@@ -239,6 +240,48 @@ def _greedy_rows(
             tpot[r].append(times[0])
 
 
+def check_probe(ds) -> None:
+    """The KV-hit probe's settings (before any model loads; a layer index past the model's last
+    is refused once it has loaded)."""
+    if not isinstance(ds.get("kv_hit", True), bool):
+        raise ConfigError(f"dataset.kv_hit={ds.kv_hit!r}: must be true or false")
+    queries = ds.get("kv_hit_queries", 4)
+    if not isinstance(queries, int) or isinstance(queries, bool) or queries < 1:
+        raise ConfigError(f"dataset.kv_hit_queries={queries!r}: must be an integer >= 1")
+    layers = ds.get("kv_hit_layers")
+    if layers is not None and (
+        not OmegaConf.is_list(layers)
+        or not len(layers)
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+    ):
+        raise ConfigError(
+            f"dataset.kv_hit_layers={layers!r}: must be null (every layer) or a list of layer indices >= 0"
+        )
+
+
+def make_probe(lm: LoadedModel, stack: Stack, cfg) -> HitProbe | None:
+    """The cell's KV-hit probe: none for the baseline or with ``kv_hit: false``."""
+    if not stack.order or not cfg.get("kv_hit", True):
+        return None
+    layers = cfg.get("kv_hit_layers")
+    if layers is not None and max(layers) >= lm.num_layers:
+        raise ConfigError(
+            f"dataset.kv_hit_layers={list(layers)}: {max(layers)} is past the model's last layer "
+            f"({lm.num_layers - 1})"
+        )
+    return HitProbe(
+        queries_per_chunk=int(cfg.get("kv_hit_queries", 4)),
+        layers=None if layers is None else frozenset(int(i) for i in layers),
+    )
+
+
+def _shadowed(lm: LoadedModel, probe: HitProbe | None) -> list[int]:
+    """The layers whose exact keys the cache shadows for ``probe`` (none without one)."""
+    if probe is None:
+        return []
+    return sorted(probe.layers) if probe.layers is not None else list(range(lm.num_layers))
+
+
 def evaluate(
     lm: LoadedModel,
     stack: Stack,
@@ -248,7 +291,7 @@ def evaluate(
     keep_logprobs: bool = False,
 ) -> tuple[Metrics, list[WindowResult]]:
     """All windows of one cell; returns (metrics, per-window results)."""
-    probe = HitProbe() if stack.order else None
+    probe = make_probe(lm, stack, cfg)
     size = int(cfg.get("batch_size", 1))
     wins = windows(ids, cfg)
     results: list[WindowResult] = []
@@ -312,6 +355,7 @@ class Perplexity:
                 raise ConfigError(f"dataset.{key}={ds[key]}: must be >= 1")
         if ds.decode_steps < 0:
             raise ConfigError(f"dataset.decode_steps={ds.decode_steps}: must be >= 0")
+        check_probe(ds)
         if ds.chunk > cfg.window and order:
             raise ConfigError(
                 f"dataset.chunk={ds.chunk}: must be <= window ({cfg.window}) (docs/methods.md: C <= window)"
