@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from conftest import tiny_cfg
 from helpers import make_stack, tokens
 from kvbench import models, run
+from kvbench.cache import attention as att
 from kvbench.errors import ConfigError
 from kvbench.eval import generate, loop, perplexity
 from kvbench.schedulers.h2o import H2OScheduler
@@ -160,3 +161,31 @@ def test_probe_defaults_leave_the_cell_ids_as_they_were():
     assert run.dataset_identity(ds, "x") == {**PPL, "sha256": "x"}
     ds.kv_hit_layers = [0]
     assert run.dataset_identity(ds, "x") == {**PPL, "kv_hit_layers": [0], "sha256": "x"}
+
+
+# --- masks from positions: per block of queries ---------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["window", "padded"])
+def test_a_prefill_mask_is_built_per_block_of_queries(case, monkeypatch):
+    """A sliding-window model's prefill, or a padded batch's, reads through a mask from positions:
+    it is built per block of queries (here 32), never whole ``(B, H, q, T)``, and the logits are
+    those of one whole mask."""
+    lm = models.load(tiny_cfg("mistral" if case == "window" else "llama"), "cpu")  # window 24
+    n = 300
+
+    def prefill():
+        cache = loop.new_cache(lm, make_stack(lm), batch=2)
+        ids = torch.tensor([tokens(n, 1), tokens(n, 2)])
+        real = torch.ones(2, n, dtype=torch.bool)
+        if case == "padded":
+            real[1, :40] = False
+        return loop.step_batch(lm, cache, ids, real, [])
+
+    want = prefill()
+    monkeypatch.setattr(att, "_BLOCK_ELEMS", 2 * lm.info["heads"] * n * 32)
+    with Allocations() as seen:
+        got = prefill()
+    assert torch.equal(got, want)
+    masks = [s for s, dtype, _ in seen.shapes if dtype == torch.bool and len(s) == 4 and s[-1] == n]
+    assert masks and max(s[-2] for s in masks) == 32

@@ -76,6 +76,30 @@ def attend(
     )
 
 
+def attend_blocks(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask_fn,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`attend` over blocks of queries, each with its own ``mask_fn(start, stop)``
+    ``(B, H, stop - start, T)``: a long prefill's mask (and its repeat over the query groups) never
+    exists whole, only a block's, of at most ``_BLOCK_ELEMS`` elements."""
+    b, hq, q, _ = query.shape
+    block = max(1, _BLOCK_ELEMS // max(1, b * hq * key.shape[2]))
+    if block >= q:
+        return attend(query, key, value, mask_fn(0, q), scaling, bias)
+    out = query.new_empty(b, hq, q, value.shape[-1])
+    for start in range(0, q, block):
+        stop = min(q, start + block)
+        out[:, :, start:stop] = attend(
+            query[:, :, start:stop], key, value, mask_fn(start, stop), scaling, bias
+        )
+    return out
+
+
 def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     """``(B, H, g, q, T)`` fp32 logits of grouped queries against per-KV-head keys."""
     b, hq, q, d = query.shape

@@ -198,20 +198,29 @@ class KVCache(Cache):
                 mask = torch.where(qreal[:, None, start:stop, None], mask, view.valid[:, :, None, :])
             return mask
 
-        mask = None if plain and selector is None else mask_fn(0, q_len)
+        plain_read = plain and selector is None
+        placer = self.stack.placer
+        # A mask from positions alone (a sliding window, padding, ragged heads) is built per block of
+        # queries, never whole for a long prefill; a read selector routes the chunk's queries at
+        # once, and the tiers' attention takes one mask.
+        per_block = not plain_read and selector is None and placer is None
+        mask = None if plain_read or per_block else mask_fn(0, q_len)
 
         def score_mask(start: int, stop: int) -> torch.Tensor | None:
             """The read mask of queries ``start:stop`` for their scores; None (every stored token)
             for one plain decode step."""
             if mask is not None:
                 return mask[:, :, start:stop]
-            return None if q_len == 1 else mask_fn(start, stop)
+            return None if plain_read and q_len == 1 else mask_fn(start, stop)
 
-        placer = self.stack.placer
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
-            out = att.attend(query, view.k.to(query.dtype), view.v.to(query.dtype), mask, scaling, view.bias)
+            k, v = view.k.to(query.dtype), view.v.to(query.dtype)
+            if per_block:
+                out = att.attend_blocks(query, k, v, mask_fn, scaling, view.bias)
+            else:
+                out = att.attend(query, k, v, mask, scaling, view.bias)
         for tech in self.stack.query_observers:
             tech.observe_queries(layer, store, query, qpos)
         observers = self.stack.observers
@@ -219,7 +228,7 @@ class KVCache(Cache):
         first = min((t.observed_from(layer, q_len, padded) for t in observers), default=q_len)
         if first < q_len:
             # plain causal prefill: the stored slots are this chunk's positions in order
-            causal = view.k.shape[2] - q_len + first if mask is None and q_len > 1 else None
+            causal = view.k.shape[2] - q_len + first if plain_read and q_len > 1 else None
             blocks = att.probs_blocks(
                 query[:, :, first:],
                 view.k,
