@@ -160,6 +160,7 @@ def row(difficulty, length, extracted, answer="A", **extra):
         "reference_prefill": 200,
         "bytes_end": 100,
         "reference_end": 200,
+        "resident_peak": 300,
     }
 
 

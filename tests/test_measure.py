@@ -9,8 +9,10 @@ from hydra import compose, initialize_config_dir
 from tests.test_cli import ROOT
 
 from conftest import tiny_cfg
+from helpers import make_stack
 from kvbench import config, models, run
 from kvbench.codec import ByteCodec
+from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop, measure
 
@@ -74,6 +76,7 @@ def test_a_process_warms_each_model_up_once_before_any_timed_pass(tmp_path, monk
         finally:
             hook.remove()
         assert record["status"] == "done", record.get("error")
+        assert record["metrics"]["kv_resident_mb_peak"] > record["metrics"]["kv_mem_mb_peak"] > 0
         memory = record["metrics"]["memory"]
         assert list(memory) == ["cpu"] and memory["cpu"]["weights_mb"] == lm.weight_bytes["cpu"] / 2**20
         assert memory["cpu"]["peak_rss_mb"] is None or memory["cpu"]["peak_rss_mb"] > 0
@@ -98,3 +101,31 @@ def test_offloaded_layers_are_refused_in_one_line():
     ) as err:
         models._wrap(cfg, model, ByteCodec())
     assert "\n" not in str(err.value)
+
+
+def test_resident_bytes_count_every_tensor_the_cache_holds(tiny):
+    """Resident bytes are the stores' fields at their capacity (an independent count here), plus
+    the KV-hit shadow's keys; a quantized cache holds more than it stores (its joined, dequantized
+    view)."""
+    ids = list(range(100))
+    cache = loop.new_cache(tiny, make_stack(tiny))
+    loop.step(tiny, cache, ids)
+    fields = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for store in cache.stores
+        for seg in store.segments
+        for t in seg.rows.fields.values()
+    }
+    h, n = tiny.kv_heads, len(ids)
+    # per layer besides the fields: the view's valid mask, the last positions, seen and row lengths
+    bookkeeping = tiny.num_layers * (h * n + 8 * n + 8 + 8 * h)
+    assert cache.resident_bytes() == sum(fields.values()) + bookkeeping > cache.nbytes()
+    shadowed = loop.new_cache(tiny, make_stack(tiny), shadow=True)
+    loop.step(tiny, shadowed, ids)
+    keys = tiny.num_layers * tiny.kv_heads * len(ids) * tiny.head_dim * 4  # fp32 keys
+    assert shadowed.resident_bytes() == cache.resident_bytes() + keys
+    quantized = make_stack(tiny, compressor=QuantizedCompressor(bits=2, group_size=16), sinks=2, window=8)
+    cache = loop.new_cache(tiny, quantized)
+    loop.step(tiny, cache, ids)
+    cache.stores[0].view()
+    assert cache.resident_bytes() > 2 * cache.nbytes()

@@ -64,7 +64,7 @@ def test_needle_compression_over_cases_of_several_lengths_is_bytes_over_bytes():
     # a representation compressor whose ratio grows with length (a full-precision window of 64 tokens)
     def case(tokens: int) -> dict:
         ref, stored = 1024 * tokens, 1024 * 64 + 256 * (tokens - 64)
-        stored_bytes = {"bytes_prefill": stored, "bytes_end": stored}
+        stored_bytes = {"bytes_prefill": stored, "bytes_end": stored, "resident_peak": 2 * stored}
         reference = {"reference_prefill": ref, "reference_end": ref}
         return {"correct": 1.0, "tpot": [0.01], "ttft": 0.1, "batch": tokens, **stored_bytes, **reference}
 

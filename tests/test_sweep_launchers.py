@@ -23,7 +23,9 @@ from kvbench.results import json_leaves
 
 CELLS = [*TINY, "threads=1", "scheduler=none,h2o,streaming_llm"]
 # Wall-clock and host-dependent figures; every other metric must agree across launchers.
-_TIMED = re.compile(r"(ttft|tpot|_s$|_s\.|seconds|throughput|peak_memory|tokens_per_s)")
+_TIMED = re.compile(
+    r"(ttft|tpot|_s$|_s\.|seconds|throughput|tokens_per_s|peak_memory|peak_rss|peak_allocated|peak_reserved)"
+)
 
 
 def _records(folder: Path) -> dict[str, dict]:

@@ -28,6 +28,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.cache import attention as att
+from kvbench.cache import held
 from kvbench.cache.store import LayerStore
 
 ATTN_NAME = "kvbench"
@@ -158,6 +159,11 @@ class KVCache(Cache):
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.stores)
+
+    def resident_bytes(self) -> int:
+        """Bytes of every tensor the cache holds (:func:`kvbench.cache.held.resident_bytes`): the
+        stores at their capacity with their views, state and side data, and the KV-hit shadow."""
+        return held.resident_bytes([self.stores, self.shadow])
 
     def per_layer_bytes(self) -> list[int]:
         return [s.nbytes() for s in self.stores]

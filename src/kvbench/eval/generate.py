@@ -49,6 +49,7 @@ class Generated:
     reference_prefill: int = 0
     bytes_end: int = 0
     reference_end: int = 0
+    resident_peak: int = 0  # bytes the batch's cache held, max after the context and at the end
 
     def accounting(self) -> dict:
         """The fields every generation protocol stores per example."""
@@ -62,6 +63,7 @@ class Generated:
             "bytes_end": self.bytes_end,
             "reference_end": self.reference_end,
             "compression_end": self.reference_end / self.bytes_end,
+            "resident_peak": self.resident_peak,
         }
 
 
@@ -97,7 +99,7 @@ def _solo(lm, stack, group, b, start, query_aware, after_prefill) -> list[Genera
     ttft: list[float] = []
     # the first token comes from the last position: the lm head runs over it alone
     logits = loop.step(lm, cache, p.head + p.tail if query_aware else p.head, ttft, keep=int(query_aware))
-    ref, stored = cache.reference_bytes(), cache.nbytes()
+    ref, stored, resident = cache.reference_bytes(), cache.nbytes(), cache.resident_bytes()
     if after_prefill is not None:
         after_prefill(cache, 0, start)
     if not query_aware:
@@ -105,7 +107,8 @@ def _solo(lm, stack, group, b, start, query_aware, after_prefill) -> list[Genera
     tpot: list[float] = []
     tokens = loop.greedy(lm, cache, logits[-1], p.max_new, tpot, p.done)
     end_ref, end = cache.reference_bytes(), cache.nbytes()
-    return [Generated(tokens, b, sum(ttft), tpot, stored, ref, end, end_ref)]
+    resident = max(resident, cache.resident_bytes())
+    return [Generated(tokens, b, sum(ttft), tpot, stored, ref, end, end_ref, resident)]
 
 
 def _left_pad(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,7 +131,7 @@ def _batch(lm, stack, group, b, start, query_aware, after_prefill) -> list[Gener
     ttft: list[float] = []
     first = [p.head + p.tail if query_aware else p.head for p in group]
     logits = loop.step_batch(lm, cache, *_left_pad(first), ttft, keep=int(query_aware))
-    ref, stored = cache.reference_bytes(), cache.nbytes()
+    ref, stored, resident = cache.reference_bytes(), cache.nbytes(), cache.resident_bytes()
     if after_prefill is not None:
         for row in range(n):
             after_prefill(cache, row, start + row)
@@ -146,7 +149,10 @@ def _batch(lm, stack, group, b, start, query_aware, after_prefill) -> list[Gener
             tokens[r].append(int(logits[r, -1].argmax()))
             steps[r].append(times[0])
     end_ref, end = cache.reference_bytes(), cache.nbytes()
-    return [Generated(tokens[r], b, sum(ttft), steps[r], stored, ref, end, end_ref) for r in range(n)]
+    resident = max(resident, cache.resident_bytes())
+    return [
+        Generated(tokens[r], b, sum(ttft), steps[r], stored, ref, end, end_ref, resident) for r in range(n)
+    ]
 
 
 def _finished(lm: LoadedModel, p: Prompt, tokens: list[int]) -> bool:
@@ -178,6 +184,7 @@ def cache_metrics(examples: list[dict]) -> dict:
         "compression_mean": total("reference_end") / total("bytes_end"),
         "kv_mem_mb_prefill": total("bytes_prefill") / len(examples) / 2**20,
         "kv_mem_mb_peak": max(max(e["bytes_prefill"], e["bytes_end"]) for e in batches) / 2**20,
+        "kv_resident_mb_peak": max(e["resident_peak"] for e in batches) / 2**20,
         "ttft_s": float(np.mean([e["ttft"] for e in examples])),
         "tpot_s": float(np.mean(tpot)) if tpot else None,
         "throughput_tok_s": sum(len(e["tpot"]) + 1 for e in examples) / sum(gen_time.values()),

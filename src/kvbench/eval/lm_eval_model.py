@@ -144,7 +144,7 @@ def bridge_class():
                 size = chunk or len(inputs)
                 parts = [inputs[at : at + size] for at in range(0, len(inputs), size)]
             times: list[float] = []
-            pieces, ref, stored = [], 0, 0
+            pieces, ref, stored, resident = [], 0, 0, 0
             after = len(inputs)  # tokens from this part's start on
             for part in filter(None, parts):
                 after -= len(part)  # now: tokens after this part
@@ -152,8 +152,17 @@ def bridge_class():
                 pieces.append(loop.step(self.lm, cache, part, times, keep=max(0, n - after)))
                 if len(pieces) == 1:  # the prefill: what it stored
                     ref, stored = cache.reference_bytes(), cache.nbytes()
+                resident = max(resident, cache.resident_bytes())
             scored = generate.Generated(
-                [], self._next_batch(), sum(times), [], stored, ref, cache.nbytes(), cache.reference_bytes()
+                [],
+                self._next_batch(),
+                sum(times),
+                [],
+                stored,
+                ref,
+                cache.nbytes(),
+                cache.reference_bytes(),
+                resident,
             )
             self.accounting.append({**scored.accounting(), "generated": False})
             return torch.log_softmax(torch.cat(pieces)[-n:], dim=-1).cpu()

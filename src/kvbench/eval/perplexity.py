@@ -45,6 +45,7 @@ class WindowResult:
     compression_chunks: list[float]
     kl: list[float] = field(default_factory=list)
     top1: list[float] = field(default_factory=list)
+    resident_peak: int = 0  # bytes the cache held (in a batch: the batch's), max after prefill or a chunk
 
 
 def window_length(cfg) -> int:
@@ -105,6 +106,7 @@ def score_window(
         bytes_prefill=cache.nbytes(),
         reference_prefill=ref_bytes,
         bytes_peak=cache.nbytes(),
+        resident_peak=cache.resident_bytes(),
         per_layer_prefill=cache.per_layer_bytes(),
         compression_prefill=ref_bytes / cache.nbytes(),
         compression_chunks=[],
@@ -119,6 +121,7 @@ def score_window(
         nlls.append(nll.cpu())
         out.chunk_nll.append(float(nll.mean()))
         out.bytes_peak = max(out.bytes_peak, cache.nbytes())
+        out.resident_peak = max(out.resident_peak, cache.resident_bytes())
         out.compression_chunks.append(cache.reference_bytes() / cache.nbytes())
         if reference is not None:
             kl, agree = metrics.kl_and_top1(
@@ -168,6 +171,7 @@ def score_windows(
             bytes_prefill=stored / n,
             reference_prefill=ref_bytes / n,
             bytes_peak=stored,
+            resident_peak=cache.resident_bytes(),
             per_layer_prefill=[round(b / n) for b in cache.per_layer_bytes()],
             compression_prefill=ref_bytes / stored,
             compression_chunks=[],
@@ -183,10 +187,12 @@ def score_windows(
         target = ids[:, a + 1 : a + cfg.chunk + 1].to(logprobs.device)
         nll = -logprobs.gather(-1, target[..., None])[..., 0]  # (B, C)
         peak, ratio = cache.nbytes(), cache.reference_bytes() / cache.nbytes()
+        resident = cache.resident_bytes()
         for r, (out, ref) in enumerate(zip(outs, references)):
             nlls[r].append(nll[r].cpu())
             out.chunk_nll.append(float(nll[r].mean()))
             out.bytes_peak = max(out.bytes_peak, peak)
+            out.resident_peak = max(out.resident_peak, resident)
             out.compression_chunks.append(ratio)
             if ref is not None:
                 _fidelity(out, ref[j * cfg.chunk : (j + 1) * cfg.chunk], logprobs[r])
@@ -327,6 +333,7 @@ def summarize(
         compression_mean=float(np.mean([c for r in results for c in r.compression_chunks])),
         kv_mem_mb_prefill=float(np.mean([r.bytes_prefill for r in results])) / 2**20,
         kv_mem_mb_peak=max(r.bytes_peak for r in results) / 2**20,
+        kv_resident_mb_peak=max(r.resident_peak for r in results) / 2**20,
         ttft_s=float(np.mean([r.ttft for r in results])),
         tpot_s=float(np.mean(tpot)) if tpot else None,
         throughput_tok_s=len(tpot) / float(np.sum(tpot)) if tpot else None,

@@ -54,6 +54,7 @@ class Metrics:
     compression_mean: float
     kv_mem_mb_prefill: float
     kv_mem_mb_peak: float
+    kv_resident_mb_peak: float  # every tensor the cache held, views and shadows included
     ttft_s: float
     tpot_s: float | None
     throughput_tok_s: float | None

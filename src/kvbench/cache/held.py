@@ -1,0 +1,47 @@
+"""What a cache holds in memory: every tensor reachable from it, each storage counted once.
+
+:meth:`kvbench.cache.engine.KVCache.nbytes` counts what the format stores (codes, scales, kept
+tokens); this counts what the run holds for it: rows at their capacity, joined views, dequantized
+copies, technique state, side data and the KV-hit shadow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+
+def tensors(root: Any) -> Iterator[torch.Tensor]:
+    """Every tensor reachable from ``root`` through containers and kvbench's own objects."""
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or obj is None:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            yield obj
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            todo.extend(obj)
+        elif type(obj).__module__.startswith("kvbench."):
+            fields = (
+                [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+                if dataclasses.is_dataclass(obj)
+                else []
+            )
+            todo.extend([*fields, *getattr(obj, "__dict__", {}).values()])
+
+
+def resident_bytes(root: Any) -> int:
+    """Bytes of the storages of every tensor reachable from ``root``, each storage once."""
+    storages: dict[tuple[str, int], int] = {}
+    for t in tensors(root):
+        storage = t.untyped_storage()
+        storages[(str(t.device), storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
