@@ -111,3 +111,37 @@ class LayerDevices(TorchDispatchMode):
                 else:
                     self.tags[t] = tag
         return out
+
+
+# Operators after which the host waits for the device: a scalar read (``int``, ``float``, ``bool``,
+# ``.item()``), a result whose size depends on values (``nonzero``, boolean indexing, ``unique``,
+# ``masked_select``, ``repeat_interleave`` without ``output_size``), and ``equal``. On one CPU,
+# ``.tolist()`` and ``.cpu()`` are no operators and go uncounted.
+_SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero", "_unique2", "unique_dim"}
+_SYNCS |= {"unique_consecutive"}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the operators that make the host wait for the device (``count``, and ``by_op``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_op: dict[str, int] = {}
+
+    @property
+    def count(self) -> int:
+        return sum(self.by_op.values())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        sync = name in _SYNCS
+        if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            sync = kwargs.get("output_size") is None
+        if name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1:2])
+        ):
+            sync = True  # a boolean index is a nonzero inside
+        if sync:
+            self.by_op[name] = self.by_op.get(name, 0) + 1
+        return func(*args, **kwargs)
