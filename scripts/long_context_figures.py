@@ -32,6 +32,7 @@ sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]
 
 import bench_overhead as bo  # noqa: E402
 from kvbench import config, models  # noqa: E402
+from kvbench.cache import held  # noqa: E402
 from kvbench.eval import loop  # noqa: E402
 from tracking import Allocations, HostSyncs  # noqa: E402
 
@@ -68,7 +69,7 @@ def figures(lm, stack, ids: list[int], decode: int) -> dict[str, float]:
     with HostSyncs() as syncs:
         for _ in range(decode - 1):
             tok = int(loop.step(lm, cache, [tok])[-1].argmax())
-    resident = cache.resident_bytes() if hasattr(cache, "resident_bytes") else float("nan")
+    resident = held.resident_bytes([cache.stores, cache.shadow])  # cache.resident_bytes(), on any kvbench
     return {
         "largest_mb": seen.largest() / 2**20,
         "syncs": (syncs.count - (decode - 1)) / (lm.num_layers * (decode - 1)),  # less the argmax read
