@@ -117,7 +117,7 @@ class LayerDevices(TorchDispatchMode):
 # ``.item()``), a result whose size depends on values (``nonzero``, boolean indexing, ``unique``,
 # ``masked_select``, ``repeat_interleave`` without ``output_size``), and ``equal``. On one CPU,
 # ``.tolist()`` and ``.cpu()`` are no operators and go uncounted.
-_SYNCS = {"item", "_local_scalar_dense", "nonzero", "masked_select", "equal", "is_nonzero"}
+_SYNCS = {"item", "_local_scalar_dense", "nonzero", "nonzero_numpy", "masked_select", "equal", "is_nonzero"}
 _SYNCS |= {"_unique2", "unique_dim", "unique_consecutive"}  # (``item``: under inference mode)
 
 
