@@ -46,6 +46,10 @@ class HitProbe:
     sums: list[float] = field(default_factory=lambda: [0.0, 0.0])
     counts: list[int] = field(default_factory=lambda: [0, 0])
 
+    def shadowed(self) -> bool | frozenset[int]:
+        """The layers whose exact keys a cache keeps for this probe (True: every layer)."""
+        return True if self.layers is None else self.layers
+
     def add(self, hit: torch.Tensor, hit_excl: torch.Tensor) -> None:
         self.sums[0] += float(hit.sum())
         self.counts[0] += hit.numel()

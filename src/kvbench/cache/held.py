@@ -17,25 +17,25 @@ import torch
 def tensors(root: Any) -> Iterator[torch.Tensor]:
     """Every tensor reachable from ``root`` through containers and kvbench's own objects."""
     seen: set[int] = set()
-    todo = [root]
-    while todo:
-        obj = todo.pop()
+    pending = [root]
+    while pending:
+        obj = pending.pop()
         if id(obj) in seen or obj is None:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             yield obj
         elif isinstance(obj, dict):
-            todo.extend(obj.values())
+            pending.extend(obj.values())
         elif isinstance(obj, list | tuple | set | frozenset):
-            todo.extend(obj)
+            pending.extend(obj)
         elif type(obj).__module__.startswith("kvbench."):
             fields = (
                 [getattr(obj, f.name) for f in dataclasses.fields(obj)]
                 if dataclasses.is_dataclass(obj)
                 else []
             )
-            todo.extend([*fields, *getattr(obj, "__dict__", {}).values()])
+            pending.extend([*fields, *getattr(obj, "__dict__", {}).values()])
 
 
 def resident_bytes(root: Any) -> int:

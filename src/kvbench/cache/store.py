@@ -288,9 +288,8 @@ class LayerStore:
         return out
 
     def local(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` on this layer's device: technique state made at another layer (FastV's plan,
-        ChunkKV's reused index) moves here before use, for a model whose layers span devices."""
-        return x if x.device == self.device else x.to(self.device)
+        """``x`` on this layer's device (itself if there): state another layer made, across GPUs."""
+        return x.to(self.device)
 
     # --- per-token technique state --------------------------------------------------------
     def state(self, st: TokenState) -> torch.Tensor:
@@ -377,8 +376,7 @@ class LayerStore:
         return (self.device, self.batch, self.kv_heads, self._seen_max, qpos.shape[1], self.protect_from_host)
 
     def in_position_order(self) -> bool:
-        """Positions increase along every row of ``view()`` over its live slots: the full-precision
-        rows alone, whose tokens keep the order they arrived in."""
+        """Positions increase along each row of ``view()``: the full-precision rows alone (arrival order)."""
         return len(self.segments) == 1
 
     # --- accounting -----------------------------------------------------------------------

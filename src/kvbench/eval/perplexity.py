@@ -93,7 +93,7 @@ def score_window(
     keep_logprobs: bool,
 ) -> WindowResult:
     """Run the protocol on one window of ``prefill + chunk * chunks_per_window + 1`` tokens."""
-    cache = loop.new_cache(lm, stack, shadow=_shadowed(lm, probe))
+    cache = loop.new_cache(lm, stack, shadow=probe is not None and probe.shadowed())
     ttft: list[float] = []
     loop.step(lm, cache, ids[: cfg.prefill], ttft, keep=0)  # the prefill's logits are not scored
     ref_bytes = cache.reference_bytes()
@@ -157,7 +157,7 @@ def score_windows(
     """
     n = len(group)
     ids = torch.tensor(group)  # (B, L)
-    cache = loop.new_cache(lm, stack, shadow=_shadowed(lm, probe), batch=n)
+    cache = loop.new_cache(lm, stack, shadow=probe is not None and probe.shadowed(), batch=n)
     ttft: list[float] = []
     _step_rows(lm, cache, ids[:, : cfg.prefill], ttft, keep=0)  # the prefill's logits are not scored
     ref_bytes, stored = cache.reference_bytes(), cache.nbytes()
@@ -279,13 +279,6 @@ def make_probe(lm: LoadedModel, stack: Stack, cfg) -> HitProbe | None:
         queries_per_chunk=int(cfg.get("kv_hit_queries", 4)),
         layers=None if layers is None else frozenset(int(i) for i in layers),
     )
-
-
-def _shadowed(lm: LoadedModel, probe: HitProbe | None) -> list[int]:
-    """The layers whose exact keys the cache shadows for ``probe`` (none without one)."""
-    if probe is None:
-        return []
-    return sorted(probe.layers) if probe.layers is not None else list(range(lm.num_layers))
 
 
 def evaluate(
