@@ -9,6 +9,32 @@ decoders that work per head (bases, blocks, clusters) lay them out as rectangles
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
+
+# Count tensors ``lens`` whose common value (or None: they differ) is known on the host: told when
+# made from host figures (a move of the same number from each row, an extend), or read once.
+_SAME: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def same_count(lens: torch.Tensor) -> int | None:
+    """The count every entry of ``lens`` holds, or None when they differ: from what :func:`tell`
+    recorded for this tensor, else read once (two scalar reads) and remembered."""
+    if lens in _SAME:
+        return _SAME[lens]
+    low, high = (int(x) for x in torch.aminmax(lens)) if lens.numel() else (0, 0)
+    _SAME[lens] = high if low == high else None
+    return _SAME[lens]
+
+
+def tell(lens: torch.Tensor, count: int | None) -> torch.Tensor:
+    """Record that every entry of ``lens`` is ``count`` (None: not all the same); returns ``lens``."""
+    _SAME[lens] = count
+    return lens
+
+
+def told(lens: torch.Tensor) -> int | None:
+    """What :func:`tell` recorded of ``lens`` (or a read remembered), None when nothing is known."""
+    return _SAME.get(lens)
 
 
 def valid_mask(lens: torch.Tensor, width: int) -> torch.Tensor:

@@ -87,16 +87,41 @@ class Segment:
         self.set_data_fields({k: v[keep] for k, v in self.data_fields().items()})
 
     def extend(self, other: Segment) -> None:
-        """Append ``other``'s flat tokens after this segment's, per head-row (same type and layout)."""
-        for name in [*self.data_fields(), "pos"]:
-            setattr(
-                self, name, ragged.concat(getattr(self, name), self.lens, getattr(other, name), other.lens)
-            )
-        self.lens = self.lens + other.lens
+        """Append ``other``'s flat tokens after this segment's, per head-row (same type and layout):
+        one ``cat`` per field when both hold the same number of tokens in every head-row (known on
+        the host, :meth:`row_count`), else the ragged concatenation (the same tokens in the same
+        order, with device synchronisations)."""
+        counts = self.row_count(), other.row_count()
+        _join(self, other, [*self.data_fields(), "pos"], "lens", counts)
+        self.lens = _added(self.lens, other.lens, counts)
+
+    def row_count(self) -> int | None:
+        """Tokens of every head-row, or None when head-rows differ (:func:`ragged.same_count`)."""
+        return ragged.same_count(self.lens)
 
     @property
     def size(self) -> int:
         return int(self.pos.shape[0])
+
+
+def _added(a: torch.Tensor, b: torch.Tensor, counts: tuple[int | None, int | None]) -> torch.Tensor:
+    """Per-head-row counts ``a + b``, with their common value when both ``counts`` are known."""
+    mine, theirs = counts
+    return ragged.tell(a + b, None if mine is None or theirs is None else mine + theirs)
+
+
+def _join(seg: Any, other: Any, names: list[str], lens: str, counts: tuple[int | None, int | None]) -> None:
+    """Each field ``names`` of ``other`` appended after ``seg``'s within each head-row (rows counted
+    by ``lens``): one ``cat`` of rectangles when ``counts`` are known, else ragged."""
+    mine, theirs = counts
+    bh = getattr(seg, lens).numel()
+    for name in names:
+        a, b = getattr(seg, name), getattr(other, name)
+        if mine is not None and theirs is not None:
+            joined = torch.cat([a.view(bh, mine, *a.shape[1:]), b.view(bh, theirs, *b.shape[1:])], 1)
+            setattr(seg, name, joined.view(-1, *a.shape[1:]))
+        else:
+            setattr(seg, name, ragged.concat(a, getattr(seg, lens), b, getattr(other, lens)))
 
 
 class FPSegment:
@@ -173,11 +198,9 @@ class GroupedSegment(Segment):
 
     def extend(self, other: Segment) -> None:
         assert isinstance(other, GroupedSegment)
-        for name in [*self.group_fields(), "gcount"]:
-            setattr(
-                self, name, ragged.concat(getattr(self, name), self.glens, getattr(other, name), other.glens)
-            )
-        self.glens = self.glens + other.glens
+        counts = ragged.same_count(self.glens), ragged.same_count(other.glens)
+        _join(self, other, [*self.group_fields(), "gcount"], "glens", counts)
+        self.glens = _added(self.glens, other.glens, counts)
         super().extend(other)
 
 
@@ -239,13 +262,8 @@ class RowCounts:
     JOINED: tuple[str, ...] = ()
 
     def row_count(self) -> int | None:
-        """Tokens of every head-row, or None when head-rows differ."""
-        cached = self.__dict__.get("_row_count")
-        if cached is None or cached[0] is not self.lens:
-            low, high = (int(x) for x in torch.aminmax(self.lens))
-            cached = (self.lens, high if low == high else None)
-            self.__dict__["_row_count"] = cached
-        return cached[1]
+        """As :meth:`Segment.row_count`."""
+        return ragged.same_count(self.lens)
 
     def per_row(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """:func:`ragged.to_padded` of ``flat`` ``(N, *rest)``: ``(BH, T, *rest)`` and the valid slots,
@@ -279,8 +297,7 @@ class RowCounts:
                 self.join()
         else:
             self._cat([(self, mine), (other, theirs)], [*self.data_fields(), "pos"])  # type: ignore[attr-defined]
-        self.lens = self.lens + other.lens
-        self.__dict__["_row_count"] = (self.lens, mine + theirs)
+        self.lens = _added(self.lens, other.lens, (mine, theirs))
 
     def join(self) -> None:
         """Join the queued segments' fields to this one's."""

@@ -97,6 +97,9 @@ class LayerStore:
         self._view: PaddedView | None = None
         self._joined: JoinedRows | None = None  # the view's rows when several segments hold tokens
         self.edits = 0  # changes to stored tokens other than appends (evictions, moves): see ``edits``
+        # copies a technique keeps of this layer's tokens elsewhere (FlexGen's slow tier): resident
+        # bytes of the cache, not stored ones (the tokens are counted once, where the store has them)
+        self.copies: dict[str, Any] = {}
 
     # --- segments (read-only to techniques) ---------------------------------------------
     @property

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.cache import quant
+from kvbench.cache import quant, ragged
 from kvbench.cache.segments import GroupedSegment
 from kvbench.cache.store import Build, LayerStore
 from kvbench.errors import ConfigError
@@ -115,5 +115,12 @@ def quantize_tokens(
         kzero=kz.view(-1, d),
         kstep=ks.view(-1, d),
         gcount=torch.full((kz.shape[0],), g, dtype=torch.int16, device=k.device),
-        glens=lens // g,
+        glens=_groups(lens, g),
     )
+
+
+def _groups(lens: torch.Tensor, g: int) -> torch.Tensor:
+    """Groups per head-row of ``lens`` tokens in whole groups of ``g`` (the same in every row when
+    the tokens are, as a decode step moves them)."""
+    per_row = ragged.told(lens)
+    return ragged.tell(lens // g, None if per_row is None else per_row // g)
