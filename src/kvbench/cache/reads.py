@@ -44,6 +44,9 @@ def visible(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
     return vis & real
 
 
+SETTLE_EVERY = 4096  # pending read counts resolved into floats at most this many calls apart
+
+
 @dataclass
 class ReadCount:
     """One selector call's reads, kept as tensors until :meth:`resolve` (no device sync per call).
@@ -60,13 +63,48 @@ class ReadCount:
     n_visible: torch.Tensor
     n_queries: torch.Tensor
 
-    def resolve(self) -> tuple[float, float, float]:
-        """Bytes read per real query, and the tokens read and visible, as :func:`read_per_query`."""
+    def tensors(self) -> list[torch.Tensor]:
+        """The count's tensors, in the order :meth:`resolve` takes their values."""
+        parts = [n for _, n in self.nbytes] if isinstance(self.nbytes, list) else [self.nbytes]
+        return [*parts, self.n_read, self.n_visible, self.n_queries]
+
+    def resolve(self, values: list[float] | None = None) -> tuple[float, float, float]:
+        """Bytes read per real query, and the tokens read and visible (summed over queries and
+        heads); from ``values`` of :meth:`tensors` already read (:func:`read_all`), else read now."""
+        values = read_all(self.tensors()) if values is None else values
+        *parts, n_read, n_visible, n_queries = values
         if isinstance(self.nbytes, list):
-            total = float(sum(per * int(n) for per, n in self.nbytes))
+            total = float(sum(per * int(n) for (per, _), n in zip(self.nbytes, parts)))
         else:
-            total = float(self.nbytes)
-        return total / max(int(self.n_queries), 1), float(self.n_read), float(self.n_visible)
+            total = parts[0]
+        return total / max(int(n_queries), 1), n_read, n_visible
+
+
+def read_all(tensors: list[torch.Tensor]) -> list[float]:
+    """The values of 0-d ``tensors`` as floats (float64: whole counts below 2**53 exactly), with
+    one read per device, not one per tensor."""
+    out: list[float] = [0.0] * len(tensors)
+    devices: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        devices.setdefault(t.device, []).append(i)
+    for idx in devices.values():
+        for i, value in zip(idx, torch.stack([tensors[i].double() for i in idx]).tolist()):
+            out[i] = value
+    return out
+
+
+def resolve_all(
+    counts: list[ReadCount], extra: list[torch.Tensor]
+) -> tuple[list[tuple[float, float, float]], list[float]]:
+    """:meth:`ReadCount.resolve` of every count, and the values of ``extra`` 0-d tensors, with
+    one read per device."""
+    tensors = [c.tensors() for c in counts]
+    values = read_all([t for ts in tensors for t in ts] + extra)
+    out, at = [], 0
+    for count, ts in zip(counts, tensors):
+        out.append(count.resolve(values[at : at + len(ts)]))
+        at += len(ts)
+    return out, values[at:]
 
 
 def count_reads(store: LayerStore, mask: torch.Tensor, qpos: torch.Tensor) -> ReadCount:
@@ -91,12 +129,3 @@ def count_reads(store: LayerStore, mask: torch.Tensor, qpos: torch.Tensor) -> Re
             nbytes.append((seg.token_nbytes(), read[..., start : start + width].sum()))
             start += width
     return ReadCount(nbytes, n_read, vis.sum(), (qpos >= 0).sum())
-
-
-def read_per_query(store: LayerStore, mask: torch.Tensor, qpos: torch.Tensor) -> tuple[float, float, float]:
-    """Bytes read per real query, and the tokens read and visible (summed over queries and heads).
-
-    Args:
-        store: the layer's cache; mask: ``(B, H, q, T)`` the selector's read mask; qpos: ``(B, q)``.
-    """
-    return count_reads(store, mask, qpos).resolve()

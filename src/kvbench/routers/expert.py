@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvbench.cache.reads import ReadCount, count_reads
+from kvbench.cache.reads import SETTLE_EVERY, ReadCount, count_reads, resolve_all
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Router
@@ -166,9 +166,6 @@ class Routing:
         return torch.gather(self.chosen, -1, idx) | (self.eid < 0)[:, :, None, :]
 
 
-SETTLE_EVERY = 4096  # pending read records folded into floats at most this many calls apart
-
-
 @dataclass
 class ExpertRouter(Router):
     """What every router shares: routable tokens, scores, the read mask and the read figures.
@@ -282,15 +279,20 @@ class ExpertRouter(Router):
             self._settle()
 
     def _settle(self) -> None:
-        """Fold the pending read records into ``read_tokens``, ``read_bytes`` and ``read_counts``."""
-        for layer, count, fraction, total in self._pending:
-            if float(total):
-                self.read_tokens.append(float(fraction))
-            nbytes, n_read, n_visible = count.resolve()
+        """Fold the pending read records into ``read_tokens``, ``read_bytes`` and ``read_counts``
+        (one read of them all per device)."""
+        pending, self._pending = self._pending, []
+        counts, extra = resolve_all(
+            [count for _, count, _, _ in pending], [x for _, _, f, t in pending for x in (f, t)]
+        )
+        for (layer, _, _, _), (nbytes, n_read, n_visible), fraction, total in zip(
+            pending, counts, extra[::2], extra[1::2]
+        ):
+            if total:
+                self.read_tokens.append(fraction)
             self.read_bytes.setdefault(layer, []).append(nbytes)
             self.read_counts[0] += n_read
             self.read_counts[1] += n_visible
-        self._pending.clear()
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         self._settle()

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.reads import read_per_query
+from kvbench.cache.reads import SETTLE_EVERY, ReadCount, count_reads, resolve_all
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
@@ -112,6 +112,7 @@ class QuestScheduler(Scheduler):
         self._tokens = [0.0, 0.0, 0.0, 0.0]  # read, visible: dense layers, then selected layers
         self._meta_bytes: dict[int, int] = {}  # page metadata stored per layer, after the last forward
         self._last: tuple | None = None
+        self._pending: list[tuple[int, ReadCount, torch.Tensor | None]] = []  # reads not yet settled
         self._shared: _Pages | None = None  # the pages of the current step, shared by its layers
         # Per store: (its ``edits``, full pages, their minimum and maximum keys ``(B * H, P, D)``)
         self._kept_bounds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -262,24 +263,39 @@ class QuestScheduler(Scheduler):
         return torch.zeros_like(fits).scatter_(-1, order, fits)
 
     def _account(self, layer, store, query, qpos, mask, meta: torch.Tensor | None) -> None:
-        """Bytes and tokens read by the real queries of this call (repeat calls are not counted)."""
-        key = (id(store), layer, query.data_ptr(), tuple(query.shape), int(store.seen.sum()))
+        """Bytes and tokens read by the real queries of this call (repeat calls are not counted),
+        kept as tensors until :meth:`metrics` (no device synchronisation per call)."""
+        key = (id(store), layer, query.data_ptr(), tuple(query.shape), sum(store.seen_host))
         if key == self._last:  # the KV-hit probe asks again for the same queries
             return
         self._last = key
-        real = qpos >= 0
-        nbytes, n_read, n_visible = read_per_query(store, mask, qpos)
-        self._step[0] += nbytes
-        if meta is not None:
-            self._step[1] += float((meta.sum(-1).double() * real.sum(-1)).sum()) / max(int(real.sum()), 1)
-        sparse = 2 * (meta is not None)
-        self._tokens[sparse] += n_read
-        self._tokens[sparse + 1] += n_visible
-        if layer == self.num_layers - 1:  # the engine asks layer by layer: the step is complete
-            self._steps.append((self._step[0] + self._step[1], self._step[1]))
-            self._step = [0.0, 0.0]
+        real = (qpos >= 0).sum(-1)  # (B,)
+        if meta is not None:  # page metadata bytes read per real query
+            meta = (meta.sum(-1).double() * real).sum() / real.sum().clamp(min=1)
+        self._pending.append((layer, count_reads(store, mask, qpos), meta))
+        if len(self._pending) >= SETTLE_EVERY:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Fold the pending read records into the per-step bytes and the token counts, in call
+        order (one read of them all per device)."""
+        pending, self._pending = self._pending, []
+        metas = [meta for _, _, meta in pending if meta is not None]
+        counts, values = resolve_all([count for _, count, _ in pending], metas)
+        meta_values = iter(values)
+        for (layer, _, meta), (nbytes, n_read, n_visible) in zip(pending, counts):
+            self._step[0] += nbytes
+            if meta is not None:
+                self._step[1] += next(meta_values)
+            sparse = 2 * (meta is not None)
+            self._tokens[sparse] += n_read
+            self._tokens[sparse + 1] += n_visible
+            if layer == self.num_layers - 1:  # the engine asks layer by layer: the step is complete
+                self._steps.append((self._step[0] + self._step[1], self._step[1]))
+                self._step = [0.0, 0.0]
 
     def metrics(self) -> dict[str, float | list[float] | None]:
+        self._settle()
         if not self._steps:
             return {}
         read, stored = self._tokens[0] + self._tokens[2], self._tokens[1] + self._tokens[3]
