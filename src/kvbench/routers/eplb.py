@@ -49,6 +49,10 @@ class Placement(SideData):
     replica_k: torch.Tensor | None = None
     replica_v: torch.Tensor | None = None
     replica_key: tuple[Any, ...] | None = None  # (store edits, slot experts) the replicas were made under
+    # the same plan on the host, where it is made and served (the tensors above are what the
+    # layer stores and counts): loads per expert and device, each slot's expert and device, the
+    # devices without replication
+    host: dict[str, list] = field(default_factory=dict, repr=False)
 
 
 def replicate(load: list[float], devices: int, replicas: int) -> list[int]:
@@ -72,7 +76,12 @@ def eplb_plan(load: torch.Tensor, devices: int, replicas: int) -> tuple[torch.Te
     Returns:
         ``slot_expert`` ``(S,)`` and ``slot_device`` ``(S,)`` long (CPU), slots grouped by expert.
     """
-    loads = [float(x) for x in load.tolist()]
+    slot_expert, slot_device = plan_slots([float(x) for x in load.tolist()], devices, replicas)
+    return torch.tensor(slot_expert, dtype=torch.long), torch.tensor(slot_device, dtype=torch.long)
+
+
+def plan_slots(loads: list[float], devices: int, replicas: int) -> tuple[list[int], list[int]]:
+    """:func:`eplb_plan` on the host."""
     reps = replicate(loads, devices, replicas)
     slot_expert = [e for e, r in enumerate(reps) for _ in range(r)]
     per_slot = [loads[e] / reps[e] for e in slot_expert]
@@ -89,7 +98,7 @@ def eplb_plan(load: torch.Tensor, devices: int, replicas: int) -> tuple[torch.Te
         dev_load[d] += per_slot[s]
         dev_slots[d] += 1
         holds[d].add(e)
-    return torch.tensor(slot_expert, dtype=torch.long), torch.tensor(slot_device, dtype=torch.long)
+    return slot_expert, slot_device
 
 
 def water_fill(loads: torch.Tensor, n: float) -> torch.Tensor:
@@ -185,31 +194,37 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         view = store.view()
         # The same plan over the same stored tokens (appends aside): the replicas so far stay and
         # the tokens assigned now add theirs (replicas are counted, not read: order is free).
-        key = (store.edits, side.slot_expert.tolist())
+        key = (store.edits, tuple(side.host["slot_expert"]))
         grow = side.replica_key == key  # set with the replicas
-        at = ((new & (held >= 0)) if grow else held >= 0).nonzero(as_tuple=True)
-        extra = reps[held[at]] - 1  # a copy per extra replica of the token's expert (0: none)
-        copies = int(extra.sum())
-        k = view.k[at].repeat_interleave(extra, dim=0, output_size=copies)
-        v = view.v[at].repeat_interleave(extra, dim=0, output_size=copies)
+        copied = (new & (held >= 0)) if grow else held >= 0
+        # a copy per extra replica of each token's expert (0: none), in storage order
+        extra = torch.where(copied, reps[held.clamp(min=0)] - 1, 0)
+        flat = torch.repeat_interleave(extra.flatten())  # the one read: how many copies
+        _, h, t = extra.shape
+        at = (flat // (h * t), flat // t % h, flat % t)
+        k, v = view.k[at], view.v[at]
         if grow:
             assert side.replica_k is not None and side.replica_v is not None
             k, v = torch.cat([side.replica_k, k]), torch.cat([side.replica_v, v])
         side.replica_k, side.replica_v, side.replica_key = k, v, key
 
     def plan(self, store: LayerStore) -> Placement:
-        """Refresh the placement from the loads so far (created empty on first use)."""
+        """Refresh the placement from the loads so far (created empty on first use), on the host."""
         side = store.side(Placement)
         if side is None:
             side = Placement(
                 torch.zeros(self.num_experts, dtype=torch.float64, device=store.device),
                 torch.zeros(self.num_devices, dtype=torch.float64, device=store.device),
             )
+            side.host = {"load": [0.0] * self.num_experts, "device_load": [0.0] * self.num_devices}
             store.set_side(side)
-        load = side.load.cpu()
-        slot_expert, slot_device = eplb_plan(load, self.num_devices, self.replicas)
-        side.slot_expert, side.slot_device = slot_expert.to(store.device), slot_device.to(store.device)
-        side.base_device = eplb_plan(load, self.num_devices, 0)[1].to(store.device)
+        host = side.host
+        host["slot_expert"], host["slot_device"] = plan_slots(host["load"], self.num_devices, self.replicas)
+        host["base_device"] = plan_slots(host["load"], self.num_devices, 0)[1]
+        side.slot_expert, side.slot_device, side.base_device = (
+            torch.tensor(host[name], dtype=torch.long, device=store.device)
+            for name in ("slot_expert", "slot_device", "base_device")
+        )
         return side
 
     def choose(
@@ -219,18 +234,17 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         plan = store.side(Placement)
         if plan is None or plan.slot_expert is None:
             plan = self.plan(store)
-        assert plan.slot_expert is not None and plan.slot_device is not None and plan.base_device is not None
+        host = plan.host
         reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
+        counts = reads.tolist()  # the one read: serving is simulated on the host, read by read
         plan.load = plan.load + reads
-        counts = reads.tolist()
-        device_load = plan.device_load.tolist()
-        served = serve(counts, plan.slot_expert.tolist(), plan.slot_device.tolist(), device_load)
+        host["load"] = [a + b for a, b in zip(host["load"], counts)]  # whole numbers: exact
+        served = serve(counts, host["slot_expert"], host["slot_device"], host["device_load"])
         unreplicated = [0.0] * self.num_devices
-        for e, d in enumerate(plan.base_device.tolist()):
+        for e, d in enumerate(host["base_device"]):
             unreplicated[d] += counts[e]
-        plan.device_load = torch.tensor(
-            [x + y for x, y in zip(device_load, served)], dtype=torch.float64, device=store.device
-        )
+        host["device_load"] = [x + y for x, y in zip(host["device_load"], served)]
+        plan.device_load = torch.tensor(host["device_load"], dtype=torch.float64, device=store.device)
         after = torch.tensor(served, dtype=torch.float64)
         before = torch.tensor(unreplicated, dtype=torch.float64)
         zero = torch.zeros_like(after)
