@@ -276,6 +276,32 @@ def test_flexgen_split_attention_equals_one_attention(tiny_93, percent):
     assert torch.equal(stack.scheduler.attend_tiers(1, store, query, None, 0.25), ref)
 
 
+@pytest.mark.parametrize("compressor", [None, "quantized"])
+def test_flexgen_slow_tier_copies_only_the_new_tokens(tiny_93, monkeypatch, compressor):
+    """A slow tier in other memory (a GPU's store) keeps its copy of the slow rows between steps:
+    a decode step copies its one new token per row, not the cache (found: every slow row copied
+    and pinned at every step). Moves into another representation copy it again, once. On one CPU
+    the tier is made separate by hand; the logits are the same bits as without it."""
+    sizes = [40, 1, 1, 1, 1, 1]
+
+    def run():
+        parts = {"compressor": quant()} if compressor else {}
+        stack = make_stack(tiny_93, scheduler=FlexGenScheduler(fast_percent=34), sinks=2, window=4, **parts)
+        return run_chunks(tiny_93, stack, tokens(sum(sizes)), sizes)
+
+    same, _ = run()
+    monkeypatch.setattr(FlexGenScheduler, "separate_tier", lambda self, store: True)
+    logits, cache = run()
+    assert torch.equal(logits, same)
+    tiers = [store.copies["flexgen"] for store in cache.stores]
+    if compressor is None:  # the prefill's 40 columns, then one per step
+        assert [t.copied for t in tiers] == [40 + 5] * tiny_93.num_layers
+    else:  # a move of a group (8 tokens) re-copies what the view then holds
+        assert all(45 < t.copied < 45 * 3 for t in tiers)
+    held = cache.resident_bytes()
+    assert held >= sum(t.k.untyped_storage().nbytes() * 2 for t in tiers)  # resident, not stored
+
+
 def test_flexgen_visible_counts_equal_the_mask_sum():
     gen = torch.Generator().manual_seed(0)
     pos = torch.randint(0, 50, (2, 3, 30), generator=gen)

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from kvbench.cache import ragged
 from kvbench.cache.rows import Rows
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
 from kvbench.cache.view import JoinedRows, PaddedView, padded_view
@@ -188,6 +189,7 @@ class LayerStore:
         if taken is None:
             return None
         flat, lens, per_row = taken
+        ragged.tell(lens, per_row)  # the builder's per-row layouts need no reads
         seg = build(flat.pop("k"), flat.pop("v"), flat["pos"], lens)
         self.adopt(seg, {n: x for n, x in flat.items() if n != "pos"}, first, per_row)
         return seg

@@ -35,8 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache import attention as att
+from kvbench.cache.reads import read_all
 from kvbench.cache.segments import GroupedSegment
 from kvbench.cache.store import LayerStore
+from kvbench.cache.view import PaddedView
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Flags, Scheduler
 
@@ -64,6 +66,50 @@ def visible_counts(pos: torch.Tensor, valid: torch.Tensor, qpos: torch.Tensor) -
     return ((qpos.shape[1] - earlier).view(b, h, t) * valid).sum(-1)
 
 
+class SlowTier:
+    """The slow rows' keys and values on the slow tier (host memory, pinned with CUDA), kept with the
+    layer's store between steps (:attr:`LayerStore.copies`, resident bytes).
+
+    While the store's tokens stay where they are (no eviction or move: ``edits`` unchanged, every
+    slot a real token), a step only appends columns, and only those are copied; anything else
+    copies the slow rows whole, once.
+    """
+
+    def __init__(self, device: torch.device, pinned: bool):
+        self.device, self.pinned = device, pinned
+        self.k: torch.Tensor | None = None  # (rows, 1, capacity, D) on the slow tier
+        self.v: torch.Tensor | None = None
+        self.width = 0  # columns copied
+        self.key: tuple[int, int] | None = None  # (store edits, rows) of the copied columns
+        self.copied = 0  # columns copied in all (a test's count of the traffic)
+
+    def update(
+        self, store: LayerStore, view: PaddedView, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slow tier's copy of ``k``, ``v`` ``(rows, 1, T, D)`` (slices of the view on the store's
+        device), its first ``T`` columns."""
+        t = k.shape[2]
+        key = (store.edits, k.shape[0])
+        start = self.width if key == self.key and view.dense and t >= self.width else 0
+        tk, tv = self.k, self.v
+        if tk is None or tv is None or t > tk.shape[2] or start == 0:
+            cap = t + max(64, t // 4)
+            new_k, new_v = self._empty(k, cap), self._empty(v, cap)
+            if start and tk is not None and tv is not None:
+                new_k[:, :, :start], new_v[:, :, :start] = tk[:, :, :start], tv[:, :, :start]
+            tk, tv = self.k, self.v = new_k, new_v
+        tk[:, :, start:t].copy_(k[:, :, start:])  # awaited: attention on the slow tier reads it next
+        tv[:, :, start:t].copy_(v[:, :, start:])
+        self.copied += t - start
+        self.width, self.key = (t, key) if view.dense else (0, None)
+        return tk[:, :, :t], tv[:, :, :t]
+
+    def _empty(self, like: torch.Tensor, cap: int) -> torch.Tensor:
+        shape = (*like.shape[:2], cap, *like.shape[3:])
+        out = torch.empty(shape, dtype=like.dtype, device=self.device)
+        return out.pin_memory() if self.pinned else out
+
+
 @dataclass
 class FlexGenScheduler(Scheduler):
     """Keeps every token; ``fast_percent`` percent of the head-rows reside in the fast tier.
@@ -81,9 +127,10 @@ class FlexGenScheduler(Scheduler):
         if not 0 <= self.fast_percent <= 100:
             raise ConfigError(f"scheduler.fast_percent={self.fast_percent}: must be in [0, 100]")
         self._seen: weakref.WeakKeyDictionary[LayerStore, torch.Tensor] = weakref.WeakKeyDictionary()
-        self._step = {"fast": 0, "slow": 0, "moved": 0}
-        self._steps: list[dict[str, int]] = []
-        self._reads = [0, 0]  # tokens read from fast rows, from all rows
+        # per layer in the current step: bytes (fast, slow, moved), tokens read (fast, all) and
+        # tokens fed, a tensor on the layer's device, read by :meth:`metrics` (no read per step)
+        self._layer: dict[int, torch.Tensor] = {}
+        self._steps: list[list[torch.Tensor]] = []  # per step: its layers' figures
         self._hooked = False  # attend_tiers counted this layer's reads exactly
         self._slow_ms: list[float] = []
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -101,45 +148,53 @@ class FlexGenScheduler(Scheduler):
         fast = torch.arange(store.batch * store.kv_heads, device=store.device) < self.fast_count(store)
         return fast.view(store.batch, store.kv_heads)
 
+    def _add(self, layer: int, store: LayerStore, figures: list[torch.Tensor | int]) -> None:
+        """Add (fast bytes, slow bytes, moved bytes, fast reads, all reads, tokens) to the layer's step."""
+        vec = torch.stack([torch.as_tensor(x, device=store.device).long() for x in figures])
+        before = self._layer.get(layer)
+        self._layer[layer] = vec if before is None else before + vec
+
     def evict(self, layer: int, store: LayerStore) -> None:
         """Nothing is evicted: measure the tiers' bytes and the new slow-row tokens written."""
-        fast = self.fast_rows(store).flatten()
+        n_fast = self.fast_count(store)  # the fast rows come first
         per_row = row_bytes(store)
-        shared = store.nbytes() - int(per_row.sum())  # side metadata: resides with the fast tier
-        self._step["fast"] += int(per_row[fast].sum()) + shared
-        self._step["slow"] += int(per_row[~fast].sum())
-        seen_before = self._seen.get(store, torch.zeros_like(store.seen))
-        before = seen_before.repeat_interleave(store.kv_heads)
+        fast, every = per_row[:n_fast].sum(), per_row.sum()
+        shared = store.nbytes() - every  # side metadata: resides with the fast tier
+        before = self._seen.get(store, torch.zeros_like(store.seen)).repeat_interleave(store.kv_heads)
         new = torch.zeros_like(per_row)
-        for seg in store.segments:
-            rows, pos = store.flat_rows(seg)
-            new = new + torch.bincount(rows[pos >= before[rows]], minlength=new.numel())
+        for seg in store.segments:  # tokens stored at a position not seen before this step
+            rows = seg.rows
+            new = new + ((rows.get("pos") >= before[:, None]) & rows.valid()).sum(-1)
         token = store.fp.token_nbytes()  # one token's K and V as produced
-        self._step["moved"] += int(new[~fast].sum()) * token
-        self._seen[store] = store.seen.clone()
-        if layer == self.num_layers - 1:
-            self._step["tokens"] = int((store.seen - seen_before).sum())
-            self._steps.append(self._step)
-            self._step = {"fast": 0, "slow": 0, "moved": 0}
+        tokens = (store.seen - self._seen.get(store, torch.zeros_like(store.seen))).sum()
+        last = layer == self.num_layers - 1  # the step's tokens, counted once
+        self._add(
+            layer, store, [fast + shared, every - fast, new[n_fast:].sum() * token, 0, 0, tokens * last]
+        )
+        if last:
+            self._steps.append([self._layer[i] for i in sorted(self._layer)])
+            self._layer = {}
             self._close_timings()
+        self._seen[store] = store.seen.clone()
 
     def observe_queries(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> None:
         """Queries sent to the slow tier and outputs returned; tokens read per tier."""
         b, hq, q, d = query.shape
         fast = self.fast_rows(store)
         real = qpos >= 0
-        slow_queries = int(((~fast).sum(-1) * real.sum(-1)).sum()) * (hq // store.kv_heads)
-        self._step["moved"] += slow_queries * (d + store.head_dim) * query.element_size()  # q out, o back
+        slow_queries = ((~fast).sum(-1) * real.sum(-1)).sum() * (hq // store.kv_heads)
+        moved = slow_queries * (d + store.head_dim) * query.element_size()  # q out, o back
+        self._add(layer, store, [0, 0, moved, 0, 0, 0])
         if self._hooked:
             self._hooked = False
             return
         view = store.view()
         visible = view.valid[:, :, None, :] & (view.pos[:, :, None, :] <= qpos[:, None, :, None])
-        self._count_reads((visible & real[:, None, :, None]).sum((2, 3)), fast)
+        self._count_reads(layer, store, (visible & real[:, None, :, None]).sum((2, 3)))
 
-    def _count_reads(self, per_row: torch.Tensor, fast: torch.Tensor) -> None:
-        self._reads[0] += int(per_row[fast].sum())
-        self._reads[1] += int(per_row.sum())
+    def _count_reads(self, layer: int, store: LayerStore, per_row: torch.Tensor) -> None:
+        flat = per_row.flatten()
+        self._add(layer, store, [0, 0, 0, flat[: self.fast_count(store)].sum(), flat.sum(), 0])
 
     def attend_tiers(
         self, layer: int, store: LayerStore, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
@@ -147,9 +202,10 @@ class FlexGenScheduler(Scheduler):
         """Split attention (the engine hook): fast rows on the store's device, slow rows on the slow
         tier, outputs merged. Same arguments as :func:`kvbench.cache.attention.attend`.
 
-        The store keeps one device, so the slow rows' keys and values are copied to the slow tier
-        here, outside the timed part; the timed part is what FlexGen pays per step (queries over,
-        attention on the slow tier, outputs back).
+        The store keeps one device, so the slow rows' keys and values also live on the slow tier
+        (:class:`SlowTier`, kept with the store and extended by the tokens appended since the last
+        step), placed there outside the timed part; the timed part is what FlexGen pays per step
+        (queries over, attention on the slow tier, outputs back).
 
         Returns:
             ``(B, Hq, q, D)``.
@@ -162,7 +218,7 @@ class FlexGenScheduler(Scheduler):
             per_row = visible_counts(view.pos, view.valid, qpos)
         else:
             per_row = (mask & (qpos >= 0)[:, None, :, None]).sum((2, 3))
-        self._count_reads(per_row, self.fast_rows(store))
+        self._count_reads(layer, store, per_row)
         self._hooked = True
         rows = {
             "q": query.reshape(b * h, g, q, -1),
@@ -178,8 +234,16 @@ class FlexGenScheduler(Scheduler):
         if n_fast:
             out[:n_fast] = self._attend({k: v[:n_fast] for k, v in rows.items()}, scaling)
         if n_fast < b * h:
-            out[n_fast:] = self._attend_slow({k: v[n_fast:] for k, v in rows.items()}, scaling)
+            slow = {k: v[n_fast:] for k, v in rows.items()}
+            if self.separate_tier(store):  # the tier's own copy, extended by the new tokens
+                tier = store.copies.setdefault("flexgen", SlowTier(self.slow_device, self.pinned))
+                slow["k"], slow["v"] = tier.update(store, view, slow["k"], slow["v"])
+            out[n_fast:] = self._attend_slow(slow, scaling)
         return out.view(b, h * g, q, -1)
+
+    def separate_tier(self, store: LayerStore) -> bool:
+        """The slow tier is other memory than the store's (a GPU's store, the host's tier)."""
+        return self.slow_device != store.device
 
     @staticmethod
     def _attend(rows: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
@@ -187,9 +251,9 @@ class FlexGenScheduler(Scheduler):
 
     def _attend_slow(self, rows: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         device = rows["q"].device
-        to_slow = {k: v.to(self.slow_device) for k, v in rows.items() if k != "q"}  # placement, untimed
+        # the mask and the bias (a few bytes per token) are placed per step, untimed
+        to_slow = {k: v.to(self.slow_device) for k, v in rows.items() if k != "q"}
         if self.pinned and device.type == "cuda":
-            to_slow = {k: v.pin_memory() for k, v in to_slow.items()}
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             out = self._attend({**to_slow, "q": rows["q"].to(self.slow_device)}, scaling).to(device)
@@ -207,15 +271,21 @@ class FlexGenScheduler(Scheduler):
     def metrics(self) -> dict[str, float | list[float] | None]:
         if not self._steps:
             return {}
-        last, later = self._steps[-1], self._steps[1:]
+        values = iter(read_all([x for layers in self._steps for v in layers for x in v.unbind()]))
+        steps = []  # per step: its layers' figures summed (whole numbers: exact as float64)
+        for layers in self._steps:
+            rows = [[next(values) for _ in range(6)] for _ in layers]
+            steps.append([int(sum(col)) for col in zip(*rows)])
+        tokens = [s[5] for s in steps]
+        fast_reads, all_reads = sum(s[3] for s in steps), sum(s[4] for s in steps)
+        last, later = steps[-1], steps[1:]
+        moved_later = sum(s[2] for s in later)
         return {
-            "fast_tier_bytes": float(last["fast"]),
-            "slow_tier_bytes": float(last["slow"]),
-            "bytes_moved_prefill": float(self._steps[0]["moved"]),
-            "bytes_moved_per_step": sum(s["moved"] for s in later) / len(later) if later else None,
-            "bytes_moved_per_token": (
-                sum(s["moved"] for s in later) / sum(s["tokens"] for s in later) if later else None
-            ),
-            "fast_attention_share": self._reads[0] / self._reads[1] if self._reads[1] else None,
+            "fast_tier_bytes": float(last[0]),
+            "slow_tier_bytes": float(last[1]),
+            "bytes_moved_prefill": float(steps[0][2]),
+            "bytes_moved_per_step": moved_later / len(later) if later else None,
+            "bytes_moved_per_token": moved_later / sum(tokens[1:]) if later else None,
+            "fast_attention_share": fast_reads / all_reads if all_reads else None,
             "slow_tier_attention_ms": sum(self._slow_ms) / len(self._slow_ms) if self._slow_ms else None,
         }
