@@ -115,18 +115,35 @@ class LayerDevices(TorchDispatchMode):
 
 # Operators after which the host waits for the device: a scalar read (``int``, ``float``, ``bool``,
 # ``.item()``), a result whose size depends on values (``nonzero``, boolean indexing, ``unique``,
-# ``masked_select``, ``repeat_interleave`` without ``output_size``), and ``equal``. On one CPU,
-# ``.tolist()`` and ``.cpu()`` are no operators and go uncounted.
+# ``masked_select``, ``repeat_interleave`` without ``output_size``), and ``equal``. ``.tolist()``
+# is no operator on the CPU: :class:`HostSyncs` counts its calls itself. A copy to the host
+# (``.cpu()``, ``.to("cpu")``) is none on one CPU either and goes uncounted.
 _SYNCS = {"item", "_local_scalar_dense", "nonzero", "nonzero_numpy", "masked_select", "equal", "is_nonzero"}
 _SYNCS |= {"_unique2", "unique_dim", "unique_consecutive"}  # (``item``: under inference mode)
 
 
 class HostSyncs(TorchDispatchMode):
-    """Counts the operators that make the host wait for the device (``count``, and ``by_op``)."""
+    """Counts the operators that make the host wait for the device (``count``, and ``by_op``),
+    and the calls of ``Tensor.tolist`` (``by_op["tolist"]``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.by_op: dict[str, int] = {}
+        self._tolist = None
+
+    def __enter__(self):
+        self._tolist = original = torch.Tensor.tolist
+
+        def counted(t, *args, **kwargs):
+            self.by_op["tolist"] = self.by_op.get("tolist", 0) + 1
+            return original(t, *args, **kwargs)
+
+        torch.Tensor.tolist = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     @property
     def count(self) -> int:
@@ -136,7 +153,7 @@ class HostSyncs(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func.__name__.split(".")[0]
         sync = name in _SYNCS
-        if name == "repeat_interleave" and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        if name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor"):  # tensor repeats
             sync = kwargs.get("output_size") is None
         if name in ("index", "index_put", "index_put_") and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1:2])
