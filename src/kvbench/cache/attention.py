@@ -125,6 +125,7 @@ def probs_blocks(
     """
     b, hq, q, _ = query.shape
     t = key.shape[2]
+    key = key.float()  # once for every block (itself when float32)
     block = max(1, _BLOCK_ELEMS // max(1, b * hq * t))
     for start in range(0, q, block):
         stop = min(q, start + block)
