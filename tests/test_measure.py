@@ -80,6 +80,9 @@ def test_a_process_warms_each_model_up_once_before_any_timed_pass(tmp_path, monk
         memory = record["metrics"]["memory"]
         assert list(memory) == ["cpu"] and memory["cpu"]["weights_mb"] == lm.weight_bytes["cpu"] / 2**20
         assert memory["cpu"]["peak_rss_mb"] is None or memory["cpu"]["peak_rss_mb"] > 0
+        # the cache's peaks on its device: on one device, the record's totals
+        assert memory["cpu"]["kv_resident_peak_mb"] == record["metrics"]["kv_resident_mb_peak"]
+        assert memory["cpu"]["kv_stored_peak_mb"] == record["metrics"]["kv_mem_mb_peak"]
         if n == 0:
             assert events[:2] == ["forward", "forward"] and "timed" in events  # prefill, one step
             first = events.index("timed")

@@ -165,9 +165,15 @@ class KVCache(Cache):
         return sum(s.nbytes() for s in self.stores)
 
     def resident_bytes(self) -> int:
-        """Bytes of every tensor the cache holds (:func:`kvbench.cache.held.resident_bytes`): the
-        stores at their capacity with their views, state and side data, and the KV-hit shadow."""
-        return held.resident_bytes([self.stores, self.shadow])
+        """Bytes of every tensor the cache holds (:func:`kvbench.cache.held.resident_by_device`):
+        the stores at their capacity with their views, state, side data and copies, and the KV-hit
+        shadow. Per device, they and the stored bytes are noted in :data:`held.PEAKS`."""
+        resident = held.resident_by_device([self.stores, self.shadow])
+        stored: dict[str, int] = {}
+        for s in self.stores:
+            stored[str(s.device)] = stored.get(str(s.device), 0) + s.nbytes()
+        held.note_peaks(resident, stored)
+        return sum(resident.values())
 
     def per_layer_bytes(self) -> list[int]:
         return [s.nbytes() for s in self.stores]

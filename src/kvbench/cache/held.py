@@ -38,10 +38,36 @@ def tensors(root: Any) -> Iterator[torch.Tensor]:
             pending.extend([*fields, *getattr(obj, "__dict__", {}).values()])
 
 
-def resident_bytes(root: Any) -> int:
-    """Bytes of the storages of every tensor reachable from ``root``, each storage once."""
+def resident_by_device(root: Any) -> dict[str, int]:
+    """Bytes of the storages of every tensor reachable from ``root``, each storage once, per device."""
     storages: dict[tuple[str, int], int] = {}
     for t in tensors(root):
         storage = t.untyped_storage()
         storages[(str(t.device), storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
+    out: dict[str, int] = {}
+    for (device, _), n in storages.items():
+        out[device] = out.get(device, 0) + n
+    return out
+
+
+def resident_bytes(root: Any) -> int:
+    """Bytes of the storages of every tensor reachable from ``root``, each storage once."""
+    return sum(resident_by_device(root).values())
+
+
+# The largest resident and stored bytes of a cache seen per device (``"cuda:0"``, ``"cpu"``) since
+# :func:`reset_peaks`: noted wherever a protocol measures its cache, read into the record's
+# per-device memory (:func:`kvbench.eval.measure.memory`).
+PEAKS: dict[str, dict[str, int]] = {"resident": {}, "stored": {}}
+
+
+def note_peaks(resident: dict[str, int], stored: dict[str, int]) -> None:
+    for kind, now in (("resident", resident), ("stored", stored)):
+        peaks = PEAKS[kind]
+        for device, n in now.items():
+            peaks[device] = max(peaks.get(device, 0), n)
+
+
+def reset_peaks() -> None:
+    for peaks in PEAKS.values():
+        peaks.clear()

@@ -8,6 +8,8 @@ from contextlib import contextmanager
 
 import torch
 
+from kvbench.cache import held
+
 Devices = torch.device | Iterable[torch.device]
 
 
@@ -34,8 +36,9 @@ def timed(devices: Devices, out: list[float]):
 
 
 def reset_peak(devices: Devices) -> None:
-    """Reset the peak-memory counters: each CUDA device's allocator, and this process's peak RSS
-    on Linux when a device is the CPU."""
+    """Reset the peak-memory counters: each CUDA device's allocator, this process's peak RSS on
+    Linux when a device is the CPU, and the caches' per-device peaks (:data:`held.PEAKS`)."""
+    held.reset_peaks()
     for device in _each(devices):
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -64,7 +67,10 @@ def memory(devices: Devices, weights: dict[str, int] | None = None) -> dict[str,
     A CUDA device gives ``peak_allocated_mb`` and ``peak_reserved_mb`` (the caching allocator's
     tensors, and what it held from the driver); the CPU the process's peak RSS ``peak_rss_mb``
     (weights and everything else the process holds). ``weights`` (bytes per device) adds
-    ``weights_mb``: the model's parameters and buffers there, inside every peak.
+    ``weights_mb``: the model's parameters and buffers there, inside every peak. The caches
+    measured since the reset add ``kv_resident_peak_mb`` (every tensor a cache held there: rows at
+    capacity, views, copies, the KV-hit shadow on the host) and ``kv_stored_peak_mb`` (the format's
+    bytes), each the largest seen, on the devices they used (the host's shadow too).
     """
     out: dict[str, dict[str, float | None]] = {}
     for device in _each(devices):
@@ -80,6 +86,9 @@ def memory(devices: Devices, weights: dict[str, int] | None = None) -> dict[str,
             continue
         if weights is not None and name in weights:
             out[name]["weights_mb"] = weights[name] / 2**20
+    for kind, peaks in held.PEAKS.items():
+        for name, n in peaks.items():
+            out.setdefault(name, {})[f"kv_{kind}_peak_mb"] = n / 2**20
     return out
 
 
