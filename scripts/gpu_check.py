@@ -1,30 +1,51 @@
-"""Every technique on CUDA against the CPU path, on a tiny random model (9/3 GQA, 3 layers).
+"""kvbench on a GPU against its CPU path, and its memory at 8B x 32k. Four parts (``--only``):
 
-For each technique YAML: run alone at a tight budget in float32 on CPU and on CUDA and compare the
-logits; run in bfloat16 on CUDA (finite, bytes counted) and as a padded batch of two sequences on
-CUDA against one-by-one runs. Prints one line per technique and exits non-zero on a failure.
+- ``techniques``: every technique YAML alone at a tight budget, and chains and triples, on a tiny
+  random model (9/3 GQA, 3 layers): float32 logits on CUDA against the CPU's over a 200-token
+  prefill, 8-token chunks and 8 single-token decode steps (max |dlogit| < 1e-3), stored bytes
+  equal, bfloat16 finite, and a padded batch of two against one-by-one runs.
+- ``geometry``: head_dim 128 (Llama-3's) and a sliding-window model (Mistral, window 24): the full
+  cache and five techniques, CUDA float32 against the CPU, and bfloat16 / float16 against float32
+  on the device within a stated tolerance: max |dlogit| <= 0.05 (bf16) or 0.01 (fp16) times the
+  float32 logits' largest magnitude, five times that for a technique that selects tokens (a
+  near-tie between two tokens' scores may fall the other way in low precision: on the CPU, up
+  to 0.18 for bf16).
+- ``protocols``: perplexity and needle end to end through ``kvbench.run`` on ``model=tiny_random``
+  (a cell's record, its status and per-device memory).
+- ``memory``: a random model with Llama-3.1-8B's shapes (``--layers`` of them, 32 query / 8 KV
+  heads, head_dim 128, vocabulary 128,256, bf16) at each of ``--contexts`` for the full cache and
+  every technique: peak allocated and reserved memory of a prefill and 16 decode steps, the
+  cache's stored and resident bytes, and the time per output token.
 
-    python scripts/gpu_check.py
+One line per check; exits non-zero on a failure. On a GPU node (one GPU, about 20 GB free for the
+memory part at 32k with 32 layers; an H100 runs it all in minutes):
+
+    python scripts/gpu_check.py                      # everything on cuda
+    python scripts/gpu_check.py --only memory --contexts 8192,32768
+    python scripts/gpu_check.py --device cpu --only techniques,geometry,protocols   # the script itself
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
 
 import torch
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
 
-from kvbench import models  # noqa: E402
-from kvbench.eval import loop  # noqa: E402
+from kvbench import config, models, run  # noqa: E402
+from kvbench.eval import loop, measure  # noqa: E402
 from kvbench.roles import BindContext, Budget  # noqa: E402
-from kvbench.stack import Stack, build_technique  # noqa: E402
+from kvbench.stack import Stack, build_technique, chain_stages  # noqa: E402
 
 ROLES = ("router", "compressor", "scheduler")
+CONF = ROOT / "conf"
 TINY = {
     "name": "tiny_gpu_check",
     "source": "tiny",
@@ -42,84 +63,304 @@ TINY = {
         max_position_embeddings=2048,
     ),
 }
+GEOMETRIES = {
+    "head_dim 128": {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128, "hidden_size": 256},
+    "sliding window 24": {"sliding_window": 24},
+}
+# (role, name, selects tokens): the full cache and five techniques of the geometry checks
+FIVE = [
+    (None, "full cache", False),
+    ("scheduler", "h2o", True),
+    ("compressor", "snapkv", True),
+    ("compressor", "quantized", False),
+    ("scheduler", "quest", True),
+    ("router", "base", True),
+]
+CHAINS = {  # compressor chains and triples, as a user composes them
+    "compressor=chain[chunkkv,svd]": {
+        "compressor": "[chunkkv,{name:svd,key_rank:4,value_rank:8,block_size:16}]"
+    },
+    "compressor=chain[lora,distillation]": {
+        "compressor": "[{name:lora,key_rank:4,value_rank:8},distillation]"
+    },
+    "base+quantized+h2o": {"router": "base", "compressor": "quantized", "scheduler": "h2o"},
+    "pikv+pyramid+streaming_llm": {"router": "pikv", "compressor": "pyramid", "scheduler": "streaming_llm"},
+}
+TOLERANCE = {torch.bfloat16: 0.05, torch.float16: 0.01}  # of the float32 logits' largest magnitude
+SHAPED_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
 
 
-def technique(role: str, name: str):
-    node = OmegaConf.load(ROOT / "conf" / role / f"{name}.yaml")
-    if name == "fastv":
-        node.layer = 1
+def technique(role: str, spec: str):
+    if role == "compressor" and spec.startswith("["):
+        return chain_stages(_parse(spec))[0]
+    path = CONF / role / f"{spec}.yaml"
+    node = OmegaConf.load(path)
+    for line in path.read_text().splitlines():  # knobs sized for a tiny model (head_dim 16, 3 layers)
+        if line.startswith("# tiny:"):
+            for kv in line.removeprefix("# tiny:").split():
+                key, _, value = kv.partition("=")
+                node[key] = int(value)
     return build_technique(node, role)
 
 
-def run(lm, role, name, ids, budget, batch=None):
-    stack = Stack(**{role: technique(role, name)}, budget=budget)
+def _parse(spec: str):
+    return compose("config", overrides=["compressor=chain", f"compressor.stages={spec}"]).compressor.stages
+
+
+def stack_of(lm, parts: dict[str, str], budget: Budget) -> Stack:
+    stack = Stack(**{role: technique(role, spec) for role, spec in parts.items()}, budget=budget)
     stack.bind(BindContext.for_model(lm))
-    cache = loop.new_cache(lm, stack, batch=1 if batch is None else 2)
-    if batch is None:
-        outs = [loop.step(lm, cache, ids[:200])]
-        for i in range(200, len(ids), 8):
-            outs.append(loop.step(lm, cache, ids[i : i + 8]))
-        return torch.cat(outs), cache
-    a, b = batch
+    return stack
+
+
+def run_ids(lm, parts, ids, budget):
+    """Prefill 200, chunks of 8, then 8 single-token decode steps: every row of logits."""
+    stack = stack_of(lm, parts, budget)
+    cache = loop.new_cache(lm, stack)
+    outs = [loop.step(lm, cache, ids[:200])]
+    for i in range(200, len(ids) - 8, 8):
+        outs.append(loop.step(lm, cache, ids[i : i + 8]))
+    for i in range(len(ids) - 8, len(ids)):
+        outs.append(loop.step(lm, cache, ids[i : i + 1]))
+    return torch.cat(outs).float().cpu(), cache
+
+
+def run_batch(lm, parts, a, b, budget):
+    stack = stack_of(lm, parts, budget)
+    cache = loop.new_cache(lm, stack, batch=2)
     ids2 = torch.zeros(2, len(a), dtype=torch.long)
     real = torch.zeros(2, len(a), dtype=torch.bool)
     ids2[0], real[0] = torch.tensor(a), True
     ids2[1, len(a) - len(b) :], real[1, len(a) - len(b) :] = torch.tensor(b), True
     out = loop.forward_batch(lm, cache, ids2, real)[:, -1]
     cache.after_forward()
-    return out, cache
+    solo = []
+    for seq in (a, b):
+        one = loop.new_cache(lm, stack_of(lm, parts, budget))
+        solo.append(loop.step(lm, one, seq)[-1])
+    return float((out - torch.stack(solo)).abs().max())
+
+
+class Checks:
+    def __init__(self) -> None:
+        self.failed = self.total = 0
+
+    def line(self, ok: bool, text: str) -> None:
+        self.total += 1
+        self.failed += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {text}", flush=True)
+
+    def guarded(self, name: str, fn) -> None:
+        try:
+            fn()
+        except Exception as err:  # report and go on: one line per check
+            self.line(False, f"{name}: {type(err).__name__}: {err}")
+
+
+def options() -> list[tuple[str, str]]:
+    return [
+        (r, p.stem)
+        for r in ROLES
+        for p in sorted((CONF / r).glob("*.yaml"))
+        if p.stem not in ("none", "chain")
+    ]
+
+
+def check_techniques(checks: Checks, device: str) -> None:
+    ids = torch.randint(0, 256, (272,), generator=torch.Generator().manual_seed(0)).tolist()
+    budget = Budget(fraction=0.3, budget_tokens=None, sinks=4, window=16)
+    lms = {
+        (dev, dt): models.load(OmegaConf.create({**TINY, "dtype": dt}), dev)
+        for dev, dt in (("cpu", "float32"), (device, "float32"), (device, "bfloat16"))
+    }
+    cases = [(f"{r}/{o}", {r: o}) for r, o in options()] + [(name, parts) for name, parts in CHAINS.items()]
+    for name, parts in cases:
+
+        def one(name=name, parts=parts):
+            t0 = time.perf_counter()
+            cpu, ccache = run_ids(lms[("cpu", "float32")], parts, ids, budget)
+            dev, dcache = run_ids(lms[(device, "float32")], parts, ids, budget)
+            diff = float((cpu - dev).abs().max())
+            same_bytes = ccache.nbytes() == dcache.nbytes()
+            bf, bcache = run_ids(lms[(device, "bfloat16")], parts, ids, budget)
+            finite = bool(torch.isfinite(bf).all())
+            bdiff = run_batch(lms[(device, "float32")], parts, ids[:180], ids[40:150], budget)
+            checks.line(
+                diff < 1e-3 and same_bytes and finite and bdiff < 1e-3,
+                f"{name}: cpu-vs-{device} max|dlogit| {diff:.2e} (prefill, chunks, 8 decode steps), "
+                f"bytes equal {same_bytes}, bf16 finite {finite} ({bcache.nbytes()} B), "
+                f"padded batch vs solo {bdiff:.2e} [{time.perf_counter() - t0:.1f}s]",
+            )
+
+        checks.guarded(name, one)
+
+
+def check_geometry(checks: Checks, device: str) -> None:
+    ids = torch.randint(0, 256, (240,), generator=torch.Generator().manual_seed(1)).tolist()
+    budget = Budget(fraction=0.3, budget_tokens=None, sinks=4, window=16)
+    for geo, extra in GEOMETRIES.items():
+        family = "mistral" if "sliding_window" in extra else "llama"
+        cfg = {**TINY, "family": family, "config": {**TINY["config"], **extra}}
+        lm = {
+            dt: models.load(OmegaConf.create({**cfg, "name": f"{geo}-{dt}", "dtype": dt}), dev)
+            for dt, dev in (("float32", device), ("bfloat16", device), ("float16", device))
+        }
+        cpu_lm = models.load(OmegaConf.create({**cfg, "name": f"{geo}-cpu", "dtype": "float32"}), "cpu")
+        for role, name, selects in FIVE:
+            parts = {} if role is None else {role: name}
+            tol = {
+                dt: TOLERANCE[getattr(torch, dt)] * (5 if selects else 1) for dt in ("bfloat16", "float16")
+            }
+
+            def one(parts=parts, name=name, geo=geo, lm=lm, cpu_lm=cpu_lm, tol=tol):
+                ref, _ = run_ids(lm["float32"], parts, ids, budget)
+                cpu, _ = run_ids(cpu_lm, parts, ids, budget)
+                scale = float(ref.abs().max())
+                diffs = {
+                    dt: float((run_ids(lm[dt], parts, ids, budget)[0] - ref).abs().max()) / scale
+                    for dt in ("bfloat16", "float16")
+                }
+                dcpu = float((cpu - ref).abs().max())
+                ok = dcpu < 1e-3 and all(diffs[dt] <= tol[dt] for dt in diffs)
+                checks.line(
+                    ok,
+                    f"{geo}, {name}: cpu-vs-{device} fp32 {dcpu:.2e}; relative to fp32: "
+                    f"bf16 {diffs['bfloat16']:.3f} (<= {tol['bfloat16']}), "
+                    f"fp16 {diffs['float16']:.4f} (<= {tol['float16']})",
+                )
+
+            checks.guarded(f"{geo}, {name}", one)
+
+
+def check_protocols(checks: Checks, device: str, tmp: Path) -> None:
+    for dataset, extra in (
+        ("pydoc", ["dataset.windows=1"]),
+        (
+            "needle",
+            [
+                "dataset.lengths=[200]",
+                "dataset.depths=[0.5]",
+                "dataset.offsets=1",
+                "dataset.max_new_tokens=4",
+            ],
+        ),
+    ):
+
+        def one(dataset=dataset, extra=extra):
+            cfg = compose(
+                "config",
+                overrides=[
+                    "model=tiny_random",
+                    f"dataset={dataset}",
+                    *extra,
+                    f"device={device}",
+                    "scheduler=h2o",
+                    "budget=0.5",
+                    f"results_dir={tmp / dataset}",
+                    f"name=gpu_check_{dataset}",
+                ],
+            )
+            record = run.run(cfg)
+            memory = record.get("metrics", {}).get("memory", {})
+            checks.line(
+                record["status"] == "done" and any("kv_resident_peak_mb" in m for m in memory.values()),
+                f"protocol {dataset} on {device}: {record['status']} {record.get('error', '')}, "
+                f"memory {memory}",
+            )
+
+        checks.guarded(f"protocol {dataset}", one)
+
+
+def check_memory(checks: Checks, device: str, contexts: list[int], layers: int, steps: int = 16) -> None:
+    import bench_overhead as bo
+
+    cfg = {
+        **TINY,
+        "name": "llama8b_shaped",
+        "dtype": "bfloat16",
+        "config": {**SHAPED_8B, "num_hidden_layers": layers},
+    }
+    torch.set_default_device(device)  # build the random weights where they run
+    try:
+        lm = models.load(OmegaConf.create(cfg), device)
+    finally:
+        torch.set_default_device(None)
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    print(
+        f"memory: Llama-3.1-8B-shaped random model, {layers} layers, bf16, on {name}; "
+        f"weights {sum(lm.weight_bytes.values()) / 2**30:.1f} GiB",
+        flush=True,
+    )
+    print(
+        f"{'technique':28s} {'context':>7s} {'peak alloc MB':>13s} {'reserved MB':>11s} "
+        f"{'stored MB':>9s} {'resident MB':>11s} {'TPOT ms':>8s}"
+    )
+    for n in contexts:
+        ids = torch.randint(
+            0, SHAPED_8B["vocab_size"], (n + steps,), generator=torch.Generator().manual_seed(n)
+        ).tolist()
+        for tech in [None, *bo.catalog()]:
+
+            def one(tech=tech, n=n, ids=ids):
+                stack = bo.build_cell_stack(lm, tech, 0.5)
+                measure.reset_peak(lm.devices)
+                cache = loop.new_cache(lm, stack)
+                loop.step(lm, cache, ids[:n], keep=1)
+                times: list[float] = []
+                for i in range(steps):
+                    with measure.timed(lm.devices, times):
+                        loop.step(lm, cache, ids[n + i : n + i + 1])
+                mem = measure.memory(lm.devices)
+                alloc = sum(m.get("peak_allocated_mb") or 0 for m in mem.values())
+                reserved = sum(m.get("peak_reserved_mb") or 0 for m in mem.values())
+                tpot = 1000 * sum(times[1:]) / max(1, len(times) - 1)
+                print(
+                    f"{tech or 'full cache':28s} {n:7d} {alloc:13.0f} {reserved:11.0f} "
+                    f"{cache.nbytes() / 2**20:9.0f} {cache.resident_bytes() / 2**20:11.0f} {tpot:8.1f}",
+                    flush=True,
+                )
+                checks.total += 1
+
+            checks.guarded(f"memory {tech or 'full cache'} at {n}", one)
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 def main() -> int:
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--only", default="techniques,geometry,protocols,memory")
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--results", default="/tmp/kvbench_gpu_check")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (--device cpu checks the script on the CPU)")
         return 2
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (264,), generator=g).tolist()
-    budget = Budget(fraction=0.3, budget_tokens=None, sinks=4, window=16)
-    lms = {}
-    for dev, dt in (("cpu", "float32"), ("cuda", "float32"), ("cuda", "bfloat16")):
-        lms[(dev, dt)] = models.load(OmegaConf.create({**TINY, "dtype": dt}), dev)
-    failures = 0
-    options = [
-        (r, p.stem)
-        for r in ROLES
-        for p in sorted((ROOT / "conf" / r).glob("*.yaml"))
-        if p.stem not in ("none", "chain")
-    ]
-    for role, name in options:
-        t0 = time.perf_counter()
-        try:
-            cpu, ccache = run(lms[("cpu", "float32")], role, name, ids, budget)
-            gpu, gcache = run(lms[("cuda", "float32")], role, name, ids, budget)
-            diff = float((cpu - gpu.cpu()).abs().max())
-            same_bytes = ccache.nbytes() == gcache.nbytes()
-            bf, bcache = run(lms[("cuda", "bfloat16")], role, name, ids, budget)
-            finite = bool(torch.isfinite(bf).all())
-            a, b = ids[:180], ids[40:150]
-            batched, _ = run(lms[("cuda", "float32")], role, name, None, budget, batch=(a, b))
-            solo = torch.stack([_solo(lms[("cuda", "float32")], role, name, s, budget) for s in (a, b)])
-            bdiff = float((batched - solo).abs().max())
-            ok = diff < 1e-3 and same_bytes and finite and bdiff < 1e-3
-            failures += not ok
-            print(
-                f"{'ok  ' if ok else 'FAIL'} {role}/{name}: cpu-vs-cuda max|dlogit| {diff:.2e}, "
-                f"bytes equal {same_bytes}, bf16 finite {finite} ({bcache.nbytes()} B), "
-                f"padded batch vs solo {bdiff:.2e} [{time.perf_counter() - t0:.1f}s]",
-                flush=True,
-            )
-        except Exception as err:  # report and go on: one line per technique
-            failures += 1
-            print(f"FAIL {role}/{name}: {type(err).__name__}: {err}", flush=True)
-    print(f"{len(options) - failures}/{len(options)} techniques pass on {torch.cuda.get_device_name()}")
-    return 1 if failures else 0
-
-
-def _solo(lm, role, name, seq, budget):
-    stack = Stack(**{role: technique(role, name)}, budget=budget)
-    stack.bind(BindContext.for_model(lm))
-    cache = loop.new_cache(lm, stack)
-    return loop.step(lm, cache, seq)[-1]
+    parts = set(args.only.split(","))
+    checks = Checks()
+    config.register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        if "techniques" in parts:
+            check_techniques(checks, args.device)
+        if "geometry" in parts:
+            check_geometry(checks, args.device)
+        if "protocols" in parts:
+            check_protocols(checks, args.device, Path(args.results))
+        if "memory" in parts:
+            check_memory(checks, args.device, [int(c) for c in args.contexts.split(",")], args.layers)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
+    print(f"{checks.total - checks.failed}/{checks.total} checks pass on {where}")
+    return 1 if checks.failed else 0
 
 
 if __name__ == "__main__":
