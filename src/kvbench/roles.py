@@ -97,7 +97,7 @@ class Budget:
 
     def protected_view(self, store: LayerStore) -> torch.Tensor:
         """:meth:`protected` over ``store.view()``: ``(B, H, T)``."""
-        return self.protected(store.view().pos, store.view_seen(), store.view_protect_from())
+        return self.protected(store.view().pos, store.seen[:, None, None], store.view_protect_from())
 
     def protected_fp(self, store: LayerStore) -> torch.Tensor:
         """:meth:`protected` over the full-precision rows: ``(B * H, W)``."""

@@ -98,9 +98,7 @@ class LayerStore:
         self._view: PaddedView | None = None
         self._joined: JoinedRows | None = None  # the view's rows when several segments hold tokens
         self.edits = 0  # changes to stored tokens other than appends (evictions, moves): see ``edits``
-        # copies a technique keeps of this layer's tokens elsewhere (FlexGen's slow tier): resident
-        # bytes of the cache, not stored ones (the tokens are counted once, where the store has them)
-        self.copies: dict[str, Any] = {}
+        self.copies: dict[str, Any] = {}  # techniques' copies elsewhere (FlexGen's tier): resident bytes
 
     # --- segments (read-only to techniques) ---------------------------------------------
     @property
@@ -345,10 +343,6 @@ class LayerStore:
     def row_seen(self) -> torch.Tensor:
         """``seen`` of each head-row ``(B * H,)``."""
         return self.seen.repeat_interleave(self.kv_heads)
-
-    def view_seen(self) -> torch.Tensor:
-        """``seen`` broadcastable against ``(B, H, T)``: ``(B, 1, 1)``."""
-        return self.seen[:, None, None]
 
     def view_protect_from(self) -> torch.Tensor | None:
         return None if self.protect_from is None else self.protect_from[:, None, None]

@@ -236,7 +236,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
             plan = self.plan(store)
         host = plan.host
         reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
-        counts = reads.tolist()  # the one read: serving is simulated on the host, read by read
+        counts = reads.tolist()  # the one read: the measured reads go to the plan's devices on the host
         plan.load = plan.load + reads
         host["load"] = [a + b for a, b in zip(host["load"], counts)]  # whole numbers: exact
         served = serve(counts, host["slot_expert"], host["slot_device"], host["device_load"])

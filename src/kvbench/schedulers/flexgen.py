@@ -66,6 +66,11 @@ def visible_counts(pos: torch.Tensor, valid: torch.Tensor, qpos: torch.Tensor) -
     return ((qpos.shape[1] - earlier).view(b, h, t) * valid).sum(-1)
 
 
+# per layer and step: bytes in the fast and slow tiers, bytes moved between them, tokens read from
+# the fast rows and from all rows, tokens fed (the last layer's)
+FIGURES = ("fast", "slow", "moved", "fast_reads", "reads", "tokens")
+
+
 class SlowTier:
     """The slow rows' keys and values on the slow tier (host memory, pinned with CUDA), kept with the
     layer's store between steps (:attr:`LayerStore.copies`, resident bytes).
@@ -127,8 +132,8 @@ class FlexGenScheduler(Scheduler):
         if not 0 <= self.fast_percent <= 100:
             raise ConfigError(f"scheduler.fast_percent={self.fast_percent}: must be in [0, 100]")
         self._seen: weakref.WeakKeyDictionary[LayerStore, torch.Tensor] = weakref.WeakKeyDictionary()
-        # per layer in the current step: bytes (fast, slow, moved), tokens read (fast, all) and
-        # tokens fed, a tensor on the layer's device, read by :meth:`metrics` (no read per step)
+        # per layer in the current step: its FIGURES, a tensor on the layer's device, read by
+        # :meth:`metrics` (no read per step)
         self._layer: dict[int, torch.Tensor] = {}
         self._steps: list[list[torch.Tensor]] = []  # per step: its layers' figures
         self._hooked = False  # attend_tiers counted this layer's reads exactly
@@ -148,11 +153,13 @@ class FlexGenScheduler(Scheduler):
         fast = torch.arange(store.batch * store.kv_heads, device=store.device) < self.fast_count(store)
         return fast.view(store.batch, store.kv_heads)
 
-    def _add(self, layer: int, store: LayerStore, figures: list[torch.Tensor | int]) -> None:
-        """Add (fast bytes, slow bytes, moved bytes, fast reads, all reads, tokens) to the layer's step."""
-        vec = torch.stack([torch.as_tensor(x, device=store.device).long() for x in figures])
-        before = self._layer.get(layer)
-        self._layer[layer] = vec if before is None else before + vec
+    def _add(self, layer: int, store: LayerStore, **figures: torch.Tensor | int) -> None:
+        """Add ``figures`` (named as :data:`FIGURES`) to the layer's step, in place on its device."""
+        step = self._layer.get(layer)
+        if step is None:
+            step = self._layer[layer] = torch.zeros(len(FIGURES), dtype=torch.long, device=store.device)
+        for name, value in figures.items():
+            step[FIGURES.index(name)] += value
 
     def evict(self, layer: int, store: LayerStore) -> None:
         """Nothing is evicted: measure the tiers' bytes and the new slow-row tokens written."""
@@ -166,12 +173,10 @@ class FlexGenScheduler(Scheduler):
             rows = seg.rows
             new = new + ((rows.get("pos") >= before[:, None]) & rows.valid()).sum(-1)
         token = store.fp.token_nbytes()  # one token's K and V as produced
-        tokens = (store.seen - self._seen.get(store, torch.zeros_like(store.seen))).sum()
-        last = layer == self.num_layers - 1  # the step's tokens, counted once
-        self._add(
-            layer, store, [fast + shared, every - fast, new[n_fast:].sum() * token, 0, 0, tokens * last]
-        )
-        if last:
+        self._add(layer, store, fast=fast + shared, slow=every - fast, moved=new[n_fast:].sum() * token)
+        if layer == self.num_layers - 1:  # the step's tokens, counted once
+            tokens = (store.seen - self._seen.get(store, torch.zeros_like(store.seen))).sum()
+            self._add(layer, store, tokens=tokens)
             self._steps.append([self._layer[i] for i in sorted(self._layer)])
             self._layer = {}
             self._close_timings()
@@ -184,7 +189,7 @@ class FlexGenScheduler(Scheduler):
         real = qpos >= 0
         slow_queries = ((~fast).sum(-1) * real.sum(-1)).sum() * (hq // store.kv_heads)
         moved = slow_queries * (d + store.head_dim) * query.element_size()  # q out, o back
-        self._add(layer, store, [0, 0, moved, 0, 0, 0])
+        self._add(layer, store, moved=moved)
         if self._hooked:
             self._hooked = False
             return
@@ -194,7 +199,7 @@ class FlexGenScheduler(Scheduler):
 
     def _count_reads(self, layer: int, store: LayerStore, per_row: torch.Tensor) -> None:
         flat = per_row.flatten()
-        self._add(layer, store, [0, 0, 0, flat[: self.fast_count(store)].sum(), flat.sum(), 0])
+        self._add(layer, store, fast_reads=flat[: self.fast_count(store)].sum(), reads=flat.sum())
 
     def attend_tiers(
         self, layer: int, store: LayerStore, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
@@ -274,7 +279,7 @@ class FlexGenScheduler(Scheduler):
         values = iter(read_all([x for layers in self._steps for v in layers for x in v.unbind()]))
         steps = []  # per step: its layers' figures summed (whole numbers: exact as float64)
         for layers in self._steps:
-            rows = [[next(values) for _ in range(6)] for _ in layers]
+            rows = [[next(values) for _ in FIGURES] for _ in layers]
             steps.append([int(sum(col)) for col in zip(*rows)])
         tokens = [s[5] for s in steps]
         fast_reads, all_reads = sum(s[3] for s in steps), sum(s[4] for s in steps)
