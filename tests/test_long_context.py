@@ -9,9 +9,13 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import tiny_cfg
-from helpers import make_stack, tokens
+from helpers import make_stack, run_chunks, tokens
 from kvbench import models, run
 from kvbench.cache import attention as att
+from kvbench.cache import engine
+from kvbench.compressors.pruning import PruningCompressor
+from kvbench.compressors.quantized import QuantizedCompressor
+from kvbench.compressors.svd import SVDCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import generate, loop, perplexity
 from kvbench.schedulers.h2o import H2OScheduler
@@ -203,3 +207,68 @@ def test_scores_cast_the_keys_to_float32_once(monkeypatch, causal):
     assert len(blocks) >= 10
     casts = [s for s, dtype, _ in seen.shapes if s == tuple(k.shape) and dtype == torch.float32]
     assert len(casts) == 1
+
+
+# --- a compressed cache: decoded a block of head-rows at a time, kept nowhere -----------------------
+
+HEAD_DIM = 64
+
+
+@pytest.fixture(scope="module")
+def wide_heads():
+    """8 query and 2 KV heads of head_dim 64: decoded keys are clearly larger than their codes."""
+    cfg = tiny_cfg("llama", heads=8, num_key_value_heads=2, head_dim=HEAD_DIM, hidden_size=128)
+    return models.load(cfg, "cpu")
+
+
+def _representations():
+    return {
+        "quantized": QuantizedCompressor(bits=2),
+        "svd": SVDCompressor(key_rank=8, value_rank=8, block_size=16),
+        "pruning": PruningCompressor(keep_ratio=0.5),
+    }
+
+
+@pytest.mark.parametrize("name", ["quantized", "svd", "pruning"])
+def test_a_compressed_cache_holds_no_decoded_copy_between_steps(wide_heads, name):
+    """Found: a compressed segment kept its tokens decoded in its rows, and the view joined them with
+    the full-precision rows into a second copy, so a 2-bit cache held more than the full cache.
+    Between steps a compressed cache now holds what its format stores, its full-precision rows (at
+    their capacity) and per-token bookkeeping (positions, valid slots: at most 32 bytes a token and
+    head-row), nothing decoded."""
+    stack = make_stack(wide_heads, compressor=_representations()[name], budget=0.5)
+    _, cache = run_chunks(wide_heads, stack, tokens(300, 1), [280] + [1] * 20)
+    assert all(len(s.segments) == 2 for s in cache.stores)
+    fp_rows = sum(s.fp.rows.fields[n].untyped_storage().nbytes() for s in cache.stores for n in ("k", "v"))
+    compressed = sum(seg.nbytes() for s in cache.stores for seg in s.compressed)
+    side = cache.nbytes() - compressed - sum(s.fp.nbytes() for s in cache.stores)
+    token_rows = sum(s.stored_tokens() for s in cache.stores)
+    held = cache.resident_bytes() - fp_rows - compressed - side
+    assert 0 < held <= 32 * token_rows, (held, token_rows)
+
+
+def test_attention_decodes_a_compressed_cache_a_block_of_head_rows_at_a_time(wide_heads, monkeypatch):
+    """Blocks of one head-row (a decode budget of one head-row's keys) give the logits of one block
+    of all, and a decode step then allocates no decoded keys beyond one head-row's (before: every
+    stored token of the layer, decoded, and a joined copy)."""
+
+    def decode():
+        stack = make_stack(wide_heads, compressor=QuantizedCompressor(bits=2), budget=0.5)
+        cache = loop.new_cache(wide_heads, stack, batch=2)
+        ids = torch.tensor([tokens(200, 1), tokens(200, 2)])
+        real = torch.ones(2, 200, dtype=torch.bool)
+        outs = [loop.step_batch(wide_heads, cache, ids, real, [])]
+        for i in range(6):
+            outs.append(loop.step_batch(wide_heads, cache, ids[:, i : i + 1], real[:, :1], []))
+        with Allocations() as seen:
+            outs.append(loop.step_batch(wide_heads, cache, ids[:, 9:10], real[:, :1], []))
+        width = cache.stores[0].view().pos.shape[2]
+        decoded = [n for s, dtype, n in seen.shapes if dtype == torch.float32 and s[-1:] == (HEAD_DIM,)]
+        return torch.cat(outs, 1), max(decoded) // (width * HEAD_DIM * 4)
+
+    whole, rows = decode()
+    assert rows >= 4  # every head-row of the batch at once
+    monkeypatch.setattr(engine, "DECODE_ELEMS", 120 * HEAD_DIM)  # fewer than one head-row's tokens
+    blocks, rows = decode()
+    assert torch.allclose(blocks, whole, atol=1e-5, rtol=0)
+    assert rows == 1

@@ -1,5 +1,6 @@
 """The store's view across segments: kept up to date between steps, always what concatenating
-every segment's rows gives, whatever sequence of appends, moves and evictions led there."""
+every segment's rows (and its decoded keys and values) gives, whatever sequence of appends, moves
+and evictions led there; any block of head-rows decodes to the same."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvbench.cache.segments import Segment
+from kvbench.cache.segments import FPSegment, Segment
 from kvbench.cache.store import LayerStore
 
 
@@ -35,10 +36,26 @@ class _Halved(Segment):
         return self.pos.float() / 100 if self.biased else None
 
 
+def _decoded(seg) -> tuple[torch.Tensor, torch.Tensor]:
+    """A segment's keys and values in its rows' slots: stored, or read whole and placed."""
+    rows = seg.rows
+    if isinstance(seg, FPSegment):
+        return rows.get("k"), rows.get("v")
+    out = []
+    for flat in seg.read(torch.float32):
+        slots = torch.zeros(rows.bh, rows.width, flat.shape[-1])
+        slots[rows.valid()] = flat
+        out.append(slots)
+    return out[0], out[1]
+
+
 def _reference(store: LayerStore) -> dict[str, torch.Tensor | None]:
     """The view as a plain concatenation of every segment's rows."""
     segs = store.segments
-    cat = {name: torch.cat([s.rows.get(name) for s in segs], dim=1) for name in ("k", "v", "pos")}
+    cat = {"pos": torch.cat([s.rows.get("pos") for s in segs], dim=1)}
+    decoded = [_decoded(s) for s in segs]
+    cat["k"] = torch.cat([k for k, _ in decoded], dim=1)
+    cat["v"] = torch.cat([v for _, v in decoded], dim=1)
     cat["valid"] = torch.cat([s.rows.valid() for s in segs], dim=1)
     cat["bias"] = None
     if any("bias" in s.rows for s in segs):
@@ -61,6 +78,12 @@ def _check(store: LayerStore) -> None:
         assert view.bias is None
     else:
         assert view.bias is not None and torch.equal(view.bias.reshape(b * h, -1), ref["bias"])
+    parts = [(r, r + 1) for r in range(b * h)] + [(s * h, (s + 1) * h) for s in range(b)]
+    for lo, hi in parts:  # every head-row alone, every sequence whole
+        k, v = store.decoded(lo, hi)
+        assert torch.equal(k, ref["k"][lo:hi]) and torch.equal(v, ref["v"][lo:hi]), (lo, hi)
+    store.release()
+    assert view.kv is None
 
 
 def _leaving(store: LayerStore, keep_first: int, keep_last: int) -> torch.Tensor:

@@ -159,6 +159,7 @@ class KVCache(Cache):
         with torch.inference_mode():
             for i, store in enumerate(self.stores):
                 self.stack.apply(i, store)
+                store.release()
         self.routed = True
 
     def nbytes(self) -> int:
@@ -199,7 +200,7 @@ class KVCache(Cache):
             and not padded
             and view.bias is None
             and view.dense
-            and (view.k.shape[2] == q_len or q_len == 1)
+            and (view.pos.shape[2] == q_len or q_len == 1)
         )
         qreal = qpos >= 0
 
@@ -232,11 +233,7 @@ class KVCache(Cache):
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
-            k, v = view.k.to(query.dtype), view.v.to(query.dtype)
-            if per_block:
-                out = att.attend_blocks(query, k, v, mask_fn, scaling, view.bias)
-            else:
-                out = att.attend(query, k, v, mask, scaling, view.bias)
+            out = _attend_decoded(store, query, mask, mask_fn if per_block else None, scaling)
         for tech in self.stack.query_observers:
             tech.observe_queries(layer, store, query, qpos)
         observers = self.stack.observers
@@ -244,7 +241,7 @@ class KVCache(Cache):
         first = min((t.observed_from(layer, q_len, padded) for t in observers), default=q_len)
         if first < q_len:
             # plain causal prefill: the stored slots are this chunk's positions in order
-            causal = view.k.shape[2] - q_len + first if plain_read and q_len > 1 else None
+            causal = view.pos.shape[2] - q_len + first if plain_read and q_len > 1 else None
             blocks = att.probs_blocks(
                 query[:, :, first:],
                 view.k,
@@ -262,6 +259,7 @@ class KVCache(Cache):
                     tech.observe(layer, store, probs, qpos[:, start:stop])
         if self.probe is not None and self.shadow is not None and self.shadow[layer] is not None:
             self._probe_hit(layer, store, query, qpos, mask_fn, scaling, sliding_window)
+        store.release()
         return out
 
     def _probe_hit(self, layer, store, query, qpos, mask_fn, scaling, sliding_window) -> None:
@@ -295,6 +293,60 @@ class KVCache(Cache):
         exclude |= torch.arange(s) >= chunk_start
         hit, hit_excl = att.kv_hit(p_stack, store.units(s).to(HOST), p_full, exclude)
         self.probe.add(hit, hit_excl)
+
+
+# Upper bound on the elements of the keys decoded for one block of head-rows (2**24: 32 MiB in bf16).
+DECODE_ELEMS = 1 << 24
+
+
+def head_blocks(batch: int, heads: int, per_head: int) -> list[tuple[int, int, int, int]]:
+    """Blocks ``(b0, b1, h0, h1)`` of sequences and KV heads whose keys, ``per_head`` elements per
+    head-row, stay within :data:`DECODE_ELEMS`: whole sequences together, else heads of one
+    sequence (at least one head a block). Each block's head-rows are consecutive."""
+    per_seq = heads * per_head
+    if batch * per_seq <= DECODE_ELEMS:
+        return [(0, batch, 0, heads)]
+    if per_seq <= DECODE_ELEMS:
+        step = DECODE_ELEMS // per_seq
+        return [(b, min(batch, b + step), 0, heads) for b in range(0, batch, step)]
+    step = max(1, DECODE_ELEMS // max(1, per_head))
+    return [(b, b + 1, h, min(heads, h + step)) for b in range(batch) for h in range(0, heads, step)]
+
+
+def _attend_decoded(store: LayerStore, query, mask, mask_fn, scaling: float) -> torch.Tensor:
+    """Attention over the store's keys and values (``mask`` or, per block of queries, ``mask_fn``:
+    see :func:`att.attend`, :func:`att.attend_blocks`). A store holding representations is read in
+    blocks of head-rows (:func:`head_blocks`), each decoded (:meth:`LayerStore.decoded`), attended
+    and dropped: the layer's keys and values never exist decoded whole, unless a technique reads
+    them (``view().k``)."""
+    view = store.view()
+
+    def attend(q, k, v, mask, mask_fn, bias):
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if mask_fn is not None:
+            return att.attend_blocks(q, k, v, mask_fn, scaling, bias)
+        return att.attend(q, k, v, mask, scaling, bias)
+
+    b, h = store.batch, store.kv_heads
+    t = view.pos.shape[2]
+    blocks = head_blocks(b, h, t * store.head_dim)
+    if len(store.segments) == 1 or view.kv is not None or len(blocks) == 1:
+        return attend(query, view.k, view.v, mask, mask_fn, view.bias)
+    g = query.shape[1] // h
+    out = query.new_empty(*query.shape[:3], store.head_dim)
+    for b0, b1, h0, h1 in blocks:
+        part = (slice(b0, b1), slice(h0, h1))
+        k, v = store.decoded(b0 * h + h0, (b1 - 1) * h + h1)
+        shape = (b1 - b0, h1 - h0, t, store.head_dim)
+        out[b0:b1, h0 * g : h1 * g] = attend(
+            query[b0:b1, h0 * g : h1 * g],
+            k.view(shape),
+            v.view(shape),
+            None if mask is None else mask[part],
+            None if mask_fn is None else lambda s, e, part=part: mask_fn(s, e)[part],
+            None if view.bias is None else view.bias[part],
+        )
+    return out
 
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:

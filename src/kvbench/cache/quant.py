@@ -49,10 +49,16 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``(..., P)`` -> ``(..., P * 8 // bits)`` uint8."""
+    """Inverse of :func:`pack`: ``(..., P)`` -> ``(..., P * 8 // bits)`` uint8.
+
+    2, 4 and 8 bits shift bytes (uint8 throughout); 3 bits joins each 3-byte word in int32."""
     if bits == 8 and packed.dtype == torch.uint8:
         return packed.contiguous()
     per, nbytes = _layout(bits)
+    if nbytes == 1:
+        shifts = _multiples(per, bits, packed.device).to(torch.uint8)
+        codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)
+        return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
     words = packed.to(torch.int32).view(*packed.shape[:-1], packed.shape[-1] // nbytes, nbytes)
     word = (words << _multiples(nbytes, 8, packed.device)).sum(-1)
     codes = (word[..., None] >> _multiples(per, bits, packed.device)) & ((1 << bits) - 1)
@@ -107,4 +113,7 @@ def _quantize(
 def dequantize(
     codes: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    return (codes.float() * step.float() + zero.float()).to(dtype)
+    """``codes * step + zero`` in float32 (one buffer, updated in place), then ``dtype``; ``zero``
+    and ``step`` broadcast over ``codes``."""
+    out = codes.float().mul_(step).add_(zero)
+    return out if dtype == torch.float32 else out.to(dtype)

@@ -37,6 +37,29 @@ def told(lens: torch.Tensor) -> int | None:
     return _SAME.get(lens)
 
 
+def slice_of(lens: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``lens[lo:hi]``, known to hold one count where ``lens`` is known to (:func:`told`)."""
+    part = lens[lo:hi]
+    count = told(lens)
+    return part if count is None else tell(part, count)
+
+
+# Host copies of count tensors' running ends (``lens.cumsum()``), read once per tensor by :func:`span`.
+_ENDS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def span(lens: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
+    """The flat rows of head-rows ``lo .. hi - 1``: ``[start, stop)``, from the common count when
+    known (:func:`same_count`), else from the running ends, read once per ``lens`` tensor."""
+    count = same_count(lens)
+    if count is not None:
+        return lo * count, hi * count
+    if lens not in _ENDS:
+        _ENDS[lens] = [0, *lens.cumsum(0).tolist()]
+    ends = _ENDS[lens]
+    return ends[lo], ends[hi]
+
+
 def valid_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     """Boolean ``(BH, width)`` mask, True for the first ``lens[i]`` slots of row ``i``."""
     return torch.arange(width, device=lens.device)[None, :] < lens[:, None]

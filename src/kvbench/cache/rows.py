@@ -27,13 +27,13 @@ _MIN_GROWTH = 64
 @dataclass
 class _Compaction:
     """Where the kept slots of ``keep`` ``(BH, W)`` go when each row's are moved to its front, in
-    order, in fields whose rows are ``stride`` slots apart (flat slot indices of a ``(BH * stride,
-    ...)`` view): ``src`` the kept slots, ``dst`` their new places (None when every row keeps
-    ``width``: then they fill ``[:, :width]`` in order), ``lens`` ``(BH,)`` kept per row, between
-    ``least`` and ``width``."""
+    order, from fields whose rows are ``stride`` slots apart: ``src`` the kept slots (flat slot
+    indices of a ``(BH * stride, ...)`` view), ``dst`` their new places as (row, column) (None when
+    every row keeps ``width``: then they fill ``[:, :width]`` in order), ``lens`` ``(BH,)`` kept per
+    row, between ``least`` and ``width``."""
 
     src: torch.Tensor
-    dst: torch.Tensor | None
+    dst: tuple[torch.Tensor, torch.Tensor] | None
     lens: torch.Tensor
     least: int
     width: int
@@ -56,20 +56,22 @@ class _Compaction:
         src = rows * stride + cols
         dst = None
         if low != high:
-            dst = rows * stride + (keep.long().cumsum(-1) - 1)[rows, cols]
+            dst = rows, (keep.long().cumsum(-1) - 1)[rows, cols]
         return cls(src, dst, lens, low, high)
 
     def apply(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the kept slots of ``values`` ``(BH, stride, ...)`` into ``out`` (same shape, its
-        slots past ``width`` left as they are): whole slots move by one ``index_select`` over a
-        ``(BH * stride, ...)`` view; slots of a row past its length read as zeros."""
+        """Write the kept slots of ``values`` ``(BH, stride, ...)`` into ``out`` (``(BH, capacity,
+        ...)``, ``capacity >= width``, its slots past ``width`` left as they are): whole slots move by
+        one ``index_select`` over a ``(BH * stride, ...)`` view; slots of a row past its length read
+        as zeros."""
         bh, stride, *rest = values.shape
         kept = values.reshape(bh * stride, *rest).index_select(0, self.src)
         if self.dst is None:
             out[:, : self.width] = kept.view(bh, self.width, *rest)
         else:
             out[:, self.least : self.width] = 0  # where some row ends short: zeros, then its tokens
-            out.view(bh * stride, *rest).index_copy_(0, self.dst, kept)
+            rows, cols = self.dst
+            out.view(bh * out.shape[1], *rest).index_copy_(0, rows * out.shape[1] + cols, kept)
 
 
 def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -227,9 +229,16 @@ class Rows:
         self._compact(_Compaction.of(keep, self.capacity))  # one plan for every field
 
     def _compact(self, plan: _Compaction) -> None:
+        """Apply ``plan`` to every field, into new tensors: at the present capacity, or a smaller
+        one (the kept width and room to grow) once the kept tokens fill less than half of it, so that
+        rows emptied by evictions or moves do not hold the memory of their longest past."""
         self._changed(0)
+        cap = self.capacity
+        if 2 * plan.width < cap:
+            cap = plan.width + max(_MIN_GROWTH, plan.width // 4)
         for name, field in self.fields.items():
-            new = torch.empty_like(field)
+            new = field.new_empty(field.shape[0], cap, *field.shape[2:])
             plan.apply(field, new)
             self.fields[name] = new
+        self.capacity = cap
         self.lens, self.width, self.uniform = plan.lens, plan.width, plan.dst is None

@@ -3,13 +3,16 @@
 :class:`FPSegment` holds the full-precision tokens: its rows (:class:`kvbench.cache.rows.Rows`)
 are the stored data. A compressed :class:`Segment` stores its encoded form flat and head-major
 (``lens`` tokens per head-row: packed codes, factors, merged units; subclasses define
-``data_fields`` and decode flat tokens in ``read``) and keeps its decoded keys and values in its
-rows, decoded once when tokens arrive. :class:`GroupedSegment` adds parameters shared by groups of
-tokens (quantization scales, block factors), freed with a group's last token.
+``data_fields`` and decode flat tokens in ``read``); its rows hold only positions and technique
+state. Nothing decoded is kept: attention decodes a block of head-rows at a time
+(:meth:`Segment.head_rows`, :meth:`kvbench.cache.store.LayerStore.decoded`).
+:class:`GroupedSegment` adds parameters shared by groups of tokens (quantization scales, block
+factors), freed with a group's last token.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +20,9 @@ from typing import Any
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.rotary import Angles, Rotary
 from kvbench.cache.rows import Rows
 
-KV = ("k", "v")  # the rows' decoded (or, full precision, stored) keys and values
+KV = ("k", "v")  # the full-precision rows' stored keys and values
 NOT_STATE = ("k", "v", "bias")  # rows fields that are not per-token bookkeeping
 
 
@@ -37,7 +39,7 @@ class Segment:
     Attributes:
         lens: ``(BH,)`` tokens per head-row.
         pos: ``(N,)`` original position of each token (used by decoders that need it).
-        rows: the per-head-row table (positions, technique state, decoded keys and values),
+        rows: the per-head-row table (positions, technique state, merged units' logit bias),
             filled by the store when the segment joins it.
     """
 
@@ -60,6 +62,20 @@ class Segment:
     def layout(self) -> tuple[Any, ...]:
         """Segments of one type and layout merge into one (see :meth:`LayerStore.move_out`)."""
         return ()
+
+    def head_rows(self, lo: int, hi: int) -> Segment:
+        """The tokens of head-rows ``lo .. hi - 1`` as a segment of the same type, for :meth:`read`
+        (slices of this one's tensors, nothing copied; itself when they are every head-row). A
+        part spans whole sequences or stays within one (see :meth:`LatentSegment.head_rows`)."""
+        if lo == 0 and hi == self.lens.numel():
+            return self
+        a, b = ragged.span(self.lens, lo, hi)
+        part = copy.copy(self)
+        part.__dict__ = {n: x for n, x in self.__dict__.items() if not n.startswith("_")}
+        part.set_data_fields({name: x[a:b] for name, x in self.data_fields().items()})
+        part.pos = self.pos[a:b]
+        part.lens = ragged.slice_of(self.lens, lo, hi)
+        return part
 
     def nbytes(self) -> int:
         return nbytes(*self.data_fields().values())
@@ -199,9 +215,30 @@ class GroupedSegment(Segment):
     def extend(self, other: Segment) -> None:
         assert isinstance(other, GroupedSegment)
         counts = ragged.same_count(self.glens), ragged.same_count(other.glens)
+        full = ragged.told(self.gcount), ragged.told(other.gcount)
         _join(self, other, [*self.group_fields(), "gcount"], "glens", counts)
         self.glens = _added(self.glens, other.glens, counts)
+        if full[0] is not None and full[0] == full[1]:  # every group of both full: so are the joined
+            ragged.tell(self.gcount, full[0])
         super().extend(other)
+
+    def head_rows(self, lo: int, hi: int) -> Segment:
+        part = super().head_rows(lo, hi)
+        if part is self:
+            return self
+        assert isinstance(part, GroupedSegment)
+        a, b = ragged.span(self.glens, lo, hi)
+        for name, value in self.group_fields().items():
+            setattr(part, name, value[a:b])
+        part.gcount = ragged.slice_of(self.gcount, a, b)
+        part.glens = ragged.slice_of(self.glens, lo, hi)
+        return part
+
+    def full_groups(self) -> int | None:
+        """Tokens of every group when all hold the same number (as built, before any eviction; known
+        on the host, :func:`ragged.same_count`), so per-group parameters broadcast over a
+        ``(M, n, ...)`` view of the tokens instead of being gathered per token; else None."""
+        return ragged.same_count(self.gcount)
 
 
 def as_float(x: torch.Tensor) -> torch.Tensor:
@@ -331,33 +368,3 @@ class RowCounts:
 
     def nbytes(self) -> int:
         return self.size * self.token_nbytes()
-
-
-class RebuiltOnEncode:
-    """Mixin for a :class:`Segment` of pre-rotary keys whose encoder rebuilds its tokens anyway (to
-    measure its error): :meth:`remember` keeps them for the store's first :meth:`Segment.read` (the
-    store reads a new segment as it adopts it), which then decodes nothing. Keeping or extending the
-    tokens forgets them."""
-
-    rotary: Rotary
-    pos: torch.Tensor
-
-    def remember(self, kpre: torch.Tensor, v: torch.Tensor, angles: Angles) -> None:
-        """The rebuilt keys before rotation and values ``(N, D)`` float32, and the angles of ``pos``."""
-        self.__dict__["_rebuilt"] = (kpre, v, angles)
-
-    def rebuilt(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What :meth:`Segment.read` returns, from the remembered tokens (once), or None."""
-        kept = self.__dict__.pop("_rebuilt", None)
-        if kept is None:
-            return None
-        kpre, v, angles = kept
-        return self.rotary.rotate(kpre, self.pos, angles).to(dtype), v.to(dtype)
-
-    def keep(self, keep: torch.Tensor) -> None:
-        self.__dict__.pop("_rebuilt", None)
-        super().keep(keep)  # type: ignore[misc]
-
-    def extend(self, other: Segment) -> None:
-        self.__dict__.pop("_rebuilt", None)
-        super().extend(other)  # type: ignore[misc]

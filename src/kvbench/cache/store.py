@@ -6,17 +6,18 @@ own (packed integers, factors, merged units, ...) through :meth:`LayerStore.move
 first; no technique assigns a segment or the list itself.
 
 Every segment keeps its tokens in a :class:`kvbench.cache.rows.Rows` table, per head-row, with
-their original positions (``pos``), any per-token technique state (:class:`TokenState`, e.g.
-H2O's accumulated attention), and the keys and values attention reads (``k``, ``v``). For the
-full-precision segment those *are* the stored data. A compressed segment stores its encoded
-form flat and head-major (``lens`` tokens per head-row: packed codes, factors; see its
-``data_fields``), and its ``k``/``v`` rows are the decoded working copy, decoded once when tokens
-arrive, so reading the cache never re-decodes it.
+their original positions (``pos``) and any per-token technique state (:class:`TokenState`, e.g.
+H2O's accumulated attention). The full-precision rows also hold the keys and values (``k``,
+``v``): the stored data. A compressed segment stores its encoded form flat and head-major
+(``lens`` tokens per head-row: packed codes, factors; see its ``data_fields``) and nothing
+decoded: attention decodes it a block of head-rows at a time (:meth:`LayerStore.decoded`), and a
+technique that reads keys gets them decoded for that step (``view().k``, dropped by
+:meth:`LayerStore.release`).
 
 Byte accounting: ``nbytes()`` counts every tensor needed to rebuild the keys and values that
 attention reads (data, scales, zero points, group counts, factors) plus the technique metadata
 attention needs (:class:`SideData`). Token positions and technique state are bookkeeping,
-reported apart as ``aux_nbytes()``; decoded working copies are neither.
+reported apart as ``aux_nbytes()``.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class LayerStore:
         self.last_padded = False  # the last append came with a padding mask (``real``)
         self._seen_max = 0
         self._view: PaddedView | None = None
-        self._joined: JoinedRows | None = None  # the view's rows when several segments hold tokens
+        self._joined: JoinedRows | None = None  # the view's positions when several segments hold tokens
         self.edits = 0  # changes to stored tokens other than appends (evictions, moves): see ``edits``
         self.copies: dict[str, Any] = {}  # techniques' copies elsewhere (FlexGen's tier): resident bytes
 
@@ -201,12 +202,11 @@ class LayerStore:
     def adopt(
         self, seg: Segment, state: dict[str, torch.Tensor], first: bool = False, per_row: int | None = None
     ) -> None:
-        """Add a built segment's tokens (and their flat per-token ``state``), decoded once.
+        """Add a built segment's tokens (their positions and flat per-token ``state`` to its rows).
 
         ``per_row``: the segment's tokens of every head-row, when the same and known on the host
         (a decode step's move), so joining rows that hold the same number appends rectangles."""
-        k, v = seg.read(self.dtype)
-        new = {"pos": seg.pos, "k": k, "v": v, **state}
+        new = {"pos": seg.pos, **state}
         bias = seg.bias()
         if bias is not None:
             new["bias"] = bias
@@ -248,13 +248,48 @@ class LayerStore:
 
     def view(self) -> PaddedView:
         """Padded keys, values and positions over every segment, oldest representation first
-        (:func:`kvbench.cache.view.padded_view`: with several segments, their joined rows are kept
-        between steps)."""
+        (:func:`kvbench.cache.view.padded_view`). With several segments, the keys and values are
+        decoded when first read (:meth:`decoded`) and kept until :meth:`release`; their joined
+        positions are kept between steps."""
         if self._view is None:
             self._view, self._joined = padded_view(
-                self.segments, self._joined, self.batch, self.kv_heads, self.head_dim
+                self.segments, self._joined, self.batch, self.kv_heads, self.decoded
             )
         return self._view
+
+    def release(self) -> None:
+        """Drop the keys and values a view decoded (the end of a forward's attention, of a
+        technique's step): a compressed cache holds no decoded copy between steps."""
+        if self._view is not None:
+            self._view.release()
+
+    def decoded(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of head-rows ``lo .. hi - 1`` laid out as ``view()``'s, ``(hi - lo, T, D)``
+        in the store's dtype: the full-precision rows as stored, every representation decoded now
+        and kept nowhere. A part spans whole sequences or stays within one."""
+        hi = self.batch * self.kv_heads if hi is None else hi
+        keys, values = [], []
+        for seg in self.segments:
+            rows = seg.rows
+            if isinstance(seg, FPSegment):
+                k, v = rows.get("k")[lo:hi], rows.get("v")[lo:hi]
+            else:
+                flat = seg.head_rows(lo, hi).read(self.dtype)
+                k, v = (self._laid_out(x, rows, lo, hi) for x in flat)
+            keys.append(k)
+            values.append(v)
+        if len(keys) == 1:
+            return keys[0], values[0]
+        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+
+    @staticmethod
+    def _laid_out(flat: torch.Tensor, rows: Rows, lo: int, hi: int) -> torch.Tensor:
+        """Flat head-major tokens of rows ``lo .. hi - 1`` in their slots ``(hi - lo, width, ...)``."""
+        if rows.uniform:
+            return flat.view(hi - lo, rows.width, *flat.shape[1:])
+        out = flat.new_zeros(hi - lo, rows.width, *flat.shape[1:])
+        out[rows.valid()[lo:hi]] = flat
+        return out
 
     def units(self, positions: int) -> torch.Tensor:
         """Column of ``view()`` holding each original position ``(B, H, positions)``; -1 if not stored.

@@ -2,13 +2,15 @@
 oldest representation first (:class:`PaddedView`, built by :func:`padded_view` for
 :meth:`kvbench.cache.store.LayerStore.view`).
 
-With one segment the view is that segment's rows, a free slice. With several it is a joined copy
-of their rows (:class:`JoinedRows`), kept between steps and rewritten only from the first column
-that changed.
+With one segment the view is that segment's rows, a free slice. With several, their positions,
+valid slots and merged units' biases are joined (:class:`JoinedRows`), kept between steps and
+rewritten only from the first column that changed; their keys and values are decoded when first
+read and dropped by :meth:`PaddedView.release`, so no second copy of the cache outlives a step.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,25 +23,47 @@ class PaddedView:
 
     Shapes use ``(B, H, T, D)``; ``valid`` marks real tokens, ``widths`` the segment widths;
     ``bias`` ``(B, H, T)`` is an additive logit per unit (merged tokens), or None; ``dense`` is
-    True when every slot is a real token (``valid`` all True). A view shows the store as it was when
-    read, until the store next changes (several segments' joined rows are then updated in place).
+    True when every slot is a real token (``valid`` all True). ``k`` and ``v`` come from
+    ``decode()`` when first read (``(B * H, T, D)`` each: the rows' own with one segment, a decoded
+    copy with several) and are kept until :meth:`release`. A view shows the store as it was when
+    read, until the store next changes (several segments' joined positions are then updated in
+    place).
     """
 
-    k: torch.Tensor
-    v: torch.Tensor
     pos: torch.Tensor
     valid: torch.Tensor
     widths: list[int]
+    decode: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     bias: torch.Tensor | None = None
     dense: bool = False
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self._kv()[0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self._kv()[1]
+
+    def _kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv is None:
+            b, h, t = self.pos.shape
+            k, v = self.decode()
+            self.kv = k.view(b, h, t, k.shape[-1]), v.view(b, h, t, v.shape[-1])
+        return self.kv
+
+    def release(self) -> None:
+        """Forget the keys and values read (decoded again when next read)."""
+        self.kv = None
 
 
-VIEWED = ("k", "v", "pos", "bias")  # the rows' fields a view shows (``bias``: merged units only)
+VIEWED = ("pos", "bias")  # the rows' fields a view joins (``bias``: merged units only)
 
 
 class JoinedRows:
-    """The rows of several segments side by side, ``(B * H, capacity)`` per field, as
-    :meth:`LayerStore.view` shows them.
+    """The positions, valid slots and biases of several segments side by side, ``(B * H,
+    capacity)`` per field, as :meth:`LayerStore.view` shows them.
 
     Kept between steps and updated from the first column that changed (:meth:`Rows.changes`): a
     decode step appends a token to the full-precision rows and a compressor moves the oldest ones
@@ -108,10 +132,14 @@ class JoinedRows:
 
 
 def padded_view(
-    segs: list[Any], joined: JoinedRows | None, batch: int, kv_heads: int, head_dim: int
+    segs: list[Any],
+    joined: JoinedRows | None,
+    batch: int,
+    kv_heads: int,
+    decode: Callable[[], tuple[torch.Tensor, torch.Tensor]],
 ) -> tuple[PaddedView, JoinedRows | None]:
-    """The view of ``segs`` (each with its ``rows``), and the joined rows to keep for the next one
-    (None with one segment, whose rows are the view)."""
+    """The view of ``segs`` (each with its ``rows``) whose keys and values ``decode()`` gives, and
+    the joined rows to keep for the next one (None with one segment, whose rows are the view)."""
     if len(segs) == 1:
         rows = segs[0].rows
         fields = {name: rows.get(name) for name in VIEWED if name in rows}
@@ -123,11 +151,10 @@ def padded_view(
     shape = (batch, kv_heads, -1)
     bias = fields.get("bias")
     view = PaddedView(
-        k=fields["k"].view(*shape, head_dim),
-        v=fields["v"].view(*shape, head_dim),
         pos=fields["pos"].view(shape),
         valid=fields["valid"].view(shape),
         widths=[s.rows.width for s in segs],
+        decode=decode,
         bias=None if bias is None else bias.view(shape),
         dense=all(s.rows.uniform for s in segs),
     )

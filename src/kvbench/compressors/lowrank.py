@@ -18,7 +18,7 @@ import torch
 
 from kvbench.cache import quant
 from kvbench.cache.rotary import Angles, Rotary
-from kvbench.cache.segments import RebuiltOnEncode, RowCounts, Segment, as_float, joined_on_read
+from kvbench.cache.segments import RowCounts, Segment, as_float, joined_on_read
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
@@ -99,7 +99,7 @@ LATENT_FIELDS = ("klat", "vlat", "kzero", "kstep", "vzero", "vstep")  # per toke
 
 @joined_on_read(*LATENT_FIELDS)
 @dataclass
-class LatentSegment(RebuiltOnEncode, RowCounts, Segment):
+class LatentSegment(RowCounts, Segment):
     """Tokens as latents on per-head bases: ``K = rotate(klat · kbasisᵀ)``, ``V = vlat · vbasisᵀ``.
 
     Per token: ``klat`` ``(N, rk)`` and ``vlat`` ``(N, rv)`` in the model dtype, or, with ``bits``,
@@ -136,13 +136,10 @@ class LatentSegment(RebuiltOnEncode, RowCounts, Segment):
         """Project tokens (rotated keys ``k``, values ``v`` ``(n, D)``) onto the bases; ``residuals``
         (keys, values) accumulate the error of what is stored.
 
-        What is stored is rebuilt here once, for the residuals and for the :meth:`read` that
-        follows (the store decodes a new segment as it adopts it), with the rotary angles of
-        ``pos`` computed once for both turns.
+        What is stored is rebuilt here for the residuals (pre-RoPE: no rotation needed).
         """
         seg = cls(lens=lens, pos=pos, rotary=rotary, kbasis=kbasis, vbasis=vbasis, bits=bits)
-        angles = rotary.angles(pos, k.device)
-        kpre = pre_rope(rotary, k, pos, angles)
+        kpre = pre_rope(rotary, k, pos)
         kl, vl = seg._project(kpre, kbasis), seg._project(as_float(v), vbasis)
         if bits is None:
             seg.klat, seg.vlat = kl.to(kbasis.dtype), vl.to(vbasis.dtype)
@@ -153,11 +150,9 @@ class LatentSegment(RebuiltOnEncode, RowCounts, Segment):
             kc, seg.kzero, seg.kstep, kl = quant.quantize_dequantize(kl, bits, dim=-1)
             vc, seg.vzero, seg.vstep, vl = quant.quantize_dequantize(vl, bits, dim=-1)
             seg.klat, seg.vlat = quant.pack(kc, bits), quant.pack(vc, bits)
-        krebuilt, vrebuilt = seg._expand(kl, kbasis), seg._expand(vl, vbasis)
         if residuals is not None:
-            residuals[0].add(kpre, krebuilt)
-            residuals[1].add(v, vrebuilt)
-        seg.remember(krebuilt, vrebuilt, angles)
+            residuals[0].add(kpre, seg._expand(kl, kbasis))
+            residuals[1].add(v, seg._expand(vl, vbasis))
         return seg
 
     def layout(self) -> tuple[Any, ...]:
@@ -179,10 +174,21 @@ class LatentSegment(RebuiltOnEncode, RowCounts, Segment):
             quant.dequantize(vc, self.vzero, self.vstep, torch.float32),
         )
 
+    def head_rows(self, lo: int, hi: int) -> Segment:
+        """:meth:`Segment.head_rows`, with the bases of the part's heads: a part within one sequence
+        takes its heads' slice of the bases."""
+        self.join()
+        part = super().head_rows(lo, hi)
+        h = self.kbasis.shape[0]
+        if part is not self and (lo % h or (hi - lo) % h):
+            first = lo % h
+            assert first + hi - lo <= h, f"head-rows {lo}..{hi - 1} span sequences of {h} heads in part"
+            assert isinstance(part, LatentSegment)
+            part.kbasis = self.kbasis[first : first + hi - lo]
+            part.vbasis = self.vbasis[first : first + hi - lo]
+        return part
+
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        rebuilt = self.rebuilt(dtype)  # from encode, for these very tokens
-        if rebuilt is not None:
-            return rebuilt
         kl, vl = self.latents()
         k = self.rotary.rotate(self._expand(kl, self.kbasis), self.pos)
         return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)

@@ -59,23 +59,34 @@ class PrunedSegment(RowCounts, Segment):
     def data_fields(self) -> dict[str, torch.Tensor]:
         return {"kp": self.kp, "v": self.v}
 
-    def token_channels(self) -> torch.Tensor:
-        """The kept channels of every token's head-row ``(N, d_keep)`` int64 (for gather and scatter)."""
-        cached = self.__dict__.get("_token_channels")  # set by _prune for the tokens it pruned
-        if cached is not None and cached[0] is self.lens and cached[1] is self.channels:
-            return cached[2]
+    def keys(self, k: torch.Tensor, prune: bool) -> torch.Tensor:
+        """The kept channels of full keys ``k`` ``(N, D)`` (``prune``), or full keys (zeros in the
+        pruned channels) from kept ones ``(N, d_keep)``: by each head-row's channels, broadcast over
+        its tokens when every head-row holds the same number (no per-token index), else indexed per
+        token."""
         n, channels = self.row_count(), self.channels.long()
         if n is None:
             index = channels[segment_ids(self.lens)]
-        else:  # every head-row holds n tokens: its channels n times, as segment_ids would pick them
-            index = channels if n == 1 else channels.repeat_interleave(n, dim=0)
-        self.__dict__["_token_channels"] = (self.lens, self.channels, index)
-        return index
+            if prune:
+                return torch.gather(k, 1, index)
+            return k.new_zeros(k.shape[0], self.head_dim).scatter_(1, index, k)
+        bh = self.lens.numel()
+        index = channels[:, None, :].expand(bh, n, channels.shape[1])
+        rows = k.view(bh, n, k.shape[-1])
+        if prune:
+            return torch.gather(rows, 2, index).view(-1, channels.shape[1])
+        return k.new_zeros(bh, n, self.head_dim).scatter_(2, index, rows).view(-1, self.head_dim)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        k = torch.zeros(self.size, self.head_dim, dtype=dtype, device=self.kp.device)
-        k = k.scatter(1, self.token_channels(), self.kp.to(dtype))
-        return k, self.v.to(dtype)
+        return self.keys(self.kp.to(dtype), prune=False), self.v.to(dtype)
+
+    def head_rows(self, lo: int, hi: int) -> Segment:
+        self.join()
+        part = super().head_rows(lo, hi)
+        if part is not self:
+            assert isinstance(part, PrunedSegment)
+            part.channels = self.channels[lo:hi]
+        return part
 
     def extend(self, other: Segment) -> None:
         assert isinstance(other, PrunedSegment)
@@ -184,5 +195,5 @@ class PruningCompressor(Compressor):
     @staticmethod
     def _prune(k, v, pos, lens, channels: torch.Tensor, head_dim: int) -> PrunedSegment:
         seg = PrunedSegment(lens=lens, pos=pos, head_dim=head_dim, kp=k, v=v, channels=channels)
-        seg.kp = torch.gather(k, 1, seg.token_channels())
+        seg.kp = seg.keys(k, prune=True)
         return seg

@@ -49,15 +49,26 @@ class QuantSegment(GroupedSegment):
         return (self.key_bits, self.value_bits)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        gid = self.group_ids()
-        k = quant.dequantize(
-            quant.unpack(self.kcodes, self.key_bits), self.kzero[gid], self.kstep[gid], dtype
-        )
         d, g = self.head_dim, self.group_size
+        kcodes = quant.unpack(self.kcodes, self.key_bits)
+        per_group = self.full_groups()
+        if per_group is not None:  # every key group whole: its parameters broadcast over its tokens
+            shape = (-1, per_group, d)
+            k = quant.dequantize(kcodes.view(shape), self.kzero[:, None], self.kstep[:, None], dtype).view(
+                -1, d
+            )
+        else:
+            gid = self.group_ids()
+            k = quant.dequantize(kcodes, self.kzero[gid], self.kstep[gid], dtype)
+        vcodes = quant.unpack(self.vcodes, self.value_bits)[:, :d]
+        ngv = self.vzero.shape[1]
+        if ngv * g == d:  # value channel groups tile head_dim: parameters broadcast over each group
+            shape = (-1, ngv, g)
+            v = quant.dequantize(vcodes.view(shape), self.vzero[..., None], self.vstep[..., None], dtype)
+            return k, v.view(-1, d)
         vz = self.vzero.repeat_interleave(g, dim=1)[:, :d]
         vs = self.vstep.repeat_interleave(g, dim=1)[:, :d]
-        v = quant.dequantize(quant.unpack(self.vcodes, self.value_bits)[:, :d], vz, vs, dtype)
-        return k, v
+        return k, quant.dequantize(vcodes, vz, vs, dtype)
 
 
 @dataclass
@@ -114,7 +125,7 @@ def quantize_tokens(
         vstep=vs.view(-1, ngv),
         kzero=kz.view(-1, d),
         kstep=ks.view(-1, d),
-        gcount=torch.full((kz.shape[0],), g, dtype=torch.int16, device=k.device),
+        gcount=ragged.tell(torch.full((kz.shape[0],), g, dtype=torch.int16, device=k.device), g),
         glens=_groups(lens, g),
     )
 

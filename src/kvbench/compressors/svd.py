@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.segments import GroupedSegment, RebuiltOnEncode, as_float
+from kvbench.cache.segments import GroupedSegment, as_float
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
 from kvbench.errors import ConfigError
@@ -31,7 +31,7 @@ from kvbench.select import leaving_window
 
 
 @dataclass
-class SVDSegment(RebuiltOnEncode, GroupedSegment):
+class SVDSegment(GroupedSegment):
     """Factored blocks. Per token: ``ka`` ``(N, rk)``, ``va`` ``(N, rv)`` (or full values ``(N, D)``
     when ``vb`` is None). Per block: ``kb`` ``(M, D, rk)``, ``vb`` ``(M, D, rv)``, ``gcount`` ``(M,)``."""
 
@@ -63,11 +63,9 @@ class SVDSegment(RebuiltOnEncode, GroupedSegment):
         return ragged.from_padded(torch.bmm(p, as_float(b).transpose(1, 2)), valid)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        rebuilt = self.rebuilt(dtype)  # from factoring, for these very tokens
-        if rebuilt is not None:
-            return rebuilt
-        k = self.rotary.rotate(self.expand(self.ka, self.kb), self.pos)
-        v = self.va if self.vb is None else self.expand(self.va, self.vb)
+        block = self.full_groups()
+        k = self.rotary.rotate(self.expand(self.ka, self.kb, block), self.pos)
+        v = self.va if self.vb is None else self.expand(self.va, self.vb, block)
         return k.to(dtype), v.to(dtype)
 
 
@@ -131,17 +129,16 @@ class SVDCompressor(Compressor):
             va=va.to(dtype),
             kb=kb.to(dtype),
             vb=vb,
-            gcount=torch.full((kb.shape[0],), n, dtype=torch.int16, device=k.device),
+            gcount=ragged.tell(torch.full((kb.shape[0],), n, dtype=torch.int16, device=k.device), n),
             glens=lens // n,
         )
-        # What is stored, rebuilt once for the residuals and for the read as the store adopts it.
+        # What is stored, rebuilt for the residuals.
         krebuilt = seg.expand(seg.ka, seg.kb, n)
         self.residuals[0].add(kpre, krebuilt)
         vrebuilt = seg.va
         if seg.vb is not None:
             vrebuilt = seg.expand(seg.va, seg.vb, n)
             self.residuals[1].add(v, vrebuilt)
-        seg.remember(krebuilt, vrebuilt, angles)
         return seg
 
     def metrics(self) -> dict[str, float | list[float] | None]:
