@@ -12,13 +12,15 @@ from conftest import tiny_cfg
 from helpers import make_stack, run_chunks, tokens
 from kvbench import models, run
 from kvbench.cache import attention as att
-from kvbench.cache import engine
+from kvbench.cache import engine, held
+from kvbench.cache.store import LayerStore
 from kvbench.compressors.pruning import PruningCompressor
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.compressors.svd import SVDCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import generate, loop, perplexity
 from kvbench.schedulers.h2o import H2OScheduler
+from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 from test_bad_inputs import refused
 from tracking import Allocations
 
@@ -272,3 +274,83 @@ def test_attention_decodes_a_compressed_cache_a_block_of_head_rows_at_a_time(wid
     blocks, rows = decode()
     assert torch.allclose(blocks, whole, atol=1e-5, rtol=0)
     assert rows == 1
+
+
+# --- bytes at 32k on Llama-3.1-8B's attention shapes, against formulas ----------------------------
+
+T32K, KV_HEADS, HD = 32_768, 8, 128
+
+
+@pytest.fixture(scope="module")
+def llama8b_heads():
+    """One small layer with Llama-3.1-8B's attention geometry (32 query, 8 KV heads, head_dim 128),
+    for binding techniques; the 32k-token stores below are filled directly, with no forward."""
+    cfg = tiny_cfg("llama", heads=32, num_key_value_heads=KV_HEADS, head_dim=HD, hidden_size=256)
+    return models.load(cfg, "cpu")
+
+
+def _store_at_32k(lm, role: str, technique) -> LayerStore:
+    """A bf16 layer of one sequence after a 32k-token prefill, with ``technique`` (its ``role``)
+    applied at budget 0.5."""
+    stack = make_stack(
+        lm, **({role: technique} if technique is not None else {}), budget=0.5, sinks=4, window=32
+    )
+    gen = torch.Generator().manual_seed(0)
+    store = LayerStore(1, KV_HEADS, HD, torch.bfloat16, torch.device("cpu"))
+    k, v = (torch.randn(1, KV_HEADS, T32K, HD, generator=gen).to(torch.bfloat16) for _ in range(2))
+    store.append(k, v)
+    with torch.inference_mode():
+        stack.apply(0, store)
+    return store
+
+
+def _bookkeeping(store: LayerStore) -> int:
+    """Bytes beyond the format's and the full-precision rows' keys and values that a store may hold:
+    its positions (int64, in a segment and its rows, and the view's joined copy with its valid
+    slots: 25 bytes a token, with the rows' room to grow, a quarter, 32), the full-precision rows'
+    positions at their capacity, and the last chunk's query positions."""
+    fp_pos = store.fp.rows.capacity * store.batch * store.kv_heads * 8
+    return store.stored_tokens() * 32 + fp_pos + store.last_qpos.numel() * 8
+
+
+def _resident(store: LayerStore) -> int:
+    store.view()  # as attention leaves it: joined positions, nothing decoded
+    store.release()
+    return held.resident_bytes(store)
+
+
+@pytest.mark.parametrize(
+    "role, technique, per_row",
+    [
+        # every token at 16 bits: keys and values of head_dim 128
+        ("compressor", None, lambda t: t * 2 * HD * 2),
+        # KIVI 2-bit, groups of 32: whole groups past the 4 sinks and the 32-token window are packed
+        # (keys and values 2 bits a channel, 4 fp16 (zero, step) pairs per value token; per key group
+        # an fp16 zero and step per channel and an int16 count); the rest at 16 bits
+        (
+            "compressor",
+            lambda: QuantizedCompressor(bits=2, group_size=32),
+            lambda t: (
+                (q := (t - 36) // 32 * 32) * (HD // 4 * 2 + 4 * 2 * 2)
+                + q // 32 * (HD * 2 * 2 + 2)
+                + (t - q) * 2 * HD * 2
+            ),
+        ),
+        # StreamingLLM at budget 0.5: half the tokens (sinks and the recent window), at 16 bits
+        ("scheduler", lambda: StreamingLLMScheduler(), lambda t: t // 2 * 2 * HD * 2),
+    ],
+)
+def test_bytes_at_32k_match_their_formulas(llama8b_heads, role, technique, per_row):
+    """A layer of Llama-3.1-8B's shapes after a 32k prefill stores the bytes its format's formula
+    gives, exactly, and holds no more than those, its full-precision rows' capacity and per-token
+    bookkeeping; a decode step's attention allocates at most one block of decoded keys
+    (``DECODE_ELEMS`` float32 elements), not the layer's."""
+    store = _store_at_32k(llama8b_heads, role, technique() if technique is not None else None)
+    assert store.nbytes() == KV_HEADS * per_row(T32K)
+    fp_capacity = sum(store.fp.rows.fields[n].untyped_storage().nbytes() for n in ("k", "v"))
+    stored_fp = store.fp.nbytes()
+    assert _resident(store) <= store.nbytes() - stored_fp + fp_capacity + _bookkeeping(store)
+    query = torch.randn(1, 4 * KV_HEADS, 1, HD).to(torch.bfloat16)
+    with Allocations() as seen:
+        engine._attend_decoded(store, query, None, None, HD**-0.5)
+    assert seen.largest() <= 4 * engine.DECODE_ELEMS

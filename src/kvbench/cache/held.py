@@ -1,8 +1,8 @@
 """What a cache holds in memory: every tensor reachable from it, each storage counted once.
 
 :meth:`kvbench.cache.engine.KVCache.nbytes` counts what the format stores (codes, scales, kept
-tokens); this counts what the run holds for it: rows at their capacity, joined views, dequantized
-copies, technique state, side data and the KV-hit shadow.
+tokens); this counts what the run holds for it: rows at their capacity, joined positions, keys a
+view decoded and has not yet released, technique state, side data, copies and the KV-hit shadow.
 """
 
 from __future__ import annotations
