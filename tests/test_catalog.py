@@ -273,8 +273,6 @@ def test_each_layers_work_stays_on_its_device(lm, ids, role, option, knobs, monk
 
 # Host synchronisations per layer per decode step, the issue's bounds (the full cache's is 0)
 SYNCS_FULL, SYNCS_ANY = 2, 6
-# distillation re-merges every over-budget head-row at every step: data-dependent, ragged shapes
-SYNCS_OVER = {"compressor/distillation": "re-merges ragged head-rows every step (docs/long_context.md)"}
 
 
 def decode_syncs(lm, stack, ids, steps: int = 8) -> float:
@@ -296,15 +294,7 @@ def test_full_cache_decode_step_syncs_the_host_at_most_twice_per_layer(lm, ids):
     assert decode_syncs(lm, stack_of(lm, {}), ids) <= SYNCS_FULL
 
 
-@pytest.mark.parametrize(
-    ("role", "option"),
-    [
-        pytest.param(r, o, marks=pytest.mark.xfail(strict=True, reason=SYNCS_OVER[f"{r}/{o}"]))
-        if f"{r}/{o}" in SYNCS_OVER
-        else (r, o)
-        for r, o in OPTIONS
-    ],
-)
+@pytest.mark.parametrize(("role", "option"), OPTIONS)
 def test_decode_step_syncs_the_host_at_most_six_times_per_layer(lm, ids, role, option):
     """Found: 22 (the full cache) to 82 (eplb) per layer per decode step, each a wait for the GPU
     (``int(lens.max())``, ``bool(...)``, ``.tolist()``, boolean indexing); at 32 layers, hundreds

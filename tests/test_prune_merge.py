@@ -16,6 +16,7 @@ from kvbench.cache import attention as att
 from kvbench.cache.engine import HitProbe
 from kvbench.cache.segments import FPSegment
 from kvbench.cache.store import LayerStore
+from kvbench.compressors import distillation
 from kvbench.compressors.distillation import DistillationCompressor, MergedSegment
 from kvbench.compressors.pruning import KeptChannels, PrunedSegment, PruningCompressor
 from kvbench.errors import ConfigError
@@ -165,6 +166,38 @@ def test_distillation_acts_counts_bytes_and_absorbs_every_old_token(tiny_93):
         assert torch.equal(seg.bias(), seg.count.float().log())
     assert cache.nbytes() == counted_bytes(cache, lm)
     assert cache.stack.metrics()["compressor/distillation"]["tokens_per_merged_unit"] > 1
+
+
+@pytest.mark.parametrize("scheduler", [None, "h2o"])
+def test_distillation_merges_in_rectangles_as_in_general(tiny_93, monkeypatch, scheduler):
+    """Where every head-row holds the same units (one sequence's chunks and decode steps), a merge
+    goes in rectangles from host figures, without the general merge's synchronisations
+    (tests/test_catalog.py counts them): the logits, stored bytes, member positions and metrics are
+    the general merge's, bit for bit."""
+
+    def run():
+        stack = make_stack(
+            tiny_93,
+            compressor=DistillationCompressor(),
+            scheduler=H2OScheduler() if scheduler else None,
+            budget=0.3,
+            sinks=SINKS,
+            window=WINDOW,
+        )
+        logits, cache = run_chunks(tiny_93, stack, tokens(N), [N - 30, 8, *[1] * 14, 8])
+        members = [seg.mpos for store in cache.stores for seg in store.compressed]
+        return logits, cache.nbytes(), members, stack.metrics()
+
+    fast = run()
+    calls = []
+    real = distillation.gather_rows
+    monkeypatch.setattr(distillation, "gather_rows", lambda *a: calls.append(1) or real(*a))
+    run()
+    assert calls  # the rectangles were taken
+    monkeypatch.setattr(distillation, "same_everywhere", lambda *a: False)
+    general = run()
+    assert torch.equal(fast[0], general[0]) and fast[1] == general[1] and fast[3] == general[3]
+    assert all(torch.equal(a, b) for a, b in zip(fast[2], general[2], strict=True))
 
 
 def _hand_store(h: int, d: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> LayerStore:

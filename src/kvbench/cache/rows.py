@@ -52,6 +52,10 @@ class _Compaction:
             lens = keep.sum(-1)
             counts = lens.tolist()  # the one synchronisation: the new width
         low, high = (min(counts), max(counts)) if counts else (0, 0)
+        if low == high:  # every row keeps ``high``: its kept slots are its first ``high`` after a stable sort
+            cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
+            rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
+            return cls((rows * stride + cols).reshape(-1), None, lens, low, high)
         rows, cols = keep.nonzero(as_tuple=True)  # the kept slots, row after row, in order
         src = rows * stride + cols
         dst = None
@@ -220,13 +224,16 @@ class Rows:
         self._compact(_Compaction.of(stays, self.capacity, kept, kept_counts))
         return taken, lens, counts[0] if len(set(counts)) == 1 else None
 
-    def keep(self, mask: torch.Tensor) -> None:
-        """Keep the slots where ``mask`` ``(BH, width)`` holds, in order, compacted to each row's front.
+    def keep(self, mask: torch.Tensor, kept: int | None = None) -> None:
+        """Keep the slots where ``mask`` ``(BH, width)`` holds, in order, compacted to each row's front;
+        ``kept``: the slots every row keeps, when the caller knows it on the host (no synchronisation).
 
         Writes new tensors: rectangles read before keep what they showed.
         """
         keep = mask if self.uniform else mask & self.valid()
-        self._compact(_Compaction.of(keep, self.capacity))  # one plan for every field
+        counts = None if kept is None else [kept] * self.bh
+        lens = None if kept is None else torch.full((self.bh,), kept, dtype=torch.long, device=self.device)
+        self._compact(_Compaction.of(keep, self.capacity, lens, counts))  # one plan for every field
 
     def _compact(self, plan: _Compaction) -> None:
         """Apply ``plan`` to every field, into new tensors: at the present capacity, or a smaller

@@ -193,11 +193,21 @@ class LayerStore:
         self.adopt(seg, {n: x for n, x in flat.items() if n != "pos"}, first, per_row)
         return seg
 
-    def replace(self, sel: torch.Tensor, seg: Segment, state: dict[str, torch.Tensor]) -> None:
+    def replace(
+        self,
+        sel: torch.Tensor,
+        seg: Segment,
+        state: dict[str, torch.Tensor],
+        kept: list[int] | None = None,
+        per_row: int | None = None,
+    ) -> None:
         """Evict the units where ``sel`` ``(B, H, T)`` (aligned with ``view()``) holds and store ``seg``
-        (e.g. their merge) in their place, oldest first, with per-token ``state`` (flat)."""
-        self.keep(~sel)
-        self.adopt(seg, state, first=True)
+        (e.g. their merge) in their place, oldest first, with per-token ``state`` (flat).
+
+        ``kept`` and ``per_row``: host figures that spare the synchronisations, when known (see
+        :meth:`keep` and :meth:`adopt`)."""
+        self.keep(~sel, kept)
+        self.adopt(seg, state, first=True, per_row=per_row)
 
     def adopt(
         self, seg: Segment, state: dict[str, torch.Tensor], first: bool = False, per_row: int | None = None
@@ -225,15 +235,26 @@ class LayerStore:
         self.edits += 1
         self._view = None
 
-    def keep(self, mask: torch.Tensor) -> None:
-        """Evict every token where ``mask`` ``(B, H, T)`` (aligned with ``view()``) is False."""
-        for seg, keep in zip(self.segments, self._split(mask)):
+    def keep(self, mask: torch.Tensor, kept: list[int] | None = None) -> None:
+        """Evict every token where ``mask`` ``(B, H, T)`` (aligned with ``view()``) is False.
+
+        ``kept``: per segment (as :attr:`segments`), the tokens every head-row of it keeps, when
+        known on the host: a segment that keeps none goes whole, the others compact without a
+        synchronisation."""
+        segs = self.segments
+        counts: list[int | None] = list(kept) if kept is not None else [None] * len(segs)
+        for seg, keep, n in zip(segs, self._split(mask), counts):
             rows = seg.rows
-            if bool(keep.all() if rows.uniform else (keep | ~rows.valid()).all()):
+            if n is None and bool(keep.all() if rows.uniform else (keep | ~rows.valid()).all()):
+                continue
+            if n is not None and rows.uniform and n == rows.width:  # keeps every token
+                continue
+            if n == 0 and isinstance(seg, Segment):
+                self._compressed.remove(seg)
                 continue
             if isinstance(seg, Segment):
                 seg.keep(keep[rows.valid()])
-            seg.rows.keep(keep)
+            seg.rows.keep(keep, n)
         self._compressed = [s for s in self._compressed if s.rows.width > 0]
         self.edits += 1
         self._view = None

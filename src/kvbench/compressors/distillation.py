@@ -48,6 +48,7 @@ class MergedSegment(Segment):
     v: torch.Tensor = None  # type: ignore[assignment]
     count: torch.Tensor = None  # type: ignore[assignment]
     mpos: torch.Tensor = None  # type: ignore[assignment]
+    member_rows: int | None = None  # member tokens of every head-row, when the same (host), else None
 
     def data_fields(self) -> dict[str, torch.Tensor]:
         return {"k": self.k, "v": self.v, "count": self.count}
@@ -67,6 +68,7 @@ class MergedSegment(Segment):
 
     def keep(self, keep: torch.Tensor) -> None:
         self.mpos = self.mpos[torch.repeat_interleave(keep, self.count.long())]
+        self.member_rows = None
         super().keep(keep)
 
     def member_lens(self) -> torch.Tensor:
@@ -77,6 +79,7 @@ class MergedSegment(Segment):
     def extend(self, other: Segment) -> None:
         assert isinstance(other, MergedSegment)
         self.mpos = ragged.concat(self.mpos, self.member_lens(), other.mpos, other.member_lens())
+        self.member_rows = None
         super().extend(other)
 
 
@@ -114,6 +117,31 @@ def _members(store: LayerStore, seg, start: int) -> tuple[torch.Tensor, torch.Te
         return store.flat_rows(seg)[1], rows, col
     mpos, owner = members
     return mpos, rows[owner], col[owner]
+
+
+def _leading_merged(store: LayerStore) -> MergedSegment | None:
+    """The store's first segment when it holds merged units, else None."""
+    first = store.segments[0]
+    return first if isinstance(first, MergedSegment) else None
+
+
+def same_everywhere(store: LayerStore, merged: MergedSegment | None, figures: list[list[int]]) -> bool:
+    """Whether a merge can go in rectangles (:func:`gather_rows`, ``merge_units(whole=)``): the
+    store holds the full-precision rows after at most ``merged``, every segment's head-rows hold the
+    same number of units, and ``figures`` (per head-row: old units, slots, old units of ``merged``)
+    say every head-row is over budget by the same figures, every merged unit among its old ones."""
+    n_old, n_slots, n_merged_old = figures
+    per_row, width = n_old[0], n_slots[0]
+    w0 = 0 if merged is None else merged.rows.width
+    return (
+        store.view().dense
+        and len(store.segments) == 1 + (merged is not None)
+        and (merged is None or merged.member_rows is not None)
+        and all(o == per_row for o in n_old)
+        and all(m == width for m in n_slots)
+        and all(m == w0 for m in n_merged_old)
+        and 0 < width < per_row
+    )
 
 
 def gather_units(store: LayerStore, sel: torch.Tensor) -> _Units:
@@ -175,6 +203,7 @@ def kmeans(
     lens: torch.Tensor,
     slots: torch.Tensor,
     iters: int,
+    uniform: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Weighted k-means of each head-row's units into ``slots`` ``(BH,)`` centroids.
 
@@ -183,16 +212,23 @@ def kmeans(
         slots: centroids per head-row; initial centroids are units evenly spaced in position order.
         iters: Lloyd iterations (assign, then re-center); they stop early at a fixed point (an
             assignment that repeats), which every further iteration would return unchanged.
+        uniform: ``(units, slots)`` of every head-row when all hold the same, known on the host
+            (rectangles, no synchronisation; the same floats).
 
     Returns:
         ``(S,)`` the centroid slot of every unit (``0 <= slot < slots``), -1 where ``slots`` is 0.
     """
-    x, valid = ragged.to_padded(keys, lens)  # (R, n, D)
-    w = ragged.to_padded(weight.float(), lens)[0] * valid
-    key = ragged.to_padded(pos, lens, fill=torch.iinfo(pos.dtype).max)[0]
+    valid: torch.Tensor | None = None
+    if uniform is None:
+        x, valid = ragged.to_padded(keys, lens)  # (R, n, D)
+        w = ragged.to_padded(weight.float(), lens)[0] * valid
+        key = ragged.to_padded(pos, lens, fill=torch.iinfo(pos.dtype).max)[0]
+    else:
+        r = lens.numel()
+        x, w, key = keys.view(r, uniform[0], -1), weight.float().view(r, -1), pos.view(r, -1)
     order = key.argsort(-1)  # position order of each row's units
     slots = torch.where(lens > 0, slots, torch.zeros_like(slots))
-    width = max(1, int(slots.max()))
+    width = max(1, int(slots.max()) if uniform is None else uniform[1])
     j = torch.arange(width, device=keys.device)
     cvalid = j[None, :] < slots[:, None]  # (R, M)
     pick = ((j[None, :] + 0.5) * lens[:, None] / slots.clamp(min=1)[:, None]).long()
@@ -209,50 +245,106 @@ def kmeans(
             break
         assign = after
     assign = torch.where(slots[:, None] > 0, assign, torch.full_like(assign, -1))
-    return ragged.from_padded(assign, valid)
+    return assign.reshape(-1) if valid is None else ragged.from_padded(assign, valid)
+
+
+def gather_rows(store: LayerStore, sel: torch.Tensor, per_row: int, merged: MergedSegment | None) -> _Units:
+    """:func:`gather_units` where every head-row selects ``per_row`` units, every unit of ``merged``
+    (the store's first segment, its member count per head-row known) among them, and every
+    segment's head-rows hold the same number: known on the host, so no synchronisation. The same
+    units in the same order."""
+    view = store.view()
+    bh, t = store.batch * store.kv_heads, view.pos.shape[2]
+    flat = sel.reshape(bh, t)
+    cols = torch.argsort((~flat).to(torch.int8), dim=-1, stable=True)[:, :per_row]  # selected, in order
+
+    def pick(x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, H, T, *rest)`` at the selected columns: ``(BH * per_row, *rest)``."""
+        x = x.reshape(bh, t, *x.shape[3:])
+        index = cols.view(bh, per_row, *[1] * (x.dim() - 2)).expand(bh, per_row, *x.shape[2:])
+        return torch.gather(x, 1, index).reshape(bh * per_row, *x.shape[2:])
+
+    device = store.device
+    pos = pick(view.pos)
+    units = torch.arange(bh, device=device)[:, None] * per_row  # the first unit id of each head-row
+    w0 = 0 if merged is None else merged.rows.width
+    counts = [torch.ones(bh, t - w0, dtype=torch.long, device=device)]
+    mpos = [pos.view(bh, per_row)[:, w0:].reshape(-1)]  # a token is its own member
+    munit = [(units + torch.arange(w0, per_row, device=device)).reshape(-1)]
+    if merged is not None:  # its units are the first w0 selected of each head-row
+        assert merged.member_rows is not None
+        counts.insert(0, merged.count.long().view(bh, w0))
+        owner = torch.repeat_interleave(
+            torch.arange(bh * w0, device=device), merged.count.long(), output_size=bh * merged.member_rows
+        )
+        mpos.insert(0, merged.mpos)
+        munit.insert(0, owner // w0 * per_row + owner % w0)
+    return _Units(
+        k=pick(view.k).float(),
+        v=pick(view.v).float(),
+        count=torch.gather(torch.cat(counts, dim=1), 1, cols).reshape(-1),
+        pos=pos,
+        lens=ragged.tell(torch.full((bh,), per_row, device=device), per_row),
+        aux={st.name: pick(store.state(st)) for st in store.states()},
+        mpos=torch.cat(mpos),
+        munit=torch.cat(munit),
+    )
 
 
 def merge_units(
-    units: _Units, slot: torch.Tensor, width: int, dtype: torch.dtype
+    units: _Units, slot: torch.Tensor, width: int, dtype: torch.dtype, whole: int | None = None
 ) -> tuple[MergedSegment, dict[str, torch.Tensor]]:
     """One merged unit per non-empty (head-row, slot): mean key, mean value, summed count, and the
     summed per-token state (flat, returned beside the segment).
 
     ``slot`` ``(S,)`` is each unit's cluster within its head-row (-1: dropped); ``width`` bounds it.
+    ``whole``: known on the host, every unit is live and every (head-row, slot) has one, and no
+    position reaches ``whole``: each cell is then a merged unit, found with no synchronisation
+    (the same floats, summed in the same order).
     """
     bh = units.lens.numel()
-    row = ragged.segment_ids(units.lens)
-    live = slot >= 0
-    cell = row * width + slot.clamp(min=0)
-    filled = torch.zeros(bh * width, dtype=torch.bool, device=slot.device)
-    filled[cell[live]] = True
-    gid_of_cell = filled.long().cumsum(0) - 1
-    n = int(filled.sum())
-    gid = torch.where(live, gid_of_cell[cell], torch.full_like(cell, -1))
-    g, cnt = gid[live], units.count[live]
+    if whole is not None:
+        per_row = units.pos.numel() // max(1, bh)
+        gid = torch.arange(bh, device=slot.device).repeat_interleave(per_row) * width + slot
+        n, lens = bh * width, ragged.tell(torch.full((bh,), width, device=slot.device), width)
+        g, cnt, k, v, pos, aux = gid, units.count, units.k, units.v, units.pos, units.aux
+        mg, mpos, span = gid[units.munit], units.mpos, whole
+    else:
+        row = ragged.segment_ids(units.lens)
+        live = slot >= 0
+        cell = row * width + slot.clamp(min=0)
+        filled = torch.zeros(bh * width, dtype=torch.bool, device=slot.device)
+        filled[cell[live]] = True
+        gid_of_cell = filled.long().cumsum(0) - 1
+        n, lens = int(filled.sum()), filled.view(bh, width).sum(-1)
+        gid = torch.where(live, gid_of_cell[cell], torch.full_like(cell, -1))
+        g, cnt, k, v, pos = gid[live], units.count[live], units.k[live], units.v[live], units.pos[live]
+        aux = {name: val[live] for name, val in units.aux.items()}
+        mg = gid[units.munit]
+        mlive = mg >= 0
+        mg, mpos = mg[mlive], units.mpos[mlive]
+        span = int(units.mpos.max()) + 1 if units.mpos.numel() else 1
     count = torch.zeros(n, dtype=torch.long, device=slot.device).index_add_(0, g, cnt)
     w = cnt.float()[:, None]
-    k = torch.zeros(n, units.k.shape[1], device=slot.device).index_add_(0, g, units.k[live] * w)
-    v = torch.zeros(n, units.v.shape[1], device=slot.device).index_add_(0, g, units.v[live] * w)
-    pos = torch.full((n,), -1, dtype=units.pos.dtype, device=slot.device)
-    pos = pos.scatter_reduce(0, g, units.pos[live], reduce="amax")
-    aux = {
-        name: torch.zeros(n, *val.shape[1:], device=slot.device).index_add_(0, g, val[live].float())
-        for name, val in units.aux.items()
-    }
-    mg = gid[units.munit]
-    mlive = mg >= 0
-    span = int(units.mpos.max()) + 1 if units.mpos.numel() else 1
-    order = (mg[mlive] * span + units.mpos[mlive]).argsort()
-    seg = MergedSegment(
-        lens=filled.view(bh, width).sum(-1),
-        pos=pos,
-        k=(k / count[:, None]).to(dtype),
-        v=(v / count[:, None]).to(dtype),
-        count=count.to(torch.int32),
-        mpos=units.mpos[mlive][order],
+    ksum = torch.zeros(n, k.shape[1], device=slot.device).index_add_(0, g, k * w)
+    vsum = torch.zeros(n, v.shape[1], device=slot.device).index_add_(0, g, v * w)
+    latest = torch.full((n,), -1, dtype=pos.dtype, device=slot.device).scatter_reduce(
+        0, g, pos, reduce="amax"
     )
-    return seg, aux
+    state = {
+        name: torch.zeros(n, *val.shape[1:], device=slot.device).index_add_(0, g, val.float())
+        for name, val in aux.items()
+    }
+    order = (mg * span + mpos).argsort()  # members unit after unit, each unit's in position order
+    seg = MergedSegment(
+        lens=lens,
+        pos=latest,
+        k=(ksum / count[:, None]).to(dtype),
+        v=(vsum / count[:, None]).to(dtype),
+        count=count.to(torch.int32),
+        mpos=mpos[order],
+    )
+    return seg, state
 
 
 @dataclass
@@ -279,17 +371,63 @@ class DistillationCompressor(Compressor):
         protected = self.budget.protected_view(store) & view.valid
         old = view.valid & ~protected
         slots = (self.budget.capacity(store.seen)[:, None] - protected.sum(-1)).clamp(min=0)  # (B, H)
-        need = old.sum(-1) > slots
-        if not bool(need.any()):
+        merged = _leading_merged(store)
+        w0 = 0 if merged is None else merged.rows.width
+        # the one synchronisation: old units and slots per head-row, and old units among the merged
+        figures = torch.stack([old.sum(-1), slots, old[..., :w0].sum(-1)]).view(3, -1).tolist()
+        n_old, n_slots, n_merged_old = figures
+        if not any(o > m for o, m in zip(n_old, n_slots)):
             return
+        per_row, width = n_old[0], n_slots[0]
+        if not same_everywhere(store, merged, figures):
+            self._merge(store, old, slots)
+            return
+        sel = old
+        units = gather_rows(store, sel, per_row, merged)
+        bh = store.batch * store.kv_heads
+        slot = kmeans(
+            units.k,
+            units.count,
+            units.pos,
+            units.lens,
+            torch.full_like(units.lens, width),
+            self.iters,
+            uniform=(per_row, width),
+        )
+        filled = torch.zeros(bh * width, dtype=torch.bool, device=store.device)
+        filled[torch.arange(bh, device=store.device).repeat_interleave(per_row) * width + slot] = True
+        if not bool(filled.all()):  # a centroid left without members: the general merge drops it
+            seg, state = merge_units(units, slot, width, store.dtype)
+            self._replace(store, sel, seg, state)
+            return
+        seg, state = merge_units(units, slot, width, store.dtype, whole=store.seen_max)
+        seg.member_rows = (0 if merged is None else merged.member_rows) + per_row - w0
+        fp_kept = store.fp.rows.width - (per_row - w0)
+        store.replace(sel, seg, state, kept=[0, fp_kept] if merged is not None else [fp_kept], per_row=width)
+        self._account(bh * width, bh * seg.member_rows)
+
+    def _merge(self, store: LayerStore, old: torch.Tensor, slots: torch.Tensor) -> None:
+        """Re-merge every head-row over budget, in any layout (ragged head-rows, several segments)."""
+        need = old.sum(-1) > slots
         sel = old & need[..., None]
         units = gather_units(store, sel)
         slots = torch.where(need, slots, torch.zeros_like(slots)).reshape(-1)
         slot = kmeans(units.k, units.count, units.pos, units.lens, slots, self.iters)
         merged, state = merge_units(units, slot, max(1, int(slots.max())), store.dtype)
-        store.replace(sel, merged, state)
-        self._units[0] += merged.size
-        self._units[1] += int(merged.count.sum())
+        self._replace(store, sel, merged, state)
+
+    def _replace(self, store: LayerStore, sel: torch.Tensor, seg: MergedSegment, state) -> None:
+        """Store ``seg`` in place of the units ``sel``, in any layout; the merged segment then learns
+        its member tokens per head-row (read once), so that the next merge can go uniform."""
+        store.replace(sel, seg, state)
+        self._account(seg.size, int(seg.count.sum()))
+        kept = _leading_merged(store)
+        if kept is not None:
+            kept.member_rows = ragged.same_count(kept.member_lens())
+
+    def _account(self, units: int, tokens: int) -> None:
+        self._units[0] += units
+        self._units[1] += tokens
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         units, tokens = self._units
