@@ -8,7 +8,7 @@ GPT-NeoX with partial rotary) is supported; other models are refused by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,9 +24,6 @@ class Rotary:
 
     inv_freq: torch.Tensor
     scaling: float = 1.0
-    _sign_cache: dict[tuple[torch.device, float], torch.Tensor] = field(
-        default_factory=dict, init=False, repr=False, compare=False
-    )
 
     @property
     def rot_dim(self) -> int:
@@ -42,58 +39,36 @@ class Rotary:
             )
         return cls(rotary.inv_freq.detach().float().cpu(), float(getattr(rotary, "attention_scaling", 1.0)))
 
-    def angles(self, pos: torch.Tensor, device: torch.device) -> Angles:
-        """cos and signed sin at ``pos``: compute once to unrotate and rotate the same tokens."""
-        cos, sin = self._cos_sin(pos, device)
-        return Angles(cos, sin * self._signs(device, 1.0), sin * self._signs(device, -1.0))
-
     def _cos_sin(self, pos: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``(..., rot_dim / 2)`` at ``pos``, times the attention scaling: both halves of
+        the rotated channels turn by the same angles, so each is computed once."""
         freqs = pos.to(device).float()[..., None] * self.inv_freq.to(device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        if self.scaling == 1.0:  # multiplying by 1 changes no value: save two operations
-            return emb.cos(), emb.sin()
-        return emb.cos() * self.scaling, emb.sin() * self.scaling
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:  # multiplying by 1 changes no value: save two operations
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos, sin
 
-    def _signs(self, device: torch.device, sign: float) -> torch.Tensor:
-        """``(rot_dim,)``: the signs of ``rotate_half`` (first half negated) times ``sign``, per device."""
-        key = (device, sign)
-        if key not in self._sign_cache:
-            half = self.rot_dim // 2
-            signs = torch.tensor([-sign] * half + [sign] * half, dtype=torch.float32, device=device)
-            self._sign_cache[key] = signs
-        return self._sign_cache[key]
+    def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Apply RoPE. ``x`` ``(..., D)``; ``pos`` broadcastable to ``x.shape[:-1]``."""
+        return self._turn(x, *self._cos_sin(pos, x.device), undo=False)
 
-    def rotate(self, x: torch.Tensor, pos: torch.Tensor, angles: Angles | None = None) -> torch.Tensor:
-        """Apply RoPE. ``x`` ``(..., D)``; ``pos`` broadcastable to ``x.shape[:-1]``; ``angles`` of
-        ``pos`` when already computed (:meth:`angles`)."""
-        angles = self.angles(pos, x.device) if angles is None else angles
-        return self._turn(x, angles.cos, angles.rotate, undo=False)
-
-    def unrotate(self, x: torch.Tensor, pos: torch.Tensor, angles: Angles | None = None) -> torch.Tensor:
+    def unrotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Undo :meth:`rotate` (exact up to rounding; divides out the attention scaling)."""
-        angles = self.angles(pos, x.device) if angles is None else angles
-        return self._turn(x, angles.cos, angles.unrotate, undo=True)
+        return self._turn(x, *self._cos_sin(pos, x.device), undo=True)
 
-    def _turn(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, undo: bool) -> torch.Tensor:
-        """``x·cos + rotate_half(x)·sin`` on the rotated channels, with ``rotate_half(x)·sin`` taken as
-        ``roll(x)·signed_sin``: negating a factor of a product negates the product exactly, so this
-        is bitwise what ``cat(-x2, x1)·sin`` gives, in one operation instead of four."""
-        r = self.rot_dim
-        partial = r < x.shape[-1]
-        xr = x[..., :r] if partial else x
+    def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, undo: bool) -> torch.Tensor:
+        """``x·cos + rotate_half(x)·sin`` on the rotated channels (``rotate_half(x) = (-x2, x1)``),
+        half by half: ``(x1·cos - x2·sin, x2·cos + x1·sin)``, or with ``-sin`` to undo. Bitwise what
+        the full-width form gives (negating a product is exact, ``a + (-b)`` is ``a - b``)."""
+        r, h = self.rot_dim, self.rot_dim // 2
+        xr = x[..., :r]
         xr = xr if xr.dtype == torch.float32 else xr.float()
-        out = xr * cos + xr.roll(r // 2, dims=-1) * signed_sin
+        x1, x2 = xr[..., :h], xr[..., h:]
+        if undo:
+            out = torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
+        else:
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         if undo and self.scaling != 1.0:  # dividing by 1 changes no value
             out = out / (self.scaling**2)
         out = out if out.dtype == x.dtype else out.to(x.dtype)
-        return torch.cat((out, x[..., r:]), dim=-1) if partial else out
-
-
-@dataclass
-class Angles:
-    """cos ``(..., rot_dim)`` of some positions and their sin with the signs of rotating
-    (``rotate``) or unrotating (``unrotate``) folded in."""
-
-    cos: torch.Tensor
-    rotate: torch.Tensor
-    unrotate: torch.Tensor
+        return torch.cat((out, x[..., r:]), dim=-1) if r < x.shape[-1] else out

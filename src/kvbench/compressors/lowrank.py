@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import quant
-from kvbench.cache.rotary import Angles, Rotary
+from kvbench.cache.rotary import Rotary
 from kvbench.cache.segments import RowCounts, Segment, as_float, joined_on_read
 from kvbench.cache.store import LayerStore, SideData
 from kvbench.calibration import lora_artifact
@@ -26,11 +26,9 @@ from kvbench.roles import BindContext, Budget
 from kvbench.select import leaving_window
 
 
-def pre_rope(
-    rotary: Rotary, k: torch.Tensor, pos: torch.Tensor, angles: Angles | None = None
-) -> torch.Tensor:
+def pre_rope(rotary: Rotary, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Undo the rotation of cached keys ``(n, D)`` at their positions ``(n,)``: float32 ``(n, D)``."""
-    return rotary.unrotate(as_float(k), pos, angles)
+    return rotary.unrotate(as_float(k), pos)
 
 
 def check_rank(

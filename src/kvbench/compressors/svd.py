@@ -113,8 +113,7 @@ class SVDCompressor(Compressor):
 
     def _factor(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> SVDSegment:
         n, dtype = self.block_size, k.dtype
-        angles = self.rotary.angles(pos, k.device)
-        kpre = pre_rope(self.rotary, k, pos, angles)
+        kpre = pre_rope(self.rotary, k, pos)
         ka, kb = factor_blocks(kpre, n, self.key_rank)
         if self.value_rank is None:
             va, vb = v, None
