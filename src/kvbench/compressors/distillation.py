@@ -375,14 +375,19 @@ class DistillationCompressor(Compressor):
         w0 = 0 if merged is None else merged.rows.width
         # the one synchronisation: old units and slots per head-row, and old units among the merged
         figures = torch.stack([old.sum(-1), slots, old[..., :w0].sum(-1)]).view(3, -1).tolist()
-        n_old, n_slots, n_merged_old = figures
+        n_old, n_slots, _ = figures
         if not any(o > m for o, m in zip(n_old, n_slots)):
             return
-        per_row, width = n_old[0], n_slots[0]
-        if not same_everywhere(store, merged, figures):
+        if same_everywhere(store, merged, figures):
+            self._merge_rows(store, old, merged, per_row=n_old[0], width=n_slots[0])
+        else:
             self._merge(store, old, slots)
-            return
-        sel = old
+
+    def _merge_rows(
+        self, store: LayerStore, sel: torch.Tensor, merged: MergedSegment | None, per_row: int, width: int
+    ) -> None:
+        """Re-merge the ``per_row`` old units ``sel`` of every head-row into ``width`` centroids, in
+        rectangles (:func:`same_everywhere`): one read, whether every centroid has members."""
         units = gather_rows(store, sel, per_row, merged)
         bh = store.batch * store.kv_heads
         slot = kmeans(
@@ -401,7 +406,8 @@ class DistillationCompressor(Compressor):
             self._replace(store, sel, seg, state)
             return
         seg, state = merge_units(units, slot, width, store.dtype, whole=store.seen_max)
-        seg.member_rows = (0 if merged is None else merged.member_rows) + per_row - w0
+        w0, m0 = (0, 0) if merged is None else (merged.rows.width, merged.member_rows or 0)
+        seg.member_rows = m0 + per_row - w0  # the merged units' members and the old tokens
         fp_kept = store.fp.rows.width - (per_row - w0)
         store.replace(sel, seg, state, kept=[0, fp_kept] if merged is not None else [fp_kept], per_row=width)
         self._account(bh * width, bh * seg.member_rows)
