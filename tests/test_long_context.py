@@ -320,10 +320,10 @@ def _resident(store: LayerStore) -> int:
 
 
 @pytest.mark.parametrize(
-    "role, technique, per_row",
+    "role, technique, per_layer",
     [
         # every token at 16 bits: keys and values of head_dim 128
-        ("compressor", None, lambda t: t * 2 * HD * 2),
+        ("compressor", None, lambda t: KV_HEADS * t * 2 * HD * 2),
         # KIVI 2-bit, groups of 32: whole groups past the 4 sinks and the 32-token window are packed
         # (keys and values 2 bits a channel, 4 fp16 (zero, step) pairs per value token; per key group
         # an fp16 zero and step per channel and an int16 count); the rest at 16 bits
@@ -331,22 +331,35 @@ def _resident(store: LayerStore) -> int:
             "compressor",
             lambda: QuantizedCompressor(bits=2, group_size=32),
             lambda t: (
-                (q := (t - 36) // 32 * 32) * (HD // 4 * 2 + 4 * 2 * 2)
-                + q // 32 * (HD * 2 * 2 + 2)
-                + (t - q) * 2 * HD * 2
+                KV_HEADS
+                * (
+                    (q := (t - 36) // 32 * 32) * (HD // 4 * 2 + 4 * 2 * 2)
+                    + q // 32 * (HD * 2 * 2 + 2)
+                    + (t - q) * 2 * HD * 2
+                )
             ),
         ),
-        # StreamingLLM at budget 0.5: half the tokens (sinks and the recent window), at 16 bits
-        ("scheduler", lambda: StreamingLLMScheduler(), lambda t: t // 2 * 2 * HD * 2),
+        # ThinK at keep_ratio 0.5: past the sinks and the window, keys keep 64 of 128 channels
+        # (values whole); each KV head's 64 kept channel indices (int16) once per layer
+        (
+            "compressor",
+            lambda: PruningCompressor(keep_ratio=0.5),
+            lambda t: KV_HEADS * ((t - 36) * (64 + HD) * 2 + 36 * 2 * HD * 2 + 64 * 2),
+        ),
+        # StreamingLLM and H2O at budget 0.5: half the tokens, at 16 bits (which half is theirs)
+        ("scheduler", lambda: StreamingLLMScheduler(), lambda t: KV_HEADS * t // 2 * 2 * HD * 2),
+        ("scheduler", lambda: H2OScheduler(), lambda t: KV_HEADS * t // 2 * 2 * HD * 2),
     ],
+    ids=["full-cache", "quantized", "pruning", "streaming_llm", "h2o"],
 )
-def test_bytes_at_32k_match_their_formulas(llama8b_heads, role, technique, per_row):
+def test_bytes_at_32k_match_their_formulas(llama8b_heads, role, technique, per_layer):
     """A layer of Llama-3.1-8B's shapes after a 32k prefill stores the bytes its format's formula
-    gives, exactly, and holds no more than those, its full-precision rows' capacity and per-token
-    bookkeeping; a decode step's attention allocates at most one block of decoded keys
-    (``DECODE_ELEMS`` float32 elements), not the layer's."""
+    gives, exactly (a representation, a pruning, an eviction by position and one by score), and
+    holds no more than those, its full-precision rows' capacity and per-token bookkeeping; a decode
+    step's attention allocates at most one block of decoded keys (``DECODE_ELEMS`` float32
+    elements), not the layer's."""
     store = _store_at_32k(llama8b_heads, role, technique() if technique is not None else None)
-    assert store.nbytes() == KV_HEADS * per_row(T32K)
+    assert store.nbytes() == per_layer(T32K)
     fp_capacity = sum(store.fp.rows.fields[n].untyped_storage().nbytes() for n in ("k", "v"))
     stored_fp = store.fp.nbytes()
     assert _resident(store) <= store.nbytes() - stored_fp + fp_capacity + _bookkeeping(store)
