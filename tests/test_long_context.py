@@ -4,6 +4,8 @@ vocabulary, where a ``q x vocabulary`` block of logits is the largest thing a pr
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -16,10 +18,20 @@ from kvbench.cache import engine, held
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.pruning import PruningCompressor
 from kvbench.compressors.quantized import QuantizedCompressor
+from kvbench.compressors.random_select import RandomCompressor
+from kvbench.compressors.snapkv import SnapKVCompressor
 from kvbench.compressors.svd import SVDCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import generate, loop, perplexity
+from kvbench.routers.adaptive import AdaptiveRouter
+from kvbench.routers.hierarchical import HierarchicalRouter
+from kvbench.routers.moba import BaseRouter
+from kvbench.schedulers.adakv import AdaKVScheduler
+from kvbench.schedulers.flexgen import FlexGenScheduler
 from kvbench.schedulers.h2o import H2OScheduler
+from kvbench.schedulers.lru import LRUScheduler
+from kvbench.schedulers.lru_plus import LRUPlusScheduler
+from kvbench.schedulers.quest import QuestScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 from test_bad_inputs import refused
 from tracking import Allocations
@@ -306,17 +318,40 @@ def _store_at_32k(lm, role: str, technique) -> LayerStore:
 
 def _bookkeeping(store: LayerStore) -> int:
     """Bytes beyond the format's and the full-precision rows' keys and values that a store may hold:
-    its positions (int64, in a segment and its rows, and the view's joined copy with its valid
-    slots: 25 bytes a token, with the rows' room to grow, a quarter, 32), the full-precision rows'
-    positions at their capacity, and the last chunk's query positions."""
-    fp_pos = store.fp.rows.capacity * store.batch * store.kv_heads * 8
-    return store.stored_tokens() * 32 + fp_pos + store.last_qpos.numel() * 8
+    every segment's rows at their capacity with a position (int64) and the techniques' per-token
+    state (float32) a slot, a compressed segment's own positions, the view's joined positions and
+    valid slots (9 bytes a slot, at most a quarter and 64 slots of room), and the last chunk's
+    query positions."""
+    bh = store.batch * store.kv_heads
+    state = sum(4 * math.prod(st.shape) for st in store.states())
+    rows = sum(seg.rows.capacity * bh * (8 + state) for seg in store.segments)
+    width = sum(seg.rows.width for seg in store.segments)
+    joined = 9 * bh * (width + max(64, width // 4)) if len(store.segments) > 1 else 0
+    return rows + 8 * store.stored_tokens() + joined + 8 * store.last_qpos.numel()
 
 
 def _resident(store: LayerStore) -> int:
     store.view()  # as attention leaves it: joined positions, nothing decoded
     store.release()
     return held.resident_bytes(store)
+
+
+EVICTIONS = {
+    "streaming_llm": ("scheduler", StreamingLLMScheduler),
+    "h2o": ("scheduler", H2OScheduler),
+    "lru": ("scheduler", LRUScheduler),
+    "lru_plus": ("scheduler", LRUPlusScheduler),
+    "adakv": ("scheduler", AdaKVScheduler),
+    "snapkv": ("compressor", SnapKVCompressor),
+    "random": ("compressor", RandomCompressor),
+}
+EVERY_TOKEN = {
+    "quest": ("scheduler", QuestScheduler),
+    "flexgen": ("scheduler", FlexGenScheduler),
+    "base": ("router", BaseRouter),
+    "hierarchical": ("router", HierarchicalRouter),
+    "adaptive": ("router", AdaptiveRouter),
+}
 
 
 @pytest.mark.parametrize(
@@ -346,18 +381,19 @@ def _resident(store: LayerStore) -> int:
             lambda: PruningCompressor(keep_ratio=0.5),
             lambda t: KV_HEADS * ((t - 36) * (64 + HD) * 2 + 36 * 2 * HD * 2 + 64 * 2),
         ),
-        # StreamingLLM and H2O at budget 0.5: half the tokens, at 16 bits (which half is theirs)
-        ("scheduler", lambda: StreamingLLMScheduler(), lambda t: KV_HEADS * t // 2 * 2 * HD * 2),
-        ("scheduler", lambda: H2OScheduler(), lambda t: KV_HEADS * t // 2 * 2 * HD * 2),
+        # evictions at budget 0.5: half the tokens, at 16 bits (which half is theirs)
+        *[(role, make, lambda t: KV_HEADS * t // 2 * 2 * HD * 2) for role, make in EVICTIONS.values()],
+        # read selectors and placement store every token, at 16 bits (their metadata comes at decode)
+        *[(role, make, lambda t: KV_HEADS * t * 2 * HD * 2) for role, make in EVERY_TOKEN.values()],
     ],
-    ids=["full-cache", "quantized", "pruning", "streaming_llm", "h2o"],
+    ids=["full-cache", "quantized", "pruning", *EVICTIONS, *EVERY_TOKEN],
 )
 def test_bytes_at_32k_match_their_formulas(llama8b_heads, role, technique, per_layer):
     """A layer of Llama-3.1-8B's shapes after a 32k prefill stores the bytes its format's formula
-    gives, exactly (a representation, a pruning, an eviction by position and one by score), and
-    holds no more than those, its full-precision rows' capacity and per-token bookkeeping; a decode
-    step's attention allocates at most one block of decoded keys (``DECODE_ELEMS`` float32
-    elements), not the layer's."""
+    gives, exactly (a quantization, a pruning, evictions by position and by score, read selectors
+    and placement that keep every token), and holds no more than those, its full-precision rows'
+    capacity and per-token bookkeeping; a decode step's attention allocates at most one block of
+    decoded keys (``DECODE_ELEMS`` float32 elements), not the layer's."""
     store = _store_at_32k(llama8b_heads, role, technique() if technique is not None else None)
     assert store.nbytes() == per_layer(T32K)
     fp_capacity = sum(store.fp.rows.fields[n].untyped_storage().nbytes() for n in ("k", "v"))
