@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import tiny_cfg
 from helpers import make_stack, run_chunks, tokens
 from kvbench import models
-from kvbench.cache.store import TokenState
+from kvbench.cache.side import TokenState
 from kvbench.compressors.chunkkv import ChunkKVCompressor
 from kvbench.compressors.fastv import FastVCompressor
 from kvbench.compressors.pikv import PiKVCompressor

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from kvbench import allocation
 from kvbench.cache import attention as att
-from kvbench.cache.store import LayerStore, TokenState
+from kvbench.cache.side import TokenState
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Budget, Technique, keep_top
 

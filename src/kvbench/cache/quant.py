@@ -21,9 +21,10 @@ def _layout(bits: int) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _multiples(count: int, step: int, device: torch.device) -> torch.Tensor:
-    """``arange(count) * step`` int32 (bit shifts), built once per device: a decode step packs per layer."""
-    return torch.arange(count, device=device, dtype=torch.int32) * step
+def _multiples(count: int, step: int, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``arange(count) * step`` (bit shifts), built once per device and dtype: a decode step packs
+    and unpacks per layer."""
+    return (torch.arange(count, device=device, dtype=torch.int32) * step).to(dtype)
 
 
 @functools.lru_cache(maxsize=16)
@@ -56,7 +57,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed.contiguous()
     per, nbytes = _layout(bits)
     if nbytes == 1:
-        shifts = _multiples(per, bits, packed.device).to(torch.uint8)
+        shifts = _multiples(per, bits, packed.device, torch.uint8)
         codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)
         return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
     words = packed.to(torch.int32).view(*packed.shape[:-1], packed.shape[-1] // nbytes, nbytes)

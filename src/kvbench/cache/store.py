@@ -22,9 +22,7 @@ reported apart as ``aux_nbytes()``.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -32,42 +30,10 @@ import torch
 from kvbench.cache import ragged
 from kvbench.cache.rows import Rows
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
-from kvbench.cache.view import JoinedRows, PaddedView, padded_view
-
-
-@dataclass(frozen=True)
-class TokenState:
-    """A named per-token state a technique keeps (float32, ``shape`` per token).
-
-    Declared once at module level by the technique that owns it, and read or written only
-    through the store's :meth:`LayerStore.state`, :meth:`LayerStore.add_state` and
-    :meth:`LayerStore.set_state`; it follows its token through moves and evictions.
-    """
-
-    name: str
-    shape: tuple[int, ...] = ()
-
-
-class SideData:
-    """Base of a technique's per-layer metadata that attention needs (page bounds, centroids,
-    bases, replicas): a dataclass whose tensor fields are counted in the layer's bytes.
-
-    A technique gets its own with ``store.side(MyData)`` (None until set) and sets it with
-    ``store.set_side(MyData(...))``.
-    """
-
-    def tensors(self) -> list[torch.Tensor]:
-        out = []
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor):
-                out.append(value)
-        return out
-
+from kvbench.cache.side import SideData, TokenState
+from kvbench.cache.view import JoinedRows, PaddedView, decode_rows, padded_view
 
 S = TypeVar("S", bound=SideData)
-
-
 Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
 
 
@@ -286,31 +252,10 @@ class LayerStore:
 
     def decoded(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of head-rows ``lo .. hi - 1`` laid out as ``view()``'s, ``(hi - lo, T, D)``
-        in the store's dtype: the full-precision rows as stored, every representation decoded now
-        and kept nowhere. A part spans whole sequences or stays within one."""
+        in the store's dtype (:func:`kvbench.cache.view.decode_rows`: every representation decoded
+        now and kept nowhere). A part spans whole sequences or stays within one."""
         hi = self.batch * self.kv_heads if hi is None else hi
-        keys, values = [], []
-        for seg in self.segments:
-            rows = seg.rows
-            if isinstance(seg, FPSegment):
-                k, v = rows.get("k")[lo:hi], rows.get("v")[lo:hi]
-            else:
-                flat = seg.head_rows(lo, hi).read(self.dtype)
-                k, v = (self._laid_out(x, rows, lo, hi) for x in flat)
-            keys.append(k)
-            values.append(v)
-        if len(keys) == 1:
-            return keys[0], values[0]
-        return torch.cat(keys, dim=1), torch.cat(values, dim=1)
-
-    @staticmethod
-    def _laid_out(flat: torch.Tensor, rows: Rows, lo: int, hi: int) -> torch.Tensor:
-        """Flat head-major tokens of rows ``lo .. hi - 1`` in their slots ``(hi - lo, width, ...)``."""
-        if rows.uniform:
-            return flat.view(hi - lo, rows.width, *flat.shape[1:])
-        out = flat.new_zeros(hi - lo, rows.width, *flat.shape[1:])
-        out[rows.valid()[lo:hi]] = flat
-        return out
+        return decode_rows(self.segments, lo, hi, self.dtype)
 
     def units(self, positions: int) -> torch.Tensor:
         """Column of ``view()`` holding each original position ``(B, H, positions)``; -1 if not stored.

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from kvbench.cache.segments import FPSegment
+
 
 @dataclass
 class PaddedView:
@@ -129,6 +131,33 @@ class JoinedRows:
             start += width
         self.segs, self.widths = list(segs), widths
         return {name: field[:, :total] for name, field in self.fields.items()}
+
+
+def decode_rows(segs: list[Any], lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of head-rows ``lo .. hi - 1`` of ``segs`` side by side, ``(hi - lo, T, D)`` in
+    ``dtype``: the full-precision rows as stored, every representation decoded now through
+    :meth:`Segment.head_rows` and placed in its rows' slots."""
+    keys, values = [], []
+    for seg in segs:
+        rows = seg.rows
+        if isinstance(seg, FPSegment):  # its rows are the stored data
+            k, v = rows.get("k")[lo:hi], rows.get("v")[lo:hi]
+        else:
+            k, v = (_laid_out(x, rows, lo, hi) for x in seg.head_rows(lo, hi).read(dtype))
+        keys.append(k)
+        values.append(v)
+    if len(keys) == 1:
+        return keys[0], values[0]
+    return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+
+
+def _laid_out(flat: torch.Tensor, rows: Any, lo: int, hi: int) -> torch.Tensor:
+    """Flat head-major tokens of rows ``lo .. hi - 1`` in their slots ``(hi - lo, width, ...)``."""
+    if rows.uniform:
+        return flat.view(hi - lo, rows.width, *flat.shape[1:])
+    out = flat.new_zeros(hi - lo, rows.width, *flat.shape[1:])
+    out[rows.valid()[lo:hi]] = flat
+    return out
 
 
 def padded_view(

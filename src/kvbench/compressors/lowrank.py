@@ -19,7 +19,8 @@ import torch
 from kvbench.cache import quant
 from kvbench.cache.rotary import Rotary
 from kvbench.cache.segments import RowCounts, Segment, as_float, joined_on_read
-from kvbench.cache.store import LayerStore, SideData
+from kvbench.cache.side import SideData
+from kvbench.cache.store import LayerStore
 from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Budget
@@ -175,7 +176,6 @@ class LatentSegment(RowCounts, Segment):
     def head_rows(self, lo: int, hi: int) -> Segment:
         """:meth:`Segment.head_rows`, with the bases of the part's heads: a part within one sequence
         takes its heads' slice of the bases."""
-        self.join()
         part = super().head_rows(lo, hi)
         h = self.kbasis.shape[0]
         if part is not self and (lo % h or (hi - lo) % h):

@@ -30,7 +30,8 @@ import torch
 from kvbench.cache import attention as att
 from kvbench.cache import quant
 from kvbench.cache.rows import compact
-from kvbench.cache.store import LayerStore, TokenState
+from kvbench.cache.side import TokenState
+from kvbench.cache.store import LayerStore
 from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags, keep_top

@@ -29,7 +29,8 @@ import torch
 
 from kvbench.cache.ragged import segment_ids
 from kvbench.cache.segments import RowCounts, Segment, joined_on_read
-from kvbench.cache.store import LayerStore, SideData
+from kvbench.cache.side import SideData
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
 from kvbench.select import leaving_window
@@ -81,7 +82,6 @@ class PrunedSegment(RowCounts, Segment):
         return self.keys(self.kp.to(dtype), prune=False), self.v.to(dtype)
 
     def head_rows(self, lo: int, hi: int) -> Segment:
-        self.join()
         part = super().head_rows(lo, hi)
         if part is not self:
             assert isinstance(part, PrunedSegment)

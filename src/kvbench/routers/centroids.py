@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore, SideData, TokenState
+from kvbench.cache.side import SideData, TokenState
+from kvbench.cache.store import LayerStore
 from kvbench.roles import Budget
 from kvbench.routers.expert import block_means, expert_counts, expert_onehot, expert_sums, position_blocks
 

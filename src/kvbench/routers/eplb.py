@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from kvbench.cache.store import LayerStore, SideData
+from kvbench.cache.side import SideData
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts
 from kvbench.routers.expert import ExpertRouter, top_k_choice

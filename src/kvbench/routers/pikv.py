@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore, SideData
+from kvbench.cache.side import SideData
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts
 from kvbench.routers.expert import ExpertRouter, expert_onehot, expert_sums, top_k_choice

@@ -8,7 +8,8 @@ from functools import partial
 import torch
 
 from kvbench.cache import attention as att
-from kvbench.cache.store import LayerStore, TokenState
+from kvbench.cache.side import TokenState
+from kvbench.cache.store import LayerStore
 from kvbench.roles import Flags, Scheduler
 from kvbench.select import Allocated, evict_by_score
 

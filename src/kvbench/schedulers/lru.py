@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache import attention as att
-from kvbench.cache.store import LayerStore, TokenState
+from kvbench.cache.side import TokenState
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 from kvbench.select import evict_by_score

@@ -35,7 +35,8 @@ import torch
 
 from kvbench.cache import ragged
 from kvbench.cache.reads import SETTLE_EVERY, ReadCount, count_reads, resolve_all
-from kvbench.cache.store import LayerStore, SideData
+from kvbench.cache.side import SideData
+from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 
