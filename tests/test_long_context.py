@@ -16,7 +16,15 @@ from kvbench import models, run
 from kvbench.cache import attention as att
 from kvbench.cache import engine, held
 from kvbench.cache.store import LayerStore
+from kvbench.compressors.chunkkv import ChunkKVCompressor
+from kvbench.compressors.distillation import DistillationCompressor
+from kvbench.compressors.fastv import FastVCompressor
+from kvbench.compressors.lora import LoraCompressor
+from kvbench.compressors.lora_plus_plus import LoraPlusPlusCompressor
+from kvbench.compressors.pikv import PiKVCompressor
 from kvbench.compressors.pruning import PruningCompressor
+from kvbench.compressors.pyramid import PyramidCompressor
+from kvbench.compressors.pyramidkv import PyramidKVCompressor
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.compressors.random_select import RandomCompressor
 from kvbench.compressors.snapkv import SnapKVCompressor
@@ -24,9 +32,13 @@ from kvbench.compressors.svd import SVDCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import generate, loop, perplexity
 from kvbench.routers.adaptive import AdaptiveRouter
+from kvbench.routers.eplb import EPLBRouter
 from kvbench.routers.hierarchical import HierarchicalRouter
 from kvbench.routers.moba import BaseRouter
+from kvbench.routers.pikv import PikvRouter
+from kvbench.routers.topk_balanced import TopKBalancedRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
+from kvbench.schedulers.duo_attention import DuoAttentionScheduler
 from kvbench.schedulers.flexgen import FlexGenScheduler
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.lru import LRUScheduler
@@ -301,33 +313,40 @@ def llama8b_heads():
     return models.load(cfg, "cpu")
 
 
-def _store_at_32k(lm, role: str, technique) -> LayerStore:
-    """A bf16 layer of one sequence after a 32k-token prefill, with ``technique`` (its ``role``)
-    applied at budget 0.5."""
+def _store_at_32k(lm, role: str, technique, layer: int = 0, tokens: int = T32K) -> LayerStore:
+    """A bf16 layer (``layer`` of the model's two) of one sequence after a prefill of ``tokens``
+    (32k), with ``technique`` (its ``role``) applied at budget 0.5."""
     stack = make_stack(
         lm, **({role: technique} if technique is not None else {}), budget=0.5, sinks=4, window=32
     )
     gen = torch.Generator().manual_seed(0)
     store = LayerStore(1, KV_HEADS, HD, torch.bfloat16, torch.device("cpu"))
-    k, v = (torch.randn(1, KV_HEADS, T32K, HD, generator=gen).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, KV_HEADS, tokens, HD, generator=gen).to(torch.bfloat16) for _ in range(2))
     store.append(k, v)
     with torch.inference_mode():
-        stack.apply(0, store)
+        stack.apply(layer, store)
     return store
 
 
 def _bookkeeping(store: LayerStore) -> int:
     """Bytes beyond the format's and the full-precision rows' keys and values that a store may hold:
-    every segment's rows at their capacity with a position (int64) and the techniques' per-token
-    state (float32) a slot, a compressed segment's own positions, the view's joined positions and
-    valid slots (9 bytes a slot, at most a quarter and 64 slots of room), and the last chunk's
-    query positions."""
+    every segment's rows at their capacity with a position (int64), the techniques' per-token
+    state (float32) and, for merged units, a logit bias (float32) a slot; a compressed segment's
+    own positions; merged units' member positions (int64 a member); the view's joined positions,
+    valid slots and biases (9 bytes a slot, 13 with merged units; at most a quarter and 64 slots of
+    room); and the last chunk's query positions."""
     bh = store.batch * store.kv_heads
     state = sum(4 * math.prod(st.shape) for st in store.states())
-    rows = sum(seg.rows.capacity * bh * (8 + state) for seg in store.segments)
+    merged = [seg.members() for seg in store.segments if seg.members() is not None]
+    rows = sum(
+        seg.rows.capacity * bh * (8 + state + (4 if seg.members() is not None else 0))
+        for seg in store.segments
+    )
     width = sum(seg.rows.width for seg in store.segments)
-    joined = 9 * bh * (width + max(64, width // 4)) if len(store.segments) > 1 else 0
-    return rows + 8 * store.stored_tokens() + joined + 8 * store.last_qpos.numel()
+    slot = 9 + (4 if merged else 0)
+    joined = slot * bh * (width + max(64, width // 4)) if len(store.segments) > 1 else 0
+    members = sum(8 * pos.numel() for pos, _ in merged)
+    return rows + 8 * store.stored_tokens() + members + joined + 8 * store.last_qpos.numel()
 
 
 def _resident(store: LayerStore) -> int:
@@ -354,48 +373,164 @@ EVERY_TOKEN = {
 }
 
 
+def _fp(tokens: int) -> int:
+    """One KV head's ``tokens`` at 16 bits: keys and values of head_dim 128."""
+    return tokens * 2 * HD * 2
+
+
+def _kivi(q: int, bits: int) -> int:
+    """One KV head's ``q`` tokens in KIVI's layout, groups of 32: keys and values ``bits`` a
+    channel, 4 fp16 (zero, step) pairs per value token; per key group an fp16 zero and step per
+    channel and an int16 count."""
+    return q * (HD * bits // 8 * 2 + 4 * 2 * 2) + q // 32 * (HD * 2 * 2 + 2)
+
+
+def _packed(t: int) -> int:
+    """Tokens a KIVI-layout compressor packs: whole groups of 32 past the 4 sinks and the window."""
+    return (t - 36) // 32 * 32
+
+
+# the centroid routers' side data: a float32 centroid per expert (8) and channel, and its count
+CENTROIDS = KV_HEADS * 8 * (HD + 1) * 4
+
+
+def _duo() -> DuoAttentionScheduler:
+    """DuoAttention with gates that make 3 of layer 0's 8 KV heads retrieval heads (the top half of
+    the model's 16 heads by gate: 3 in layer 0, 5 in layer 1)."""
+    sched = DuoAttentionScheduler(retrieval_ratio=0.5)
+    sched.inject_gates(torch.tensor([[0.9, 0.8, 0.7] + [0.1] * 5, [0.95, 0.85, 0.75, 0.65, 0.6] + [0.2] * 3]))
+    return sched
+
+
+def case(name, role, technique, per_layer, layer: int = 0, tokens: int = T32K):
+    return pytest.param(role, technique, per_layer, layer, tokens, id=name)
+
+
 @pytest.mark.parametrize(
-    "role, technique, per_layer",
+    "role, technique, per_layer, layer, tokens",
     [
-        # every token at 16 bits: keys and values of head_dim 128
-        ("compressor", None, lambda t: KV_HEADS * t * 2 * HD * 2),
-        # KIVI 2-bit, groups of 32: whole groups past the 4 sinks and the 32-token window are packed
-        # (keys and values 2 bits a channel, 4 fp16 (zero, step) pairs per value token; per key group
-        # an fp16 zero and step per channel and an int16 count); the rest at 16 bits
-        (
+        case("full-cache", "compressor", None, lambda t: KV_HEADS * _fp(t)),
+        # KIVI 2-bit: whole groups past the sinks and the window packed, the rest at 16 bits
+        case(
+            "quantized",
             "compressor",
             lambda: QuantizedCompressor(bits=2, group_size=32),
-            lambda t: (
-                KV_HEADS
-                * (
-                    (q := (t - 36) // 32 * 32) * (HD // 4 * 2 + 4 * 2 * 2)
-                    + q // 32 * (HD * 2 * 2 + 2)
-                    + (t - q) * 2 * HD * 2
-                )
-            ),
+            lambda t: KV_HEADS * (_kivi(_packed(t), 2) + _fp(t - _packed(t))),
         ),
         # ThinK at keep_ratio 0.5: past the sinks and the window, keys keep 64 of 128 channels
         # (values whole); each KV head's 64 kept channel indices (int16) once per layer
-        (
+        case(
+            "pruning",
             "compressor",
             lambda: PruningCompressor(keep_ratio=0.5),
-            lambda t: KV_HEADS * ((t - 36) * (64 + HD) * 2 + 36 * 2 * HD * 2 + 64 * 2),
+            lambda t: KV_HEADS * ((t - 36) * (64 + HD) * 2 + _fp(36) + 64 * 2),
         ),
         # evictions at budget 0.5: half the tokens, at 16 bits (which half is theirs)
-        *[(role, make, lambda t: KV_HEADS * t // 2 * 2 * HD * 2) for role, make in EVICTIONS.values()],
+        *[case(n, role, make, lambda t: KV_HEADS * _fp(t // 2)) for n, (role, make) in EVICTIONS.items()],
         # read selectors and placement store every token, at 16 bits (their metadata comes at decode)
-        *[(role, make, lambda t: KV_HEADS * t * 2 * HD * 2) for role, make in EVERY_TOKEN.values()],
+        *[case(n, role, make, lambda t: KV_HEADS * _fp(t)) for n, (role, make) in EVERY_TOKEN.items()],
+        # routers by running centroids: every token, and the centroids
+        case("pikv-router", "router", PikvRouter, lambda t: KV_HEADS * _fp(t) + CENTROIDS),
+        case("topk_balanced", "router", TopKBalancedRouter, lambda t: KV_HEADS * _fp(t) + CENTROIDS),
+        # EPLB also stores its plan: float64 read loads per expert (8) and device (4), and int64
+        # expert, device and device-without-replication of each slot (8: no reads yet, no replica)
+        case(
+            "eplb",
+            "router",
+            EPLBRouter,
+            lambda t: KV_HEADS * _fp(t) + CENTROIDS + (8 + 4) * 8 + 3 * 8 * 8,
+        ),
+        # ChunkKV, chunks of 7: the 32,732 tokens past the sinks and the window are 4,676 whole
+        # chunks; as many whole chunks as fit in half the tokens, less the 36 it protects
+        case(
+            "chunkkv",
+            "compressor",
+            lambda: ChunkKVCompressor(chunk_size=7),
+            lambda t: KV_HEADS * _fp((t // 2 - 36) // 7 * 7 + 36),
+        ),
+        # FastV from layer 1: half the tokens there, every token in the layer before
+        case("fastv", "compressor", lambda: FastVCompressor(layer=1), lambda t: KV_HEADS * _fp(t // 2), 1),
+        case("fastv-before", "compressor", lambda: FastVCompressor(layer=1), lambda t: KV_HEADS * _fp(t)),
+        # PyramidKV over two layers (beta 20): weights 2 - 1/20 and 1/20 of half the tokens
+        case(
+            "pyramidkv",
+            "compressor",
+            PyramidKVCompressor,
+            lambda t: KV_HEADS * _fp(-(-t * 39 // 40)),
+        ),
+        case("pyramidkv-top", "compressor", PyramidKVCompressor, lambda t: KV_HEADS * _fp(-(-t // 40)), 1),
+        # pyramid: KIVI at 8 bits in the first of two layers, at 2 in the last
+        *[
+            case(
+                f"pyramid-{bits}bit",
+                "compressor",
+                lambda: PyramidCompressor(bits_max=8, bits_min=2),
+                lambda t, bits=bits: KV_HEADS * (_kivi(_packed(t), bits) + _fp(t - _packed(t))),
+                layer,
+            )
+            for layer, bits in ((0, 8), (1, 2))
+        ],
+        # PiKV's compressor: half the tokens kept; whole groups of them past the protected 36 move
+        # to KIVI, half of those (the guard, 255 groups) at 8 bits and half at 2 bits
+        case(
+            "pikv-compressor",
+            "compressor",
+            PiKVCompressor,
+            lambda t: KV_HEADS * (_kivi((q := _packed(t // 2)) // 2, 8) + _kivi(q // 2, 2) + _fp(t // 2 - q)),
+        ),
+        # DuoAttention: 3 retrieval heads keep every token, 5 streaming heads the sinks and window
+        case("duo_attention", "scheduler", _duo, lambda t: _fp(3 * t + 5 * 36)),
+        # SVD, blocks of 64 past the sinks and the window: per token 16 key and 32 value coefficients
+        # (bf16), per block a 128 x 16 key and 128 x 32 value basis (bf16) and an int16 count
+        case(
+            "svd",
+            "compressor",
+            lambda: SVDCompressor(key_rank=16, value_rank=32, block_size=64),
+            lambda t: (
+                KV_HEADS
+                * (
+                    (q := (t - 36) // 64 * 64) * (16 + 32) * 2
+                    + q // 64 * (HD * (16 + 32) * 2 + 2)
+                    + _fp(t - q)
+                )
+            ),
+        ),
+        # LoRA: past the sinks and the window, 32 key and 32 value latents (bf16) a token; the
+        # layer's calibrated bases once, 128 x 32 per KV head for keys and for values
+        case(
+            "lora",
+            "compressor",
+            lambda: LoraCompressor(key_rank=32, value_rank=32),
+            lambda t: KV_HEADS * ((t - 36) * (32 + 32) * 2 + _fp(36) + HD * (32 + 32) * 2),
+        ),
+        # LoRA++: 16 key and 32 value latents at 8 bits and an fp16 zero and step for each of the
+        # two a token; bases 128 x 16 and 128 x 32
+        case(
+            "lora_plus_plus",
+            "compressor",
+            lambda: LoraPlusPlusCompressor(key_rank=16, value_rank=32, latent_bits=8),
+            lambda t: KV_HEADS * ((t - 36) * (16 + 32 + 2 * 2 * 2) + _fp(36) + HD * (16 + 32) * 2),
+        ),
+        # distillation: the tokens past the sinks and the window merged into as many units as
+        # half the tokens allow, less the 36, each a bf16 key and value and an int32 count. At 8k:
+        # its k-means at prefill grows with the square of the context (a minute at 32k here)
+        case(
+            "distillation",
+            "compressor",
+            DistillationCompressor,
+            lambda t: KV_HEADS * ((t // 2 - 36) * (2 * HD * 2 + 4) + _fp(36)),
+            tokens=8192,
+        ),
     ],
-    ids=["full-cache", "quantized", "pruning", *EVICTIONS, *EVERY_TOKEN],
 )
-def test_bytes_at_32k_match_their_formulas(llama8b_heads, role, technique, per_layer):
+def test_bytes_at_32k_match_their_formulas(llama8b_heads, role, technique, per_layer, layer, tokens):
     """A layer of Llama-3.1-8B's shapes after a 32k prefill stores the bytes its format's formula
-    gives, exactly (a quantization, a pruning, evictions by position and by score, read selectors
-    and placement that keep every token), and holds no more than those, its full-precision rows'
-    capacity and per-token bookkeeping; a decode step's attention allocates at most one block of
-    decoded keys (``DECODE_ELEMS`` float32 elements), not the layer's."""
-    store = _store_at_32k(llama8b_heads, role, technique() if technique is not None else None)
-    assert store.nbytes() == per_layer(T32K)
+    gives, exactly, for every technique and the full cache, and holds no more than those, its
+    full-precision rows' capacity and per-token bookkeeping; a decode step's attention allocates at
+    most one block of decoded keys (``DECODE_ELEMS`` float32 elements), not the layer's."""
+    made = technique() if technique is not None else None
+    store = _store_at_32k(llama8b_heads, role, made, layer, tokens)
+    assert store.nbytes() == per_layer(tokens)
     fp_capacity = sum(store.fp.rows.fields[n].untyped_storage().nbytes() for n in ("k", "v"))
     stored_fp = store.fp.nbytes()
     assert _resident(store) <= store.nbytes() - stored_fp + fp_capacity + _bookkeeping(store)
