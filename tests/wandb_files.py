@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,30 @@ BLOCK = 32768
 HEADER = 7
 
 
-def records(path: Path) -> list[Any]:
-    """Every protobuf ``Record`` in a ``.wandb`` file, in order."""
+def records(path: Path, wait: float = 60.0) -> list[Any]:
+    """Every protobuf ``Record`` in a ``.wandb`` file, in order, once the file holds its run's
+    ``exit`` record: W&B's service writes the file after ``run.finish()`` returns (seen here: 7
+    bytes just after it, the whole run a moment later), so a reader in the same process waits up to
+    ``wait`` seconds for it."""
+    from google.protobuf.message import DecodeError
+
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            out = _parse(Path(path).read_bytes())
+        except DecodeError:  # a record cut off mid-write
+            out = []
+        if any(r.WhichOneof("record_type") == "exit" for r in out) or time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
+
+
+def _parse(data: bytes) -> list[Any]:
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data = Path(path).read_bytes()
-    assert data[:4] == b":W&B", f"{path} is not a W&B run file"
+    if len(data) < HEADER:
+        return []
+    assert data[:4] == b":W&B", "not a W&B run file"
     pos, out, pending = HEADER, [], b""
     while pos + HEADER <= len(data):
         left = BLOCK - pos % BLOCK
