@@ -1,4 +1,8 @@
-"""Triton kernels (GPU path), each beside its torch reference. Imported as ``kvbench.kernels``.
+"""Triton kernels (the GPU path), each beside its torch reference. Imported as ``kvbench.kernels``.
 
-Empty for now: the torch reference path in ``kvbench.cache`` is the execution path on every device.
+Which path runs is the config's ``kernels``: ``auto`` (Triton on CUDA, torch elsewhere), ``torch``
+or ``triton`` (on a CPU: under ``TRITON_INTERPRET=1``, slowly; for tests). A cell resolves it once
+(:func:`dispatch.resolve`) and runs inside :func:`dispatch.using`; the cache's operations ask
+:func:`dispatch.active`, so the techniques do not change. Today: KIVI's quantize-and-pack and
+unpack-and-dequantize (:mod:`kvbench.kernels.kivi`), which the KIVI segment calls.
 """

@@ -11,6 +11,8 @@ from omegaconf import OmegaConf
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+if not torch.cuda.is_available():  # Triton's kernels run interpreted on the CPU (before kvbench imports them)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(2)
 
 FAMILIES = {

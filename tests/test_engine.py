@@ -72,8 +72,9 @@ def test_compressed_cache_refuses_crop_and_beam(tiny):
 
 
 def test_kernels_folder_does_not_shadow_hf_kernels():
-    import kvbench.kernels  # noqa: F401
     import transformers.utils.import_utils as iu
+
+    import kvbench.kernels  # noqa: F401
 
     assert not iu.is_kernels_available()
 

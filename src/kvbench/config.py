@@ -11,6 +11,7 @@ from omegaconf import MISSING, DictConfig
 from kvbench import models
 from kvbench.errors import ConfigError
 from kvbench.eval import protocol
+from kvbench.kernels import dispatch
 from kvbench.stack import Stack, build_stack
 
 
@@ -34,6 +35,7 @@ class Schema:
     retry_failed: bool = MISSING
     timeout_s: float | None = MISSING
     device: str = MISSING
+    kernels: str = MISSING
     seed: int = MISSING
     threads: int | None = MISSING
     budget: float = MISSING
@@ -68,6 +70,7 @@ def validate(cfg: DictConfig) -> Stack:
         raise ConfigError(f"timeout_s={cfg.timeout_s}: must be > 0 seconds, or null for no limit")
     check_threads(cfg.get("threads"))
     models.check_device(cfg.device, here=runs_here(cfg))
+    dispatch.check(cfg.get("kernels", "auto"), str(cfg.device), here=runs_here(cfg))
     return stack
 
 

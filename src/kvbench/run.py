@@ -24,6 +24,7 @@ import kvbench
 from kvbench import baseline as baselines
 from kvbench import cellstate, config, limits, models, results
 from kvbench.eval import loop, measure, protocol
+from kvbench.kernels import dispatch
 from kvbench.roles import BindContext
 from kvbench.stack import Stack, stack_identity
 
@@ -68,7 +69,15 @@ def identity(cfg: DictConfig, stack: Stack, text_sha: str) -> dict[str, Any]:
         "stack": stack_identity(cfg, stack),
         "device": models.resolve_device(cfg.device).type,
         "seed": cfg.seed,
+        # the Triton path can move numbers within float tolerance; the torch path, the one every
+        # cell ran before the kernels existed, keeps their ids
+        **({"kernels": path} if (path := kernel_path(cfg)) != "torch" else {}),
     }
+
+
+def kernel_path(cfg: DictConfig) -> str:
+    """The cache's kernels this cell runs: ``kernels`` resolved for its device (:mod:`kvbench.kernels`)."""
+    return dispatch.resolve(str(cfg.get("kernels", "auto")), models.resolve_device(cfg.device))
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
@@ -168,7 +177,8 @@ def execute(cfg: DictConfig, cell: CellPlan | None = None) -> Outcome:
             record["timings"]["load_s"] = time.perf_counter() - start
             record["model"].update(lm.info)
             record["device"] = device_info(lm.device)
-            _evaluate(cfg, lm, cell.stack, cell.data, cell.ident, record)
+            with dispatch.using(record["kernels"]):
+                _evaluate(cfg, lm, cell.stack, cell.data, cell.ident, record)
             _check_finite(record["metrics"])
     except Exception as err:
         kind, reason = classify(err)
@@ -290,6 +300,7 @@ def _skeleton(cfg, stack, ident, cell_id, source) -> dict[str, Any]:
             "source": {k: v for k, v in source.items() if k != "sha256"},
         },
         "device": device_info(models.resolve_device(cfg.device)),
+        "kernels": kernel_path(cfg),
         "metrics": {},
         "per_layer_bytes": [],
         "calibrations": [],

@@ -30,6 +30,12 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbench.cache import attention as att
 from kvbench.cache import held
 from kvbench.cache.store import LayerStore
+from kvbench.kernels import dispatch
+
+try:  # triton is a dependency on Linux; elsewhere the torch path runs alone
+    from kvbench.kernels import attention as attention_kernels
+except ImportError:
+    attention_kernels = None
 
 ATTN_NAME = "kvbench"
 HOST = torch.device("cpu")  # where the KV-hit probe keeps its shadow keys and compares
@@ -295,6 +301,9 @@ class KVCache(Cache):
         self.probe.add(hit, hit_excl)
 
 
+# A masked step of at most this many queries runs the ragged decode kernel on the Triton path
+# (kvbench.kernels.attention: the mask read per KV head); a plain causal one stays on SDPA.
+KERNEL_QUERIES = 16
 # Upper bound on the elements of the keys decoded for one block of head-rows (2**24: 32 MiB in bf16).
 DECODE_ELEMS = 1 << 24
 
@@ -323,6 +332,15 @@ def _attend_decoded(store: LayerStore, query, mask, mask_fn, scaling: float) -> 
 
     def attend(q, k, v, mask, mask_fn, bias):
         k, v = k.to(q.dtype), v.to(q.dtype)
+        if (
+            (mask is not None or mask_fn is not None)
+            and q.shape[2] <= KERNEL_QUERIES
+            and dispatch.active() == "triton"
+        ):
+            assert attention_kernels is not None, "kernels=triton without triton (dispatch.check)"
+            return attention_kernels.attend(
+                q, k, v, mask if mask is not None else mask_fn(0, q.shape[2]), scaling, bias
+            )
         if mask_fn is not None:
             return att.attend_blocks(q, k, v, mask_fn, scaling, bias)
         return att.attend(q, k, v, mask, scaling, bias)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 
@@ -118,3 +119,85 @@ def dequantize(
     and ``step`` broadcast over ``codes``."""
     out = codes.float().mul_(step).add_(zero)
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+# --- KIVI's layout (arXiv:2402.02750): the torch path, and the reference of kvbench.kernels.kivi -
+
+
+def quantize_keys(k: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys per channel over whole groups of ``group`` tokens.
+
+    Args:
+        k: ``(N, D)`` keys, ``N`` a multiple of ``group``.
+
+    Returns:
+        packed codes ``(N, D * bits / 8)`` uint8, and a float16 zero and step ``(N / group, D)``.
+    """
+    d = k.shape[-1]
+    codes, zero, step = quantize(k.view(-1, group, d), bits, dim=1)
+    return pack(codes.view(-1, d), bits), zero.view(-1, d), step.view(-1, d)
+
+
+def quantize_values(
+    v: torch.Tensor, bits: int, group: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values per token over groups of ``group`` channels (the last group may be shorter: it is
+    padded with its last channel, which leaves its minimum and maximum as they are).
+
+    Args:
+        v: ``(N, D)`` values.
+
+    Returns:
+        packed codes ``(N, D * bits / 8)`` uint8, and a float16 zero and step ``(N, ceil(D / group))``.
+    """
+    d = v.shape[-1]
+    ngv = -(-d // group)
+    vf = v.float()
+    if ngv * group != d:
+        vf = F.pad(vf, (0, ngv * group - d), mode="replicate")
+    codes, zero, step = quantize(vf.view(-1, ngv, group), bits, dim=2)
+    codes = codes.view(-1, ngv * group)[:, :d]
+    return pack(codes.contiguous(), bits), zero.view(-1, ngv), step.view(-1, ngv)
+
+
+def dequantize_keys(
+    packed: torch.Tensor,
+    zero: torch.Tensor,
+    step: torch.Tensor,
+    bits: int,
+    dtype: torch.dtype,
+    per_group: int | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_keys` for ``(N, P)`` packed codes: ``(N, D)`` of ``dtype``.
+
+    The token groups are ``per_group`` tokens each (parameters broadcast over each), or given by
+    ``group_ids`` ``(N,)`` where an eviction left groups of different sizes.
+    """
+    d = zero.shape[-1]
+    codes = unpack(packed, bits)
+    if per_group is not None:
+        shape = (-1, per_group, d)
+        return dequantize(codes.view(shape), zero[:, None], step[:, None], dtype).view(-1, d)
+    assert group_ids is not None, "dequantize_keys: give per_group or group_ids"
+    return dequantize(codes, zero[group_ids], step[group_ids], dtype)
+
+
+def dequantize_values(
+    packed: torch.Tensor,
+    zero: torch.Tensor,
+    step: torch.Tensor,
+    bits: int,
+    head_dim: int,
+    group: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Inverse of :func:`quantize_values` for ``(N, P)`` packed codes: ``(N, head_dim)`` of ``dtype``."""
+    d, ngv = head_dim, zero.shape[1]
+    codes = unpack(packed, bits)[:, :d]
+    if ngv * group == d:  # the channel groups tile head_dim: parameters broadcast over each group
+        shape = (-1, ngv, group)
+        return dequantize(codes.view(shape), zero[..., None], step[..., None], dtype).view(-1, d)
+    zeros = zero.repeat_interleave(group, dim=1)[:, :d]
+    steps = step.repeat_interleave(group, dim=1)[:, :d]
+    return dequantize(codes, zeros, steps, dtype)

@@ -10,16 +10,31 @@ with its last token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from kvbench.cache import quant, ragged
 from kvbench.cache.segments import GroupedSegment
 from kvbench.cache.store import Build, LayerStore
 from kvbench.errors import ConfigError
+from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
 from kvbench.select import leaving_window
+
+try:  # triton is a dependency on Linux; elsewhere the torch path runs alone
+    from kvbench.kernels import kivi as kivi_kernels
+except ImportError:
+    kivi_kernels = None
+
+
+def _ops() -> ModuleType:
+    """KIVI's four operations (quantize and dequantize, keys and values) on the cell's path
+    (:mod:`kvbench.kernels.dispatch`): the Triton kernels, or their torch references."""
+    if dispatch.active() == "triton":
+        assert kivi_kernels is not None, "kernels=triton without triton (kvbench.kernels.dispatch.check)"
+        return kivi_kernels
+    return quant
 
 
 @dataclass
@@ -49,26 +64,14 @@ class QuantSegment(GroupedSegment):
         return (self.key_bits, self.value_bits)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        d, g = self.head_dim, self.group_size
-        kcodes = quant.unpack(self.kcodes, self.key_bits)
+        ops = _ops()
         per_group = self.full_groups()
-        if per_group is not None:  # every key group whole: its parameters broadcast over its tokens
-            shape = (-1, per_group, d)
-            k = quant.dequantize(kcodes.view(shape), self.kzero[:, None], self.kstep[:, None], dtype).view(
-                -1, d
-            )
-        else:
-            gid = self.group_ids()
-            k = quant.dequantize(kcodes, self.kzero[gid], self.kstep[gid], dtype)
-        vcodes = quant.unpack(self.vcodes, self.value_bits)[:, :d]
-        ngv = self.vzero.shape[1]
-        if ngv * g == d:  # value channel groups tile head_dim: parameters broadcast over each group
-            shape = (-1, ngv, g)
-            v = quant.dequantize(vcodes.view(shape), self.vzero[..., None], self.vstep[..., None], dtype)
-            return k, v.view(-1, d)
-        vz = self.vzero.repeat_interleave(g, dim=1)[:, :d]
-        vs = self.vstep.repeat_interleave(g, dim=1)[:, :d]
-        return k, quant.dequantize(vcodes, vz, vs, dtype)
+        gid = self.group_ids() if per_group is None else None
+        k = ops.dequantize_keys(self.kcodes, self.kzero, self.kstep, self.key_bits, dtype, per_group, gid)
+        v = ops.dequantize_values(
+            self.vcodes, self.vzero, self.vstep, self.value_bits, self.head_dim, self.group_size, dtype
+        )
+        return k, v
 
 
 @dataclass
@@ -106,26 +109,23 @@ def quantize_tokens(
     k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor, kb: int, vb: int, g: int
 ) -> QuantSegment:
     """KIVI quantization of whole groups of ``g`` tokens per head-row (``lens`` multiples of ``g``)."""
-    d = k.shape[-1]
-    kc, kz, ks = quant.quantize(k.view(-1, g, d), kb, dim=1)  # per channel over G tokens
-    ngv = -(-d // g)
-    vpad = F.pad(v.float(), (0, ngv * g - d), mode="replicate") if ngv * g != d else v.float()
-    vc, vz, vs = quant.quantize(vpad.view(-1, ngv, g), vb, dim=2)  # per token, G channels
-    vc = vc.view(-1, ngv * g)[:, :d]
+    ops = _ops()
+    kcodes, kzero, kstep = ops.quantize_keys(k, kb, g)
+    vcodes, vzero, vstep = ops.quantize_values(v, vb, g)
     return QuantSegment(
         lens=lens,
         pos=pos,
         key_bits=kb,
         value_bits=vb,
         group_size=g,
-        head_dim=d,
-        kcodes=quant.pack(kc.view(-1, d), kb),
-        vcodes=quant.pack(vc.contiguous(), vb),
-        vzero=vz.view(-1, ngv),
-        vstep=vs.view(-1, ngv),
-        kzero=kz.view(-1, d),
-        kstep=ks.view(-1, d),
-        gcount=ragged.tell(torch.full((kz.shape[0],), g, dtype=torch.int16, device=k.device), g),
+        head_dim=k.shape[-1],
+        kcodes=kcodes,
+        vcodes=vcodes,
+        vzero=vzero,
+        vstep=vstep,
+        kzero=kzero,
+        kstep=kstep,
+        gcount=ragged.tell(torch.full((kzero.shape[0],), g, dtype=torch.int16, device=k.device), g),
         glens=_groups(lens, g),
     )
 

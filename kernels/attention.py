@@ -1,0 +1,142 @@
+"""Masked decode attention over a ragged cache (flash-decoding) as a Triton kernel, beside its torch
+reference (:func:`kvbench.cache.attention.attend`, same signature).
+
+One decode step, or a short chunk of queries, against a layer whose KV heads hold different
+tokens: a per-KV-head boolean mask (ragged heads' padding, a read selector's unread tokens, a
+sliding window, positions not yet seen) and an optional logit bias per stored unit (merged tokens'
+log(count)). A program takes the query heads of one KV head (grouped-query attention: the group's
+queries share every key read) for one query position and one split of the stored slots; each
+split keeps a running maximum, sum and output, and :func:`attend` merges the splits by their
+log-sum-exp. The mask is read per KV head: it is never repeated over the query group, and SDPA's
+fallback to its math kernel for a mask with grouped queries is gone.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbench.cache import attention as att
+from kvbench.kernels import dispatch
+
+attend_reference = att.attend
+
+BLOCK_T = 64  # stored slots a program reads at a time
+SPLIT = 1024  # stored slots a split covers at least (more splits: more programs in flight)
+
+
+@triton.jit
+def _decode_kernel(
+    q, k, v, mask, bias, m_out, l_out, acc_out,
+    H, G, Q, T, D, slots_per_split, scaling,
+    sq_b, sq_h, sq_q, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_h, sm_q, sb_b, sb_h,
+    HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP32: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0)  # (b, KV head, query position)
+    split = tl.program_id(1)
+    qi = row % Q
+    h = (row // Q) % H
+    b = row // (Q * H)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    g_ok = g < G  # BLOCK_G: the query group rounded up (at least 16, for tl.dot)
+    d_ok = d < D
+    qs = tl.load(
+        q + b * sq_b + (h * G + g[:, None]) * sq_h + qi * sq_q + d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    if FP32:  # the interpreter multiplies 16-bit floats as integers: it reads them in float32
+        qs = qs.to(tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    start = split * slots_per_split
+    stop = tl.minimum(start + slots_per_split, T)
+    for t0 in range(start, stop, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < stop
+        read = tl.load(mask + b * sm_b + h * sm_h + qi * sm_q + t, mask=t_ok, other=0) != 0
+        kt = tl.load(
+            k + b * sk_b + h * sk_h + t[:, None] * sk_t + d[None, :],
+            mask=t_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if FP32:
+            kt = kt.to(tl.float32)
+        s = tl.dot(qs, tl.trans(kt), out_dtype=tl.float32) * scaling  # (BLOCK_G, BLOCK_T)
+        if HAS_BIAS:
+            s += tl.load(bias + b * sb_b + h * sb_h + t, mask=t_ok, other=0.0).to(tl.float32)[None, :]
+        s = tl.where(read[None, :], s, float("-inf"))  # unread or past the split: no weight
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row that has read nothing yet keeps a -inf maximum: shift by 0 so exp gives 0, not NaN
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(m_i - shift)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vt = tl.load(
+            v + b * sv_b + h * sv_h + t[:, None] * sv_t + d[None, :],
+            mask=t_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        if FP32:
+            vt = vt.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
+        m_i = m_new
+    out_row = (row * tl.num_programs(1) + split) * BLOCK_G + g  # partials (rows, splits, group)
+    tl.store(m_out + out_row, m_i)
+    tl.store(l_out + out_row, l_i)
+    tl.store(acc_out + out_row[:, None] * BLOCK_D + d[None, :], acc)
+
+
+def attend(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`kvbench.cache.attention.attend` (its reference) for a masked decode step or a short
+    chunk: query ``(B, Hq, Q, D)``, keys and values ``(B, H, T, D)``, ``mask`` ``(B, H, Q, T)``
+    bool (per KV head; ``None`` reads every slot), ``bias`` ``(B, H, T)``. Returns ``(B, Hq, Q, D)``
+    in the query's dtype."""
+    b, hq, nq, d = query.shape
+    h, t = key.shape[1], key.shape[2]
+    g = hq // h
+    if mask is None:
+        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=query.device).expand(b, h, nq, t)
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.contiguous().view(torch.uint8)
+    splits = max(1, min(triton.cdiv(t, SPLIT), 64))
+    per_split = triton.cdiv(triton.cdiv(t, splits), BLOCK_T) * BLOCK_T
+    splits = max(1, triton.cdiv(t, per_split))
+    block_g = max(16, triton.next_power_of_2(g))
+    block_d = max(16, triton.next_power_of_2(d))
+    rows = b * h * nq
+    m = torch.empty(rows, splits, block_g, dtype=torch.float32, device=query.device)
+    l_sum = torch.empty_like(m)
+    acc = torch.empty(rows, splits, block_g, block_d, dtype=torch.float32, device=query.device)
+    bias_arg = bias if bias is not None else m
+    bias_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    if rows and t:
+        _decode_kernel[(rows, splits)](
+            query, key, value, mask, bias_arg, m, l_sum, acc,
+            h, g, nq, t, d, per_split, scaling,
+            query.stride(0), query.stride(1), query.stride(2),
+            key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2),
+            mask.stride(0), mask.stride(1), mask.stride(2), *bias_strides,
+            HAS_BIAS=bias is not None, BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d,
+            FP32=dispatch.interpreted(),
+        )  # fmt: skip
+    # merge the splits by their log-sum-exp: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
+    top = m.amax(1, keepdim=True)
+    weight = torch.exp(m - top.masked_fill(top == float("-inf"), 0.0))
+    total = (l_sum * weight).sum(1)[..., None]
+    # a query that reads nothing gets zeros, as SDPA gives
+    out = (acc * weight[..., None]).sum(1) / total.masked_fill(total == 0, 1.0)
+    out = out[:, :g, :d].view(b, h, nq, g, d).permute(0, 1, 3, 2, 4).reshape(b, hq, nq, d)
+    return out.to(query.dtype)

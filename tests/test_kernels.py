@@ -1,0 +1,208 @@
+"""Triton kernels against their torch references (issue 14), under ``TRITON_INTERPRET=1`` on the
+CPU (conftest sets it where there is no CUDA) and on CUDA where there is one; and the ``kernels``
+setting: refused in one line when it cannot run, part of a cell's identity, said in its record."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import tiny_cfg
+from helpers import make_stack, run_chunks, tokens
+from kvbench import models, run
+from kvbench.cache import engine
+from kvbench.compressors.distillation import DistillationCompressor
+from kvbench.compressors.pikv import PiKVCompressor
+from kvbench.compressors.pyramid import PyramidCompressor
+from kvbench.compressors.quantized import QuantizedCompressor
+from kvbench.kernels import attention as ka
+from kvbench.kernels import dispatch, kivi
+from kvbench.routers.moba import BaseRouter
+from kvbench.schedulers.adakv import AdaKVScheduler
+from kvbench.schedulers.quest import QuestScheduler
+from test_bad_inputs import cell, refused
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _skip_without(device: str) -> None:
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+
+def _equal(got, want) -> None:
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "bits, head_dim, group", list(itertools.product((2, 3, 4, 8), (64, 80, 128), (32, 20)))
+)
+def test_kivi_kernels_equal_their_references(device, bits, head_dim, group):
+    """Quantize-and-pack and unpack-and-dequantize, keys and values, give the torch path's bytes
+    and values exactly, for every bit width, head_dim 64, 80 (value groups that do not tile it)
+    and 128, groups of 32 and 20 tokens (not a power of two), in float32, bfloat16 and float16,
+    token counts that are not multiples of the kernels' blocks: either path reads what the other
+    wrote."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(bits * head_dim + group)
+    for dtype in DTYPES:
+        k = (3 * torch.randn(3 * group, head_dim, generator=gen)).to(dtype)
+        v = (3 * torch.randn(3 * group + 5, head_dim, generator=gen)).to(dtype)
+        keys = kivi.quantize_keys_reference(k, bits, group)
+        values = kivi.quantize_values_reference(v, bits, group)
+        on = [t.to(device) for t in (*keys, *values)]
+        _equal(kivi.quantize_keys(k.to(device), bits, group), keys)
+        _equal(kivi.quantize_values(v.to(device), bits, group), values)
+        want_k = kivi.dequantize_keys_reference(*keys, bits, dtype, per_group=group)
+        _equal([kivi.dequantize_keys(*on[:3], bits, dtype, per_group=group)], [want_k])
+        want_v = kivi.dequantize_values_reference(*values, bits, head_dim, group, dtype)
+        _equal([kivi.dequantize_values(*on[3:], bits, head_dim, group, dtype)], [want_v])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kivi_key_groups_left_ragged_by_an_eviction(device):
+    """After an eviction a key group may hold fewer tokens than others: the kernel reads each
+    token's group from ``group_ids``, as the reference does; an empty segment gives nothing."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(0)
+    packed, zero, step = kivi.quantize_keys_reference(torch.randn(4 * 32, 128, generator=gen), 2, 32)
+    kept = torch.rand(4 * 32, generator=gen) < 0.6
+    ids = (torch.arange(4 * 32) // 32)[kept]
+    want = kivi.dequantize_keys_reference(packed[kept], zero, step, 2, torch.bfloat16, group_ids=ids)
+    got = kivi.dequantize_keys(
+        packed[kept].to(device), zero.to(device), step.to(device), 2, torch.bfloat16, group_ids=ids.to(device)
+    )
+    _equal([got], [want])
+    empty = kivi.dequantize_keys(
+        packed[:0].to(device), zero.to(device), step.to(device), 2, torch.float16, 32
+    )
+    assert empty.shape == (0, 128)
+
+
+@pytest.mark.parametrize(
+    "compressor",
+    [
+        lambda: QuantizedCompressor(bits=2, group_size=8),
+        lambda: PyramidCompressor(bits_max=8, bits_min=3, group_size=8),
+        lambda: PiKVCompressor(group_size=8),
+    ],
+    ids=["quantized-2bit", "pyramid-8-3bit", "pikv"],
+)
+def test_the_engine_gives_the_same_logits_on_either_path(tiny, compressor):
+    """A tiny model's logits over a prefill and decode steps are the same with ``kernels=triton``
+    (interpreted here) as with ``kernels=torch``, and so are the stored bytes."""
+    ids = tokens(60)
+
+    def logits(path: str):
+        with dispatch.using(path):
+            out, cache = run_chunks(
+                tiny, make_stack(tiny, compressor=compressor(), window=8, sinks=2), ids, [40] + [1] * 20
+            )
+        return out, cache.nbytes()
+
+    (torch_logits, torch_bytes), (triton_logits, triton_bytes) = logits("torch"), logits("triton")
+    assert triton_bytes == torch_bytes
+    assert torch.equal(triton_logits, torch_logits)
+
+
+def test_a_kernels_value_that_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
+    assert refused(tmp_path, "kernels=cuda") == "kernels='cuda': allowed auto, torch, triton"
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        assert refused(tmp_path, "kernels=triton").startswith(
+            "kernels=triton with device=auto: Triton needs CUDA here, or TRITON_INTERPRET=1"
+        )
+
+
+def test_the_kernels_are_part_of_a_cell_and_its_record(tmp_path):
+    """``kernels=torch`` (and ``auto`` on a CPU) keep the ids cells had before the kernels existed;
+    ``triton`` is another cell, and the record says which path ran."""
+    plain = run.plan(cell(tmp_path))
+    assert "kernels" not in plain.ident
+    auto = run.plan(cell(tmp_path, "kernels=auto", "device=cpu"))
+    assert auto.cell_id == run.plan(cell(tmp_path, "kernels=torch")).cell_id == plain.cell_id
+    triton = run.plan(cell(tmp_path, "kernels=triton", "device=cpu"))
+    assert triton.ident["kernels"] == "triton" and triton.cell_id != plain.cell_id
+    record = run.run(
+        cell(tmp_path, "kernels=triton", "device=cpu", "compressor=quantized", "compressor.group_size=8")
+    )
+    assert record["status"] == "done", record["error"]
+    assert record["kernels"] == "triton"
+
+
+# --- masked decode attention over a ragged cache ----------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "batch, q_heads, kv_heads, queries, slots, head_dim, with_bias",
+    [
+        (1, 9, 3, 1, 77, 64, False),  # GQA 9/3, slots not a multiple of the block
+        (2, 32, 8, 1, 130, 128, False),  # Llama-3.1-8B's heads, a batch
+        (2, 9, 3, 3, 95, 80, True),  # a short chunk of queries, merged units' logit bias
+        (1, 4, 2, 1, 2100, 64, False),  # several splits, merged by their log-sum-exp
+    ],
+)
+def test_masked_decode_attention_equals_its_reference(
+    device, batch, q_heads, kv_heads, queries, slots, head_dim, with_bias
+):
+    """The decode kernel gives SDPA's attention under a per-KV-head mask: ragged heads (each row
+    its own number of stored slots, one head-row empty: zeros, as SDPA gives), a read selector's
+    holes, bias per unit; in float32, bfloat16 and float16."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(slots)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        q = torch.randn(batch, q_heads, queries, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(batch, kv_heads, slots, head_dim, generator=gen).to(dtype) for _ in range(2))
+        lens = torch.randint(1, slots + 1, (batch, kv_heads), generator=gen)
+        lens[0, -1] = 0 if not with_bias else lens[0, -1]  # an empty head-row (with a bias, SDPA's
+        # additive mask is finite: it would average an empty row's values)
+        mask = torch.arange(slots) < lens[..., None, None]  # (B, H, 1, T): each row's stored slots
+        mask = mask & (torch.rand(batch, kv_heads, queries, slots, generator=gen) < 0.8)
+        bias = torch.randn(batch, kv_heads, slots, generator=gen).to(dtype) if with_bias else None
+        want = ka.attend_reference(q, k, v, mask, head_dim**-0.5, bias)
+        on = [None if x is None else x.to(device) for x in (q, k, v, mask, bias)]
+        got = ka.attend(*on[:4], head_dim**-0.5, on[4])
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+        assert with_bias or not got[0, -(q_heads // kv_heads) :].any()  # the empty head-row's queries
+
+
+@pytest.mark.parametrize(
+    "role, technique",
+    [
+        ("scheduler", lambda: AdaKVScheduler()),  # ragged heads
+        ("scheduler", lambda: QuestScheduler(page_size=4, dense_layers=0)),  # a read selector
+        ("router", lambda: BaseRouter(num_experts=4, top_k=2)),  # a router
+        ("compressor", lambda: DistillationCompressor()),  # merged units' bias
+        ("compressor", None),  # the full cache of a sliding-window model: its window is a mask
+    ],
+    ids=["adakv", "quest", "router-base", "distillation", "sliding-window"],
+)
+def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, technique, monkeypatch):
+    """A tiny GQA model's logits over a prefill and decode steps agree on both paths (float
+    tolerance: the kernel sums in another order) for techniques whose steps read through a mask;
+    the Triton path ran the kernel at every masked step."""
+    ids = tokens(60)
+    calls = []
+    kernel = engine.attention_kernels.attend
+    monkeypatch.setattr(engine.attention_kernels, "attend", lambda *a: calls.append(1) or kernel(*a))
+
+    lm = tiny_93 if technique is not None else models.load(tiny_cfg("mistral", sliding_window=16), "cpu")
+    parts = {role: technique()} if technique is not None else {}
+
+    def logits(path: str):
+        with dispatch.using(path):
+            stack = make_stack(lm, **parts, budget=0.5, window=8, sinks=2)
+            return run_chunks(lm, stack, ids, [40] + [1] * 20)[0]
+
+    want = logits("torch")
+    assert not calls
+    torch.testing.assert_close(logits("triton"), want, atol=1e-4, rtol=1e-4)
+    assert len(calls) >= 20  # at least once a decode step
