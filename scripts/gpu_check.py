@@ -4,6 +4,9 @@
   random model (9/3 GQA, 3 layers): float32 logits on CUDA against the CPU's over a 200-token
   prefill, 8-token chunks and 8 single-token decode steps (max |dlogit| < 1e-3), stored bytes
   equal, bfloat16 finite, and a padded batch of two against one-by-one runs.
+- ``kernels``: the same, with the cache's Triton kernels on the device (``kernels=triton``,
+  docs/kernels.md) against the CPU's torch path. On ``--device cpu`` it needs
+  ``TRITON_INTERPRET=1`` (the interpreter: slow).
 - ``geometry``: head_dim 128 (Llama-3's) and a sliding-window model (Mistral, window 24): the full
   cache and five techniques, CUDA float32 against the CPU, and bfloat16 / float16 against float32
   on the device within a stated tolerance: max |dlogit| <= 0.05 (bf16) or 0.01 (fp16) times the
@@ -41,6 +44,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
 
 from kvbench import config, models, run  # noqa: E402
 from kvbench.eval import loop, measure  # noqa: E402
+from kvbench.kernels import dispatch  # noqa: E402
 from kvbench.roles import BindContext, Budget  # noqa: E402
 from kvbench.stack import Stack, build_technique, chain_stages  # noqa: E402
 
@@ -175,7 +179,9 @@ def options() -> list[tuple[str, str]]:
     ]
 
 
-def check_techniques(checks: Checks, device: str) -> None:
+def check_techniques(checks: Checks, device: str, kernels: str = "torch") -> None:
+    """Every technique, chain and triple on ``device`` with the cache's ``kernels`` path against the
+    CPU's torch path."""
     ids = torch.randint(0, 256, (272,), generator=torch.Generator().manual_seed(0)).tolist()
     budget = Budget(fraction=0.3, budget_tokens=None, sinks=4, window=16)
     lms = {
@@ -188,20 +194,21 @@ def check_techniques(checks: Checks, device: str) -> None:
         def one(name=name, parts=parts):
             t0 = time.perf_counter()
             cpu, ccache = run_ids(lms[("cpu", "float32")], parts, ids, budget)
-            dev, dcache = run_ids(lms[(device, "float32")], parts, ids, budget)
+            with dispatch.using(kernels):
+                dev, dcache = run_ids(lms[(device, "float32")], parts, ids, budget)
+                bf, bcache = run_ids(lms[(device, "bfloat16")], parts, ids, budget)
+                bdiff = run_batch(lms[(device, "float32")], parts, ids[:180], ids[40:150], budget)
             diff = float((cpu - dev).abs().max())
             same_bytes = ccache.nbytes() == dcache.nbytes()
-            bf, bcache = run_ids(lms[(device, "bfloat16")], parts, ids, budget)
             finite = bool(torch.isfinite(bf).all())
-            bdiff = run_batch(lms[(device, "float32")], parts, ids[:180], ids[40:150], budget)
             checks.line(
                 diff < 1e-3 and same_bytes and finite and bdiff < 1e-3,
-                f"{name}: cpu-vs-{device} max|dlogit| {diff:.2e} (prefill, chunks, 8 decode steps), "
+                f"{name}: cpu-vs-{device} ({kernels}) max|dlogit| {diff:.2e} (prefill, chunks, 8 steps), "
                 f"bytes equal {same_bytes}, bf16 finite {finite} ({bcache.nbytes()} B), "
                 f"padded batch vs solo {bdiff:.2e} [{time.perf_counter() - t0:.1f}s]",
             )
 
-        checks.guarded(name, one)
+        checks.guarded(f"{name} ({kernels})", one)
 
 
 def check_geometry(checks: Checks, device: str) -> None:
@@ -338,7 +345,7 @@ def check_memory(checks: Checks, device: str, contexts: list[int], layers: int, 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--only", default="techniques,geometry,protocols,memory")
+    ap.add_argument("--only", default="techniques,kernels,geometry,protocols,memory")
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--results", default="/tmp/kvbench_gpu_check")
@@ -352,6 +359,8 @@ def main() -> int:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         if "techniques" in parts:
             check_techniques(checks, args.device)
+        if "kernels" in parts:
+            check_techniques(checks, args.device, kernels="triton")
         if "geometry" in parts:
             check_geometry(checks, args.device)
         if "protocols" in parts:

@@ -1,0 +1,139 @@
+"""The cache's Triton kernels against their torch paths and dense bf16 SDPA, side by side in one run
+(issue 14; docs/kernels.md), on Llama-3.1-8B's attention shapes: 32 query / 8 KV heads, head_dim
+128, at 4k, 32k and 128k stored tokens, batch 1 and 8.
+
+For each kernel: its time (``triton.testing.do_bench``, median), the torch path's, dense bf16 SDPA
+over the full cache (one decode step), and the memory it moves as a share of the device's peak
+bandwidth (the data sheet's for an H100 or H200; else the bandwidth of a device copy measured
+here, said so).
+
+- ``kivi.quantize``: keys and values of every token to 2 bits, packed (reads bf16, writes codes).
+- ``kivi.dequantize``: the 2-bit cache back to bf16.
+- ``decode.masked``: one decode step over a cache whose KV heads keep half their tokens (a ragged
+  mask), against the torch path (SDPA with the mask repeated over the query group) and dense SDPA
+  over every token.
+
+On a CPU there are no Triton figures: the script times the torch paths at the smaller contexts and
+says that GPU figures need a GPU.
+
+    python scripts/bench_kernels.py [--contexts 4096,32768,131072] [--batches 1,8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.cache import attention as att
+from kvbench.cache import quant
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM, data sheets (SXM)
+
+
+def bench(fn, cuda: bool) -> float:
+    """Median milliseconds of ``fn``."""
+    if cuda:
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def peak_gbps(device: torch.device) -> tuple[float, str]:
+    name = torch.cuda.get_device_name(device)
+    for key, gbps in PEAK_GBPS.items():
+        if key in name:
+            return gbps, f"{name}, data sheet {gbps:.0f} GB/s"
+    x = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+    ms = bench(lambda: x.clone(), True)
+    gbps = 2 * x.numel() / ms / 1e6
+    return gbps, f"{name}, a device copy measured here {gbps:.0f} GB/s"
+
+
+def row(label: str, ms: dict[str, float], moved: int | None, peak: float | None) -> str:
+    cells = [f"{k} {v:.3f} ms" for k, v in ms.items()]
+    if "triton" in ms:
+        cells += [f"torch/triton {ms['torch'] / ms['triton']:.2f}x"]
+        if "sdpa" in ms:
+            cells += [f"sdpa/triton {ms['sdpa'] / ms['triton']:.2f}x"]
+        if moved is not None and peak:
+            cells += [f"{moved / ms['triton'] / 1e6 / peak:.0%} of peak bandwidth"]
+    return f"{label:38s} " + ", ".join(cells)
+
+
+def case(batch: int, t: int, device: torch.device, gen: torch.Generator, peak: float | None) -> None:
+    """The three kernels at one batch size and context, each beside its torch path."""
+    cuda = device.type == "cuda"
+    kernels = None
+    if cuda:
+        from kvbench.kernels import attention, kivi
+
+        kernels = (kivi, attention)
+    k = torch.randn(batch * KV_HEADS * t, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    label = f"batch {batch}, {t} tokens"
+    moved = 2 * k.numel() * 2 + 2 * k.numel() // 4  # bf16 keys and values, 2-bit codes
+    paths = {"torch": quant, **({"triton": kernels[0]} if kernels else {})}
+    ms = {
+        n: bench(lambda ops=ops: (ops.quantize_keys(k, 2, 32), ops.quantize_values(k, 2, 32)), cuda)
+        for n, ops in paths.items()
+    }
+    print(row(f"kivi.quantize      {label}", ms, moved, peak))
+    keys, values = quant.quantize_keys(k, 2, 32), quant.quantize_values(k, 2, 32)
+
+    def dequant(ops) -> None:
+        ops.dequantize_keys(*keys, 2, torch.bfloat16, per_group=32)
+        ops.dequantize_values(*values, 2, HEAD_DIM, 32, torch.bfloat16)
+
+    ms = {n: bench(lambda ops=ops: dequant(ops), cuda) for n, ops in paths.items()}
+    print(row(f"kivi.dequantize    {label}", ms, moved, peak))
+    kv = k.view(batch, KV_HEADS, t, HEAD_DIM)  # keys and values alike: the time is the same
+    q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    lens = torch.randint(t // 4, 3 * t // 4 + 1, (batch, KV_HEADS, 1, 1), generator=gen, device=device)
+    mask = torch.arange(t, device=device) < lens  # ragged heads: about half the slots each
+    scale = HEAD_DIM**-0.5
+    ms = {
+        "torch": bench(lambda: att.attend(q, kv, kv, mask, scale), cuda),
+        "sdpa": bench(lambda: F.scaled_dot_product_attention(q, kv, kv, scale=scale, enable_gqa=True), cuda),
+    }
+    if kernels:
+        ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, mask, scale), cuda)
+    moved = 2 * kv.numel() * 2 + mask.numel()  # every slot's key and value (bf16) and the mask
+    print(row(f"decode.masked      {label}", ms, moved, peak))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--contexts", default=None, help="stored tokens (default 4096,32768,131072; CPU 1024,4096)"
+    )
+    ap.add_argument("--batches", default="1,8")
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    contexts = [int(c) for c in (args.contexts or ("4096,32768,131072" if cuda else "1024,4096")).split(",")]
+    peak = None
+    if cuda:
+        peak, where = peak_gbps(device)
+        print(f"bench_kernels: {where}")
+    else:
+        print("bench_kernels: no CUDA here: the torch paths alone (Triton figures need a GPU)")
+    gen = torch.Generator(device=device).manual_seed(0)
+    for batch in (int(b) for b in args.batches.split(",")):
+        for t in contexts:
+            case(batch, t, device, gen, peak)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
