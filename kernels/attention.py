@@ -20,7 +20,27 @@ import triton.language as tl
 from kvbench.cache import attention as att
 from kvbench.kernels import dispatch
 
-attend_reference = att.attend
+
+def attend_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+    lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The torch path (:func:`kvbench.cache.attention.attend`, SDPA) of :func:`attend`: ``lens``
+    becomes a mask of each head-row's first slots."""
+    if lens is not None:
+        held = torch.arange(key.shape[2], device=key.device) < lens[..., None, None]
+        mask = held if mask is None else mask & held
+    elif mask is None:
+        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=query.device).expand(
+            key.shape[0], key.shape[1], query.shape[2], key.shape[2]
+        )
+    return att.attend(query, key, value, mask, scaling, bias)
+
 
 BLOCK_T = 64  # stored slots a program reads at a time
 SPLIT = 1024  # stored slots a split covers at least (more splits: more programs in flight)
@@ -28,10 +48,11 @@ SPLIT = 1024  # stored slots a split covers at least (more splits: more programs
 
 @triton.jit
 def _decode_kernel(
-    q, k, v, mask, bias, m_out, l_out, acc_out,
+    q, k, v, mask, bias, lens, m_out, l_out, acc_out,
     H, G, Q, T, D, slots_per_split, scaling,
     sq_b, sq_h, sq_q, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_h, sm_q, sb_b, sb_h,
-    HAS_BIAS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)  # (b, KV head, query position)
@@ -55,10 +76,15 @@ def _decode_kernel(
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
     start = split * slots_per_split
     stop = tl.minimum(start + slots_per_split, T)
+    if HAS_LENS:  # the head-row's tokens are its first lens slots: read no further
+        stop = tl.minimum(stop, tl.load(lens + b * H + h))
     for t0 in range(start, stop, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < stop
-        read = tl.load(mask + b * sm_b + h * sm_h + qi * sm_q + t, mask=t_ok, other=0) != 0
+        if HAS_MASK:
+            read = t_ok & (tl.load(mask + b * sm_b + h * sm_h + qi * sm_q + t, mask=t_ok, other=0) != 0)
+        else:
+            read = t_ok
         kt = tl.load(
             k + b * sk_b + h * sk_h + t[:, None] * sk_t + d[None, :],
             mask=t_ok[:, None] & d_ok[None, :],
@@ -98,18 +124,19 @@ def attend(
     mask: torch.Tensor | None,
     scaling: float,
     bias: torch.Tensor | None = None,
+    lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`kvbench.cache.attention.attend` (its reference) for a masked decode step or a short
-    chunk: query ``(B, Hq, Q, D)``, keys and values ``(B, H, T, D)``, ``mask`` ``(B, H, Q, T)``
-    bool (per KV head; ``None`` reads every slot), ``bias`` ``(B, H, T)``. Returns ``(B, Hq, Q, D)``
-    in the query's dtype."""
+    """:func:`attend_reference` for a decode step or a short chunk: query ``(B, Hq, Q, D)``, keys
+    and values ``(B, H, T, D)``, ``mask`` ``(B, H, Q, T)`` bool (per KV head; None: every slot),
+    ``bias`` ``(B, H, T)``, ``lens`` ``(B, H)``: each head-row holds its first ``lens`` slots (the
+    kernel reads no further, so a ragged layer costs its stored tokens, not its longest head's).
+    Returns ``(B, Hq, Q, D)`` in the query's dtype."""
     b, hq, nq, d = query.shape
     h, t = key.shape[1], key.shape[2]
     g = hq // h
-    if mask is None:
-        mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=query.device).expand(b, h, nq, t)
     query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-    mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.contiguous().view(torch.uint8)
+    if mask is not None:
+        mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.contiguous().view(torch.uint8)
     splits = max(1, min(triton.cdiv(t, SPLIT), 64))
     per_split = triton.cdiv(triton.cdiv(t, splits), BLOCK_T) * BLOCK_T
     splits = max(1, triton.cdiv(t, per_split))
@@ -119,19 +146,24 @@ def attend(
     m = torch.empty(rows, splits, block_g, dtype=torch.float32, device=query.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty(rows, splits, block_g, block_d, dtype=torch.float32, device=query.device)
-    bias_arg = bias if bias is not None else m
+    mask_strides = (mask.stride(0), mask.stride(1), mask.stride(2)) if mask is not None else (0, 0, 0)
     bias_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    held = None if lens is None else lens.to(torch.int32).contiguous()
     if rows and t:
         _decode_kernel[(rows, splits)](
-            query, key, value, mask, bias_arg, m, l_sum, acc,
+            query, key, value, m if mask is None else mask, m if bias is None else bias,
+            m if held is None else held, m, l_sum, acc,
             h, g, nq, t, d, per_split, scaling,
             query.stride(0), query.stride(1), query.stride(2),
             key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2),
-            mask.stride(0), mask.stride(1), mask.stride(2), *bias_strides,
-            HAS_BIAS=bias is not None, BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d,
-            FP32=dispatch.interpreted(),
+            value.stride(0), value.stride(1), value.stride(2), *mask_strides, *bias_strides,
+            HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LENS=held is not None,
+            BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d, FP32=dispatch.interpreted(),
         )  # fmt: skip
+    else:
+        m.fill_(float("-inf"))
+        l_sum.zero_()
+        acc.zero_()
     # merge the splits by their log-sum-exp: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
     top = m.amax(1, keepdim=True)
     weight = torch.exp(m - top.masked_fill(top == float("-inf"), 0.0))

@@ -154,7 +154,8 @@ def test_masked_decode_attention_equals_its_reference(
 ):
     """The decode kernel gives SDPA's attention under a per-KV-head mask: ragged heads (each row
     its own number of stored slots, one head-row empty: zeros, as SDPA gives), a read selector's
-    holes, bias per unit; in float32, bfloat16 and float16."""
+    holes, bias per unit; and, with no mask, over each head-row's first ``lens`` slots; in
+    float32, bfloat16 and float16."""
     _skip_without(device)
     gen = torch.Generator().manual_seed(slots)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
@@ -172,6 +173,10 @@ def test_masked_decode_attention_equals_its_reference(
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
         assert with_bias or not got[0, -(q_heads // kv_heads) :].any()  # the empty head-row's queries
+        # each head-row's first `lens` slots, no mask: the kernel reads no further
+        want = ka.attend_reference(q, k, v, None, head_dim**-0.5, bias, lens)
+        got = ka.attend(*on[:3], None, head_dim**-0.5, on[4], lens.to(device))
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize(
@@ -185,14 +190,15 @@ def test_masked_decode_attention_equals_its_reference(
     ],
     ids=["adakv", "quest", "router-base", "distillation", "sliding-window"],
 )
-def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, technique, monkeypatch):
+def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, technique, monkeypatch, request):
     """A tiny GQA model's logits over a prefill and decode steps agree on both paths (float
     tolerance: the kernel sums in another order) for techniques whose steps read through a mask;
-    the Triton path ran the kernel at every masked step."""
+    the Triton path ran the kernel at every masked step (AdaKV's ragged heads by their lengths,
+    with no mask)."""
     ids = tokens(60)
     calls = []
     kernel = engine.attention_kernels.attend
-    monkeypatch.setattr(engine.attention_kernels, "attend", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(engine.attention_kernels, "attend", lambda *a: calls.append(len(a) > 6) or kernel(*a))
 
     lm = tiny_93 if technique is not None else models.load(tiny_cfg("mistral", sliding_window=16), "cpu")
     parts = {role: technique()} if technique is not None else {}
@@ -206,3 +212,4 @@ def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, techniq
     assert not calls
     torch.testing.assert_close(logits("triton"), want, atol=1e-4, rtol=1e-4)
     assert len(calls) >= 20  # at least once a decode step
+    assert any(calls) == (request.node.callspec.id == "adakv")  # by lengths: one segment's ragged rows

@@ -236,10 +236,17 @@ class KVCache(Cache):
                 return mask[:, :, start:stop]
             return None if plain_read and q_len == 1 else mask_fn(start, stop)
 
+        # One step that reads every stored token of one segment's rows (ragged heads after an
+        # eviction): each head-row's tokens are its first `lens` slots, and the Triton path's
+        # kernel reads those alone, with no mask
+        lens = None
+        one_segment = len(store.segments) == 1
+        if q_len == 1 and sliding_window is None and selector is None and not padded and one_segment:
+            lens = store.segments[0].rows.lens.view(store.batch, store.kv_heads)
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
-            out = _attend_decoded(store, query, mask, mask_fn if per_block else None, scaling)
+            out = _attend_decoded(store, query, mask, mask_fn if per_block else None, scaling, lens)
         for tech in self.stack.query_observers:
             tech.observe_queries(layer, store, query, qpos)
         observers = self.stack.observers
@@ -322,25 +329,26 @@ def head_blocks(batch: int, heads: int, per_head: int) -> list[tuple[int, int, i
     return [(b, b + 1, h, min(heads, h + step)) for b in range(batch) for h in range(0, heads, step)]
 
 
-def _attend_decoded(store: LayerStore, query, mask, mask_fn, scaling: float) -> torch.Tensor:
+def _attend_decoded(
+    store: LayerStore, query, mask, mask_fn, scaling: float, lens: torch.Tensor | None = None
+) -> torch.Tensor:
     """Attention over the store's keys and values (``mask`` or, per block of queries, ``mask_fn``:
     see :func:`att.attend`, :func:`att.attend_blocks`). A store holding representations is read in
     blocks of head-rows (:func:`head_blocks`), each decoded (:meth:`LayerStore.decoded`), attended
     and dropped: the layer's keys and values never exist decoded whole, unless a technique reads
-    them (``view().k``)."""
+    them (``view().k``). ``lens`` ``(B, H)``: the step reads exactly each head-row's first ``lens``
+    slots (what ``mask_fn`` gives), which the Triton path's decode kernel takes in its place."""
     view = store.view()
 
     def attend(q, k, v, mask, mask_fn, bias):
         k, v = k.to(q.dtype), v.to(q.dtype)
-        if (
-            (mask is not None or mask_fn is not None)
-            and q.shape[2] <= KERNEL_QUERIES
-            and dispatch.active() == "triton"
-        ):
+        masked = mask is not None or mask_fn is not None
+        if masked and q.shape[2] <= KERNEL_QUERIES and dispatch.active() == "triton":
             assert attention_kernels is not None, "kernels=triton without triton (dispatch.check)"
-            return attention_kernels.attend(
-                q, k, v, mask if mask is not None else mask_fn(0, q.shape[2]), scaling, bias
-            )
+            if lens is not None:
+                return attention_kernels.attend(q, k, v, None, scaling, bias, lens)
+            mask = mask if mask is not None else mask_fn(0, q.shape[2])
+            return attention_kernels.attend(q, k, v, mask, scaling, bias)
         if mask_fn is not None:
             return att.attend_blocks(q, k, v, mask_fn, scaling, bias)
         return att.attend(q, k, v, mask, scaling, bias)
