@@ -4,5 +4,7 @@ Which path runs is the config's ``kernels``: ``auto`` (Triton on CUDA, torch els
 or ``triton`` (on a CPU: under ``TRITON_INTERPRET=1``, slowly; for tests). A cell resolves it once
 (:func:`dispatch.resolve`) and runs inside :func:`dispatch.using`; the cache's operations ask
 :func:`dispatch.active`, so the techniques do not change. Today: KIVI's quantize-and-pack and
-unpack-and-dequantize (:mod:`kvbench.kernels.kivi`), which the KIVI segment calls.
+unpack-and-dequantize (:mod:`kvbench.kernels.kivi`), masked decode attention over ragged heads
+(:mod:`kvbench.kernels.attention`) and fused decode attention over KIVI's codes
+(:mod:`kvbench.kernels.kivi_decode`); docs/kernels.md.
 """

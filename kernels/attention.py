@@ -13,6 +13,8 @@ fallback to its math kernel for a mask with grouped queries is gone.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -117,6 +119,94 @@ def _decode_kernel(
     tl.store(acc_out + out_row[:, None] * BLOCK_D + d[None, :], acc)
 
 
+@dataclass
+class Partials:
+    """Per-split softmax state of a decode step: running maximum ``m`` and sum ``l``
+    ``(B * H * Q, S, BLOCK_G)`` and output ``acc`` ``(B * H * Q, S, BLOCK_G, BLOCK_D)``, float32,
+    for ``S`` splits of the stored slots (rows: a KV head's query group, padded to ``BLOCK_G``)."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741
+    acc: torch.Tensor
+
+
+def blocks(query: torch.Tensor, kv_heads: int) -> tuple[int, int]:
+    """``BLOCK_G`` (the query group, at least 16 rows for ``tl.dot``) and ``BLOCK_D``."""
+    g = query.shape[1] // kv_heads
+    return max(16, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(query.shape[-1]))
+
+
+def empty_partials(query: torch.Tensor, kv_heads: int, splits: int) -> Partials:
+    b, _, nq, _ = query.shape
+    block_g, block_d = blocks(query, kv_heads)
+    rows = b * kv_heads * nq
+    m = torch.full((rows, splits, block_g), float("-inf"), dtype=torch.float32, device=query.device)
+    acc = torch.zeros(rows, splits, block_g, block_d, dtype=torch.float32, device=query.device)
+    return Partials(m, torch.zeros_like(m), acc)
+
+
+def split_slots(slots: int) -> tuple[int, int]:
+    """Splits of ``slots`` stored slots and slots a split (a multiple of ``BLOCK_T``)."""
+    splits = max(1, min(triton.cdiv(slots, SPLIT), 64))
+    per_split = triton.cdiv(triton.cdiv(slots, splits), BLOCK_T) * BLOCK_T
+    return max(1, triton.cdiv(slots, per_split)), per_split
+
+
+def partials(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    bias: torch.Tensor | None = None,
+    lens: torch.Tensor | None = None,
+) -> Partials:
+    """The softmax state of :func:`attend` per split, before the splits are merged (:func:`merge`
+    joins them with other segments' of the same step)."""
+    b, hq, nq, d = query.shape
+    h, t = key.shape[1], key.shape[2]
+    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
+    if mask is not None:
+        mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.contiguous().view(torch.uint8)
+    splits, per_split = split_slots(t)
+    out = empty_partials(query, h, splits)
+    block_g, block_d = blocks(query, h)
+    mask_strides = (mask.stride(0), mask.stride(1), mask.stride(2)) if mask is not None else (0, 0, 0)
+    bias_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
+    held = None if lens is None else lens.to(torch.int32).contiguous()
+    m = out.m
+    if m.shape[0] and t:
+        _decode_kernel[(m.shape[0], splits)](
+            query, key, value, m if mask is None else mask, m if bias is None else bias,
+            m if held is None else held, m, out.l, out.acc,
+            h, hq // h, nq, t, d, per_split, scaling,
+            query.stride(0), query.stride(1), query.stride(2),
+            key.stride(0), key.stride(1), key.stride(2),
+            value.stride(0), value.stride(1), value.stride(2), *mask_strides, *bias_strides,
+            HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LENS=held is not None,
+            BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d, FP32=dispatch.interpreted(),
+        )  # fmt: skip
+    return out
+
+
+def merge(parts: list[Partials], query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The attention output ``(B, Hq, Q, D)`` (the query's dtype) from the splits of one or more
+    :class:`Partials` of the same step, merged by their log-sum-exp:
+    ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s``. A query that read nothing gets zeros, as
+    SDPA gives."""
+    b, hq, nq, d = query.shape
+    g = hq // kv_heads
+    m = torch.cat([p.m for p in parts], 1)
+    l_sum = torch.cat([p.l for p in parts], 1)
+    acc = torch.cat([p.acc for p in parts], 1)
+    top = m.amax(1, keepdim=True)
+    weight = torch.exp(m - top.masked_fill(top == float("-inf"), 0.0))
+    total = (l_sum * weight).sum(1)[..., None]
+    out = (acc * weight[..., None]).sum(1) / total.masked_fill(total == 0, 1.0)
+    out = out[:, :g, :d].view(b, kv_heads, nq, g, d).permute(0, 1, 3, 2, 4).reshape(b, hq, nq, d)
+    return out.to(query.dtype)
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -131,44 +221,4 @@ def attend(
     ``bias`` ``(B, H, T)``, ``lens`` ``(B, H)``: each head-row holds its first ``lens`` slots (the
     kernel reads no further, so a ragged layer costs its stored tokens, not its longest head's).
     Returns ``(B, Hq, Q, D)`` in the query's dtype."""
-    b, hq, nq, d = query.shape
-    h, t = key.shape[1], key.shape[2]
-    g = hq // h
-    query, key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (query, key, value))
-    if mask is not None:
-        mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.contiguous().view(torch.uint8)
-    splits = max(1, min(triton.cdiv(t, SPLIT), 64))
-    per_split = triton.cdiv(triton.cdiv(t, splits), BLOCK_T) * BLOCK_T
-    splits = max(1, triton.cdiv(t, per_split))
-    block_g = max(16, triton.next_power_of_2(g))
-    block_d = max(16, triton.next_power_of_2(d))
-    rows = b * h * nq
-    m = torch.empty(rows, splits, block_g, dtype=torch.float32, device=query.device)
-    l_sum = torch.empty_like(m)
-    acc = torch.empty(rows, splits, block_g, block_d, dtype=torch.float32, device=query.device)
-    mask_strides = (mask.stride(0), mask.stride(1), mask.stride(2)) if mask is not None else (0, 0, 0)
-    bias_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
-    held = None if lens is None else lens.to(torch.int32).contiguous()
-    if rows and t:
-        _decode_kernel[(rows, splits)](
-            query, key, value, m if mask is None else mask, m if bias is None else bias,
-            m if held is None else held, m, l_sum, acc,
-            h, g, nq, t, d, per_split, scaling,
-            query.stride(0), query.stride(1), query.stride(2),
-            key.stride(0), key.stride(1), key.stride(2),
-            value.stride(0), value.stride(1), value.stride(2), *mask_strides, *bias_strides,
-            HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LENS=held is not None,
-            BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d, FP32=dispatch.interpreted(),
-        )  # fmt: skip
-    else:
-        m.fill_(float("-inf"))
-        l_sum.zero_()
-        acc.zero_()
-    # merge the splits by their log-sum-exp: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s
-    top = m.amax(1, keepdim=True)
-    weight = torch.exp(m - top.masked_fill(top == float("-inf"), 0.0))
-    total = (l_sum * weight).sum(1)[..., None]
-    # a query that reads nothing gets zeros, as SDPA gives
-    out = (acc * weight[..., None]).sum(1) / total.masked_fill(total == 0, 1.0)
-    out = out[:, :g, :d].view(b, h, nq, g, d).permute(0, 1, 3, 2, 4).reshape(b, hq, nq, d)
-    return out.to(query.dtype)
+    return merge([partials(query, key, value, mask, scaling, bias, lens)], query, key.shape[1])

@@ -12,6 +12,8 @@ here, said so).
 - ``decode.masked``: one decode step over a cache whose KV heads keep half their tokens (a ragged
   mask), against the torch path (SDPA with the mask repeated over the query group) and dense SDPA
   over every token.
+- ``decode.kivi2bit``: one decode step over a 2-bit KIVI cache, codes dequantized in registers,
+  against the torch path (dequantize, then SDPA) and bf16 SDPA over the full cache.
 
 On a CPU there are no Triton figures: the script times the torch paths at the smaller contexts and
 says that GPU figures need a GPU.
@@ -30,6 +32,8 @@ import torch.nn.functional as F
 
 from kvbench.cache import attention as att
 from kvbench.cache import quant
+from kvbench.compressors.quantized import quantize_tokens
+from kvbench.kernels import kivi_decode
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM, data sheets (SXM)
@@ -110,6 +114,22 @@ def case(batch: int, t: int, device: torch.device, gen: torch.Generator, peak: f
         ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, mask, scale), cuda)
     moved = 2 * kv.numel() * 2 + mask.numel()  # every slot's key and value (bf16) and the mask
     print(row(f"decode.masked      {label}", ms, moved, peak))
+    lens = torch.full((batch * KV_HEADS,), t, device=device)
+    seg = quantize_tokens(k, k, torch.arange(k.shape[0], device=device), lens, 2, 2, 32)
+    packed = (seg.kcodes, seg.vcodes, seg.vzero, seg.vstep, seg.kzero, seg.kstep)
+    ms = {
+        "torch": bench(lambda: kivi_decode.attend_reference(q, *packed, lens, 2, 2, 32, 32, scale), cuda),
+        "sdpa": ms["sdpa"],  # bf16 over the full cache, as above
+    }
+    if kernels:
+
+        def fused() -> None:
+            parts = kivi_decode.partials(q, *packed, lens, seg.glens, t, 2, 2, 32, 32, scale)
+            kernels[1].merge([parts], q, KV_HEADS)
+
+        ms["triton"] = bench(fused, cuda)
+    moved = sum(x.numel() * x.element_size() for x in packed)  # the codes and their parameters
+    print(row(f"decode.kivi2bit    {label}", ms, moved, peak))
 
 
 def main() -> int:

@@ -12,13 +12,12 @@ import torch
 from conftest import tiny_cfg
 from helpers import make_stack, run_chunks, tokens
 from kvbench import models, run
-from kvbench.cache import engine
 from kvbench.compressors.distillation import DistillationCompressor
 from kvbench.compressors.pikv import PiKVCompressor
 from kvbench.compressors.pyramid import PyramidCompressor
-from kvbench.compressors.quantized import QuantizedCompressor
+from kvbench.compressors.quantized import QuantizedCompressor, quantize_tokens
 from kvbench.kernels import attention as ka
-from kvbench.kernels import dispatch, kivi
+from kvbench.kernels import dispatch, kivi, kivi_decode
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
 from kvbench.schedulers.quest import QuestScheduler
@@ -94,10 +93,15 @@ def test_kivi_key_groups_left_ragged_by_an_eviction(device):
     ],
     ids=["quantized-2bit", "pyramid-8-3bit", "pikv"],
 )
-def test_the_engine_gives_the_same_logits_on_either_path(tiny, compressor):
-    """A tiny model's logits over a prefill and decode steps are the same with ``kernels=triton``
-    (interpreted here) as with ``kernels=torch``, and so are the stored bytes."""
+def test_the_engine_gives_the_same_logits_on_either_path(tiny, compressor, monkeypatch):
+    """A tiny model's stored bytes over a prefill and decode steps are the same with
+    ``kernels=triton`` (interpreted here) as with ``kernels=torch`` (the packing kernels write the
+    torch path's bytes), and its logits agree within float tolerance: each decode step reads the
+    packed codes through the fused kernel, which sums in another order than SDPA."""
     ids = tokens(60)
+    fused = []
+    kernel = kivi_decode.partials
+    monkeypatch.setattr(kivi_decode, "partials", lambda *a: fused.append(1) or kernel(*a))
 
     def logits(path: str):
         with dispatch.using(path):
@@ -108,7 +112,8 @@ def test_the_engine_gives_the_same_logits_on_either_path(tiny, compressor):
 
     (torch_logits, torch_bytes), (triton_logits, triton_bytes) = logits("torch"), logits("triton")
     assert triton_bytes == torch_bytes
-    assert torch.equal(triton_logits, torch_logits)
+    torch.testing.assert_close(triton_logits, torch_logits, atol=1e-4, rtol=1e-4)
+    assert len(fused) >= 20  # every decode step past the first packed group, at least
 
 
 def test_a_kernels_value_that_cannot_run_is_refused_in_one_line(tmp_path, monkeypatch):
@@ -196,9 +201,10 @@ def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, techniq
     the Triton path ran the kernel at every masked step (AdaKV's ragged heads by their lengths,
     with no mask)."""
     ids = tokens(60)
-    calls = []
-    kernel = engine.attention_kernels.attend
-    monkeypatch.setattr(engine.attention_kernels, "attend", lambda *a: calls.append(len(a) > 6) or kernel(*a))
+    calls, by_lens = [], []
+    merge, partials = ka.merge, ka.partials
+    monkeypatch.setattr(ka, "merge", lambda *a: calls.append(1) or merge(*a))
+    monkeypatch.setattr(ka, "partials", lambda *a: by_lens.append(a[6] is not None) or partials(*a))
 
     lm = tiny_93 if technique is not None else models.load(tiny_cfg("mistral", sliding_window=16), "cpu")
     parts = {role: technique()} if technique is not None else {}
@@ -212,4 +218,48 @@ def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, techniq
     assert not calls
     torch.testing.assert_close(logits("triton"), want, atol=1e-4, rtol=1e-4)
     assert len(calls) >= 20  # at least once a decode step
-    assert any(calls) == (request.node.callspec.id == "adakv")  # by lengths: one segment's ragged rows
+    assert any(by_lens) == (request.node.callspec.id == "adakv")  # by lengths: one segment's ragged rows
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "key_bits, value_bits, head_dim, q_heads, kv_heads",
+    [(2, 2, 128, 32, 8), (3, 4, 80, 9, 3), (8, 2, 64, 4, 2), (4, 8, 64, 6, 2)],
+)
+def test_fused_kivi_decode_equals_dequantize_then_attention(
+    device, key_bits, value_bits, head_dim, q_heads, kv_heads
+):
+    """One decode step over packed codes, dequantized in registers, gives what dequantizing the
+    segment and attending gives: head-rows holding different numbers of whole groups (one of them
+    several splits long), GQA, every bit width, head_dim 64, 80 and 128, float32 and bfloat16."""
+    _skip_without(device)
+    g, batch = 32, 2
+    gen = torch.Generator().manual_seed(key_bits * 10 + value_bits)
+    groups = torch.randint(1, 6, (batch * kv_heads,), generator=gen)
+    groups[0] = 40  # 1,280 tokens: two splits
+    lens = groups * g
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        n = int(lens.sum())
+        k, v = (torch.randn(n, head_dim, generator=gen).to(dtype) for _ in range(2))
+        seg = quantize_tokens(k, v, torch.arange(n), lens, key_bits, value_bits, g)
+        q = torch.randn(batch, q_heads, 1, head_dim, generator=gen).to(dtype)
+        # the reference: every token dequantized, laid out in padded rows, attended by lengths
+        width = int(lens.max())
+        dk = kivi.dequantize_keys_reference(seg.kcodes, seg.kzero, seg.kstep, key_bits, dtype, g)
+        dv = kivi.dequantize_values_reference(
+            seg.vcodes, seg.vzero, seg.vstep, value_bits, head_dim, g, dtype
+        )
+        held = torch.arange(width) < lens[:, None]
+        pad_k, pad_v = (torch.zeros(batch * kv_heads, width, head_dim, dtype=dtype) for _ in range(2))
+        pad_k[held], pad_v[held] = dk, dv
+        shape = (batch, kv_heads, width, head_dim)
+        want = ka.attend_reference(
+            q, pad_k.view(shape), pad_v.view(shape), None, head_dim**-0.5, None, lens.view(batch, -1)
+        )
+        on = [x.to(device) for x in (seg.kcodes, seg.vcodes, seg.vzero, seg.vstep, seg.kzero, seg.kstep)]
+        parts = kivi_decode.partials(
+            q.to(device), *on, lens.to(device), groups.to(device), width, key_bits, value_bits, g, g,
+            head_dim**-0.5,
+        )  # fmt: skip
+        got = ka.merge([parts], q.to(device), kv_heads)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)

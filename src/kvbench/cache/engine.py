@@ -236,17 +236,12 @@ class KVCache(Cache):
                 return mask[:, :, start:stop]
             return None if plain_read and q_len == 1 else mask_fn(start, stop)
 
-        # One step that reads every stored token of one segment's rows (ragged heads after an
-        # eviction): each head-row's tokens are its first `lens` slots, and the Triton path's
-        # kernel reads those alone, with no mask
-        lens = None
-        one_segment = len(store.segments) == 1
-        if q_len == 1 and sliding_window is None and selector is None and not padded and one_segment:
-            lens = store.segments[0].rows.lens.view(store.batch, store.kv_heads)
+        # one step that reads every stored token: the Triton path attends segment by segment
+        reads_all = q_len == 1 and sliding_window is None and selector is None and not padded
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
-            out = _attend_decoded(store, query, mask, mask_fn if per_block else None, scaling, lens)
+            out = _attend_decoded(store, query, mask, mask_fn if per_block else None, scaling, reads_all)
         for tech in self.stack.query_observers:
             tech.observe_queries(layer, store, query, qpos)
         observers = self.stack.observers
@@ -330,23 +325,32 @@ def head_blocks(batch: int, heads: int, per_head: int) -> list[tuple[int, int, i
 
 
 def _attend_decoded(
-    store: LayerStore, query, mask, mask_fn, scaling: float, lens: torch.Tensor | None = None
+    store: LayerStore, query, mask, mask_fn, scaling: float, reads_all: bool = False
 ) -> torch.Tensor:
     """Attention over the store's keys and values (``mask`` or, per block of queries, ``mask_fn``:
     see :func:`att.attend`, :func:`att.attend_blocks`). A store holding representations is read in
     blocks of head-rows (:func:`head_blocks`), each decoded (:meth:`LayerStore.decoded`), attended
     and dropped: the layer's keys and values never exist decoded whole, unless a technique reads
-    them (``view().k``). ``lens`` ``(B, H)``: the step reads exactly each head-row's first ``lens``
-    slots (what ``mask_fn`` gives), which the Triton path's decode kernel takes in its place."""
+    them (``view().k``).
+
+    On the Triton path, a step that reads every stored token (``reads_all``) of a layer that is not
+    one dense segment (SDPA's fused kernels serve that) is attended segment by segment, each by
+    its own kernel (:meth:`Segment.attend_partials`: full-precision rows by their lengths, KIVI's
+    codes dequantized in registers), the splits merged by their log-sum-exp; a segment without a
+    kernel sends the step to the decoded path below."""
     view = store.view()
+    one_dense = len(store.segments) == 1 and view.dense
+    if reads_all and not one_dense and view.bias is None and dispatch.active() == "triton":
+        assert attention_kernels is not None, "kernels=triton without triton (dispatch.check)"
+        parts = [seg.attend_partials(query, scaling, store.batch) for seg in store.segments]
+        if all(p is not None for p in parts):
+            return attention_kernels.merge(parts, query, store.kv_heads)
 
     def attend(q, k, v, mask, mask_fn, bias):
         k, v = k.to(q.dtype), v.to(q.dtype)
         masked = mask is not None or mask_fn is not None
         if masked and q.shape[2] <= KERNEL_QUERIES and dispatch.active() == "triton":
             assert attention_kernels is not None, "kernels=triton without triton (dispatch.check)"
-            if lens is not None:
-                return attention_kernels.attend(q, k, v, None, scaling, bias, lens)
             mask = mask if mask is not None else mask_fn(0, q.shape[2])
             return attention_kernels.attend(q, k, v, mask, scaling, bias)
         if mask_fn is not None:

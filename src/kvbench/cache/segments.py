@@ -21,6 +21,12 @@ import torch
 
 from kvbench.cache import ragged
 from kvbench.cache.rows import Rows
+from kvbench.kernels import dispatch
+
+try:  # triton is a dependency on Linux; elsewhere the torch path runs alone
+    from kvbench.kernels import attention as attention_kernels
+except ImportError:
+    attention_kernels = None
 
 KV = ("k", "v")  # the full-precision rows' stored keys and values
 NOT_STATE = ("k", "v", "bias")  # rows fields that are not per-token bookkeeping
@@ -90,6 +96,12 @@ class Segment:
 
     def members(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For merged units: (member positions ``(M,)``, owning flat row ``(M,)``); None if 1:1."""
+        return None
+
+    def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
+        """On the Triton path, one decode step's softmax state over this segment's tokens
+        (:class:`kvbench.kernels.attention.Partials`) from a kernel that reads the encoded form, or
+        None where the representation has none (the step is then decoded and attended whole)."""
         return None
 
     def aux_nbytes(self) -> int:
@@ -170,6 +182,14 @@ class FPSegment:
 
     def members(self) -> None:
         return None
+
+    def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
+        """A decode step's softmax state over these rows (the Triton path, :meth:`Segment.
+        attend_partials`): each head-row's first ``lens`` slots, read by the decode kernel."""
+        assert attention_kernels is not None and dispatch.active() == "triton"
+        shape = (batch, -1, self.rows.width, query.shape[-1])
+        k, v = (self.rows.get(n).view(shape) for n in KV)
+        return attention_kernels.partials(query, k, v, None, scaling, None, self.rows.lens.view(batch, -1))
 
 
 @dataclass

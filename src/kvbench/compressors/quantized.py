@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -24,8 +25,9 @@ from kvbench.select import leaving_window
 
 try:  # triton is a dependency on Linux; elsewhere the torch path runs alone
     from kvbench.kernels import kivi as kivi_kernels
+    from kvbench.kernels import kivi_decode
 except ImportError:
-    kivi_kernels = None
+    kivi_kernels = kivi_decode = None
 
 
 def _ops() -> ModuleType:
@@ -59,6 +61,18 @@ class QuantSegment(GroupedSegment):
 
     def group_fields(self) -> dict[str, torch.Tensor]:
         return {"kzero": self.kzero, "kstep": self.kstep}
+
+    def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
+        """The fused kernel (:mod:`kvbench.kernels.kivi_decode`): codes dequantized in registers,
+        where every key group holds the same number of tokens."""
+        per_group = self.full_groups()
+        if per_group is None or kivi_decode is None:
+            return None
+        return kivi_decode.partials(
+            query, self.kcodes, self.vcodes, self.vzero, self.vstep, self.kzero, self.kstep,
+            self.lens, self.glens, self.rows.width, self.key_bits, self.value_bits, per_group,
+            self.group_size, scaling,
+        )  # fmt: skip
 
     def layout(self) -> tuple[int, int]:
         return (self.key_bits, self.value_bits)
