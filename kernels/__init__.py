@@ -5,6 +5,7 @@ or ``triton`` (on a CPU: under ``TRITON_INTERPRET=1``, slowly; for tests). A cel
 (:func:`dispatch.resolve`) and runs inside :func:`dispatch.using`; the cache's operations ask
 :func:`dispatch.active`, so the techniques do not change. Today: KIVI's quantize-and-pack and
 unpack-and-dequantize (:mod:`kvbench.kernels.kivi`), masked decode attention over ragged heads
-(:mod:`kvbench.kernels.attention`) and fused decode attention over KIVI's codes
-(:mod:`kvbench.kernels.kivi_decode`); docs/kernels.md.
+(:mod:`kvbench.kernels.attention`), fused decode attention over KIVI's codes
+(:mod:`kvbench.kernels.kivi_decode`) and compaction after an eviction
+(:mod:`kvbench.kernels.compaction`); docs/kernels.md.
 """

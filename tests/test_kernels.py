@@ -17,9 +17,11 @@ from kvbench.compressors.pikv import PiKVCompressor
 from kvbench.compressors.pyramid import PyramidCompressor
 from kvbench.compressors.quantized import QuantizedCompressor, quantize_tokens
 from kvbench.kernels import attention as ka
+from kvbench.kernels import compaction as kc
 from kvbench.kernels import dispatch, kivi, kivi_decode
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
+from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.quest import QuestScheduler
 from test_bad_inputs import cell, refused
 
@@ -263,3 +265,61 @@ def test_fused_kivi_decode_equals_dequantize_then_attention(
         )  # fmt: skip
         got = ka.merge([parts], q.to(device), kv_heads)
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+# --- compaction after an eviction --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compaction_equals_its_reference(device):
+    """Each row's kept slots move to its front in order, for every kind of field the rows hold
+    (bf16 keys of head_dim 128, fp16 of 80, int64 positions, float32 state of 16 a slot, bool),
+    rows keeping different numbers (a short row's slots up to the widest read zeros, the rest of
+    the capacity untouched) or all the same, slot counts that are not multiples of the block."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(0)
+    fields = [
+        ((6, 100, 128), torch.bfloat16),
+        ((6, 70, 80), torch.float16),
+        ((6, 130), torch.int64),
+        ((6, 100, 16), torch.float32),
+        ((4, 130), torch.bool),
+    ]
+    for (bh, slots, *rest), dtype in fields:
+        values = (100 * torch.randn(bh, slots, *rest, generator=gen)).to(dtype)
+        for keep in (
+            torch.rand(bh, slots, generator=gen) < 0.6,  # ragged
+            torch.arange(slots).expand(bh, slots) % 3 != 1,  # the same count in every row
+        ):
+            width = int(keep.sum(-1).max())
+            want = torch.full((bh, slots + 7, *rest), 7).to(dtype)
+            kc.compact_into_reference(values, keep, want, width)
+            got = torch.full((bh, slots + 7, *rest), 7).to(dtype).to(device)
+            kc.compact_into(values.to(device), keep.to(device), got, width)
+            assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("scheduler", [H2OScheduler, AdaKVScheduler], ids=["h2o", "adakv"])
+def test_evictions_compact_through_the_kernel(tiny_93, scheduler, monkeypatch):
+    """An eviction's compaction runs through the kernel on the Triton path and moves the same
+    tokens: after a prefill and decode steps, the stored bytes and positions are those of the torch
+    path, and the keys too (H2O keeps the same count in every head, bit for bit; AdaKV keeps
+    different ones, and its ragged steps' attention, a kernel's on this path, moves later tokens'
+    keys within float tolerance)."""
+    calls = []
+    kernel = kc.compact_into
+    monkeypatch.setattr(kc, "compact_into", lambda *a: calls.append(1) or kernel(*a))
+
+    def run_on(path: str):
+        with dispatch.using(path):
+            stack = make_stack(tiny_93, scheduler=scheduler(), budget=0.5, window=8, sinks=2)
+            return run_chunks(tiny_93, stack, tokens(60), [40] + [1] * 10)[1]
+
+    want, got = run_on("torch"), run_on("triton")
+    assert calls
+    assert got.nbytes() == want.nbytes()
+    for a, b in zip(got.stores, want.stores, strict=True):
+        assert torch.equal(a.view().pos, b.view().pos)
+        if scheduler is H2OScheduler:
+            assert torch.equal(a.view().k, b.view().k)
+        torch.testing.assert_close(a.view().k, b.view().k, atol=1e-5, rtol=1e-5)

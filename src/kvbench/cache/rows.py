@@ -20,6 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache.ragged import segment_ids, starts, valid_mask
+from kvbench.kernels import dispatch
+
+try:  # triton is a dependency on Linux; elsewhere the torch path runs alone
+    from kvbench.kernels import compaction
+except ImportError:
+    compaction = None
 
 _MIN_GROWTH = 64
 
@@ -30,13 +36,15 @@ class _Compaction:
     order, from fields whose rows are ``stride`` slots apart: ``src`` the kept slots (flat slot
     indices of a ``(BH * stride, ...)`` view), ``dst`` their new places as (row, column) (None when
     every row keeps ``width``: then they fill ``[:, :width]`` in order), ``lens`` ``(BH,)`` kept per
-    row, between ``least`` and ``width``."""
+    row, between ``least`` and ``width``; ``keep`` itself, which the Triton path's kernel reads
+    instead of the plan (:mod:`kvbench.kernels.compaction`)."""
 
     src: torch.Tensor
     dst: tuple[torch.Tensor, torch.Tensor] | None
     lens: torch.Tensor
     least: int
     width: int
+    keep: torch.Tensor
 
     @classmethod
     def of(
@@ -55,19 +63,24 @@ class _Compaction:
         if low == high:  # every row keeps ``high``: its kept slots are its first ``high`` after a stable sort
             cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
             rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
-            return cls((rows * stride + cols).reshape(-1), None, lens, low, high)
+            return cls((rows * stride + cols).reshape(-1), None, lens, low, high, keep)
         rows, cols = keep.nonzero(as_tuple=True)  # the kept slots, row after row, in order
         src = rows * stride + cols
         dst = None
         if low != high:
             dst = rows, (keep.long().cumsum(-1) - 1)[rows, cols]
-        return cls(src, dst, lens, low, high)
+        return cls(src, dst, lens, low, high, keep)
 
     def apply(self, values: torch.Tensor, out: torch.Tensor) -> None:
         """Write the kept slots of ``values`` ``(BH, stride, ...)`` into ``out`` (``(BH, capacity,
         ...)``, ``capacity >= width``, its slots past ``width`` left as they are): whole slots move by
         one ``index_select`` over a ``(BH * stride, ...)`` view; slots of a row past its length read
-        as zeros."""
+        as zeros. On the Triton path, one kernel pass per field (kept slots read once, written at
+        their new columns)."""
+        if dispatch.active() == "triton":
+            assert compaction is not None, "kernels=triton without triton (dispatch.check)"
+            compaction.compact_into(values, self.keep, out, self.width)
+            return
         bh, stride, *rest = values.shape
         kept = values.reshape(bh * stride, *rest).index_select(0, self.src)
         if self.dst is None:

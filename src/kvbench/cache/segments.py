@@ -187,7 +187,7 @@ class FPSegment:
         """A decode step's softmax state over these rows (the Triton path, :meth:`Segment.
         attend_partials`): each head-row's first ``lens`` slots, read by the decode kernel."""
         assert attention_kernels is not None and dispatch.active() == "triton"
-        shape = (batch, -1, self.rows.width, query.shape[-1])
+        shape = (batch, self.rows.bh // batch, self.rows.width, query.shape[-1])
         k, v = (self.rows.get(n).view(shape) for n in KV)
         return attention_kernels.partials(query, k, v, None, scaling, None, self.rows.lens.view(batch, -1))
 
