@@ -98,12 +98,6 @@ def _decode_kernel(
         if HAS_BIAS:
             s += tl.load(bias + b * sb_b + h * sb_h + t, mask=t_ok, other=0.0).to(tl.float32)[None, :]
         s = tl.where(read[None, :], s, float("-inf"))  # unread or past the split: no weight
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row that has read nothing yet keeps a -inf maximum: shift by 0 so exp gives 0, not NaN
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - shift[:, None])
-        alpha = tl.exp(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         vt = tl.load(
             v + b * sv_b + h * sv_h + t[:, None] * sv_t + d[None, :],
             mask=t_ok[:, None] & d_ok[None, :],
@@ -111,12 +105,33 @@ def _decode_kernel(
         )
         if FP32:
             vt = vt.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt, out_dtype=tl.float32)
-        m_i = m_new
-    out_row = (row * tl.num_programs(1) + split) * BLOCK_G + g  # partials (rows, splits, group)
-    tl.store(m_out + out_row, m_i)
-    tl.store(l_out + out_row, l_i)
-    tl.store(acc_out + out_row[:, None] * BLOCK_D + d[None, :], acc)
+        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, vt)
+    store_partials(m_out, l_out, acc_out, row, split, m_i, l_i, acc, BLOCK_G, BLOCK_D)
+
+
+@triton.jit
+def online_softmax(m_i, l_i, acc, s, v):
+    """One block of scores ``s`` (BLOCK_G, BLOCK_T) and values ``v`` (BLOCK_T, BLOCK_D) into the
+    running maximum, sum and output."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # a row that has read nothing yet keeps a -inf maximum: shift by 0 so exp gives 0, not NaN
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - shift[:, None])
+    alpha = tl.exp(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_partials(
+    m_out, l_out, acc_out, row, split, m_i, l_i, acc, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    """A split's state at ``(row, split)`` of :class:`Partials`' ``(rows, splits, BLOCK_G[, BLOCK_D])``."""
+    at = (row * tl.num_programs(1) + split) * BLOCK_G + tl.arange(0, BLOCK_G)
+    tl.store(m_out + at, m_i)
+    tl.store(l_out + at, l_i)
+    tl.store(acc_out + at[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], acc)
 
 
 @dataclass

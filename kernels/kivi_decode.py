@@ -18,7 +18,15 @@ import triton.language as tl
 from kvbench.cache import attention as att
 from kvbench.cache import quant
 from kvbench.kernels import dispatch
-from kvbench.kernels.attention import BLOCK_T, Partials, blocks, empty_partials, split_slots
+from kvbench.kernels.attention import (
+    BLOCK_T,
+    Partials,
+    blocks,
+    empty_partials,
+    online_softmax,
+    split_slots,
+    store_partials,
+)
 from kvbench.kernels.kivi import _unpack_load
 
 
@@ -72,17 +80,8 @@ def _kivi_decode_kernel(
             v = v.to(qs.dtype)
         s = tl.dot(qs, tl.trans(k), out_dtype=tl.float32) * scaling
         s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - shift[:, None])
-        alpha = tl.exp(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
-        m_i = m_new
-    out_row = (row * tl.num_programs(1) + split) * BLOCK_G + g
-    tl.store(m_out + out_row, m_i)
-    tl.store(l_out + out_row, l_i)
-    tl.store(acc_out + out_row[:, None] * BLOCK_D + d[None, :], acc)
+        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, v)
+    store_partials(m_out, l_out, acc_out, row, split, m_i, l_i, acc, BLOCK_G, BLOCK_D)
 
 
 def partials(
