@@ -87,25 +87,20 @@ def _decode_kernel(
             read = t_ok & (tl.load(mask + b * sm_b + h * sm_h + qi * sm_q + t, mask=t_ok, other=0) != 0)
         else:
             read = t_ok
-        kt = tl.load(
-            k + b * sk_b + h * sk_h + t[:, None] * sk_t + d[None, :],
-            mask=t_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if FP32:
-            kt = kt.to(tl.float32)
-        s = tl.dot(qs, tl.trans(kt), out_dtype=tl.float32) * scaling  # (BLOCK_G, BLOCK_T)
-        if HAS_BIAS:
-            s += tl.load(bias + b * sb_b + h * sb_h + t, mask=t_ok, other=0.0).to(tl.float32)[None, :]
-        s = tl.where(read[None, :], s, float("-inf"))  # unread or past the split: no weight
-        vt = tl.load(
-            v + b * sv_b + h * sv_h + t[:, None] * sv_t + d[None, :],
-            mask=t_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        if FP32:
-            vt = vt.to(tl.float32)
-        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, vt)
+        # Block-sparse: keys and values are loaded for the slots read only (a read selector's
+        # unread pages or experts cost no memory traffic), and a block with none read is skipped
+        if tl.max(read.to(tl.int32), axis=0) > 0:
+            tile = read[:, None] & d_ok[None, :]
+            kt = tl.load(k + b * sk_b + h * sk_h + t[:, None] * sk_t + d[None, :], mask=tile, other=0.0)
+            vt = tl.load(v + b * sv_b + h * sv_h + t[:, None] * sv_t + d[None, :], mask=tile, other=0.0)
+            if FP32:
+                kt = kt.to(tl.float32)
+                vt = vt.to(tl.float32)
+            s = tl.dot(qs, tl.trans(kt), out_dtype=tl.float32) * scaling  # (BLOCK_G, BLOCK_T)
+            if HAS_BIAS:
+                s += tl.load(bias + b * sb_b + h * sb_h + t, mask=read, other=0.0).to(tl.float32)[None, :]
+            s = tl.where(read[None, :], s, float("-inf"))  # unread or past the split: no weight
+            m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, vt)
     store_partials(m_out, l_out, acc_out, row, split, m_i, l_i, acc, BLOCK_G, BLOCK_D)
 
 

@@ -12,6 +12,8 @@ here, said so).
 - ``decode.masked``: one decode step over a cache whose KV heads keep half their tokens (a ragged
   mask), against the torch path (SDPA with the mask repeated over the query group) and dense SDPA
   over every token.
+- ``decode.sparse1/8``: one decode step reading one page in eight (Quest's pages of 16 tokens,
+  and the window), against the torch path (SDPA with the mask) and dense SDPA over every token.
 - ``decode.kivi2bit``: one decode step over a 2-bit KIVI cache, codes dequantized in registers,
   against the torch path (dequantize, then SDPA) and bf16 SDPA over the full cache.
 
@@ -114,6 +116,15 @@ def case(batch: int, t: int, device: torch.device, gen: torch.Generator, peak: f
         ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, mask, scale), cuda)
     moved = 2 * kv.numel() * 2 + mask.numel()  # every slot's key and value (bf16) and the mask
     print(row(f"decode.masked      {label}", ms, moved, peak))
+    # a read selector's step: Quest's pages of 16 tokens, one in eight read (and the window)
+    pages = torch.rand(batch, KV_HEADS, t // 16, generator=gen, device=device) < 1 / 8
+    sparse = pages.repeat_interleave(16, -1)[..., None, :]
+    sparse[..., -32:] = True
+    ms = {"torch": bench(lambda: att.attend(q, kv, kv, sparse, scale), cuda), "sdpa": ms["sdpa"]}
+    if kernels:
+        ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, sparse, scale), cuda)
+    read = int(sparse.sum()) * HEAD_DIM * 2 * 2 + sparse.numel()  # the pages read (bf16) and the mask
+    print(row(f"decode.sparse1/8   {label}", ms, read, peak))
     lens = torch.full((batch * KV_HEADS,), t, device=device)
     seg = quantize_tokens(k, k, torch.arange(k.shape[0], device=device), lens, 2, 2, 32)
     packed = (seg.kcodes, seg.vcodes, seg.vzero, seg.vstep, seg.kzero, seg.kstep)

@@ -324,3 +324,22 @@ def test_evictions_compact_through_the_kernel(tiny_93, scheduler, monkeypatch):
         if scheduler is H2OScheduler:
             assert torch.equal(a.view().k, b.view().k)
         torch.testing.assert_close(a.view().k, b.view().k, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_sparse_decode_reads_the_selected_pages(device):
+    """A read selector's mask (Quest's pages of 16 tokens, one in eight chosen per head-row, plus
+    the sinks and the window): the kernel loads only the chosen slots and skips blocks with none,
+    and gives SDPA's attention over them."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(1)
+    b, hq, h, t, d, page = 2, 32, 8, 2100, 128, 16
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(b, hq, 1, d, generator=gen).to(dtype)
+        k, v = (torch.randn(b, h, t, d, generator=gen).to(dtype) for _ in range(2))
+        chosen = torch.rand(b, h, -(-t // page), generator=gen) < 1 / 8
+        mask = chosen.repeat_interleave(page, -1)[..., :t, None].transpose(-1, -2).clone()  # (B, H, 1, T)
+        mask[..., :4] = mask[..., -32:] = True  # the sinks and the window
+        want = ka.attend_reference(q, k, v, mask, d**-0.5)
+        got = ka.attend(q.to(device), k.to(device), v.to(device), mask.to(device), d**-0.5)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
