@@ -68,6 +68,15 @@ def _params(lo, hi, BITS: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
+def _range_params(xf, member, live, AXIS: tl.constexpr, BITS: tl.constexpr, EXACT: tl.constexpr):
+    """:func:`_params` of the minimum and maximum of ``xf`` over its ``member`` elements along
+    ``AXIS``; where ``live`` is False (padding past the tensor) the range is [0, 0]."""
+    lo = tl.where(live, tl.min(tl.where(member, xf, float("inf")), axis=AXIS), 0.0)
+    hi = tl.where(live, tl.max(tl.where(member, xf, float("-inf")), axis=AXIS), 0.0)
+    return _params(lo, hi, BITS, EXACT)
+
+
+@triton.jit
 def _codes(x, zero32, step32, BITS: tl.constexpr, EXACT: tl.constexpr):
     """int32 codes of x: (x - zero) / step rounded half to even, clamped to [0, 2^BITS - 1]."""
     r = _div(x - zero32, step32, EXACT)
@@ -133,11 +142,8 @@ def _quantize_keys_kernel(
     col_mask = cols < D
     mask = row_mask[:, None] & col_mask[None, :]
     xf = tl.load(x + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    lo = tl.min(tl.where(mask, xf, float("inf")), axis=0)  # per channel over the group
-    hi = tl.max(tl.where(mask, xf, float("-inf")), axis=0)
-    lo = tl.where(col_mask, lo, 0.0)  # channels past D: no infinities into the arithmetic
-    hi = tl.where(col_mask, hi, 0.0)
-    zero, step, zero32, step32 = _params(lo, hi, BITS, EXACT)
+    # per channel over the group; channels past D get no infinities into the arithmetic
+    zero, step, zero32, step32 = _range_params(xf, mask, col_mask, 0, BITS, EXACT)
     tl.store(zero_out + m * D + cols, zero, mask=col_mask)
     tl.store(step_out + m * D + cols, step, mask=col_mask)
     codes = _codes(xf, zero32[None, :], step32[None, :], BITS, EXACT)
@@ -160,11 +166,7 @@ def _quantize_values_kernel(
     for j in tl.static_range(NGV):  # per token, channel groups of GROUP (the last may be shorter)
         in_group = (cols >= j * GROUP) & (cols < tl.minimum((j + 1) * GROUP, D))
         member = row_mask[:, None] & in_group[None, :]
-        lo = tl.min(tl.where(member, xf, float("inf")), axis=1)
-        hi = tl.max(tl.where(member, xf, float("-inf")), axis=1)
-        lo = tl.where(row_mask, lo, 0.0)  # tokens past N: no infinities into the arithmetic
-        hi = tl.where(row_mask, hi, 0.0)
-        zero, step, z32, s32 = _params(lo, hi, BITS, EXACT)
+        zero, step, z32, s32 = _range_params(xf, member, row_mask, 1, BITS, EXACT)  # tokens past N: 0
         tl.store(zero_out + rows * NGV + j, zero, mask=row_mask)
         tl.store(step_out + rows * NGV + j, step, mask=row_mask)
         zero32 = tl.where(in_group[None, :], z32[:, None], zero32)
