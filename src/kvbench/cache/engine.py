@@ -236,8 +236,7 @@ class KVCache(Cache):
                 return mask[:, :, start:stop]
             return None if plain_read and q_len == 1 else mask_fn(start, stop)
 
-        # one step that reads every stored token: the Triton path attends segment by segment
-        reads_all = q_len == 1 and sliding_window is None and selector is None and not padded
+        reads_all = q_len == 1 and sliding_window is None and selector is None and not padded  # every token
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
@@ -303,8 +302,7 @@ class KVCache(Cache):
         self.probe.add(hit, hit_excl)
 
 
-# A masked step of at most this many queries runs the ragged decode kernel on the Triton path
-# (kvbench.kernels.attention: the mask read per KV head); a plain causal one stays on SDPA.
+# A masked step of at most this many queries runs the Triton path's decode kernel (SDPA otherwise)
 KERNEL_QUERIES = 16
 # Upper bound on the elements of the keys decoded for one block of head-rows (2**24: 32 MiB in bf16).
 DECODE_ELEMS = 1 << 24
@@ -331,13 +329,9 @@ def _attend_decoded(
     see :func:`att.attend`, :func:`att.attend_blocks`). A store holding representations is read in
     blocks of head-rows (:func:`head_blocks`), each decoded (:meth:`LayerStore.decoded`), attended
     and dropped: the layer's keys and values never exist decoded whole, unless a technique reads
-    them (``view().k``).
-
-    On the Triton path, a step that reads every stored token (``reads_all``) of a layer that is not
-    one dense segment (SDPA's fused kernels serve that) is attended segment by segment, each by
-    its own kernel (:meth:`Segment.attend_partials`: full-precision rows by their lengths, KIVI's
-    codes dequantized in registers), the splits merged by their log-sum-exp; a segment without a
-    kernel sends the step to the decoded path below."""
+    them (``view().k``). On the Triton path, a step that reads every token (``reads_all``) of a
+    layer that is not one dense segment is attended segment by segment by their kernels
+    (:meth:`Segment.attend_partials`), merged by log-sum-exp (docs/kernels.md)."""
     view = store.view()
     one_dense = len(store.segments) == 1 and view.dense
     if reads_all and not one_dense and view.bias is None and dispatch.active() == "triton":

@@ -37,7 +37,7 @@ class _Compaction:
     indices of a ``(BH * stride, ...)`` view), ``dst`` their new places as (row, column) (None when
     every row keeps ``width``: then they fill ``[:, :width]`` in order), ``lens`` ``(BH,)`` kept per
     row, between ``least`` and ``width``; ``keep`` itself, which the Triton path's kernel reads
-    instead of the plan (:mod:`kvbench.kernels.compaction`)."""
+    instead of a plan (:mod:`kvbench.kernels.compaction`: there ``src`` is empty and ``dst`` None)."""
 
     src: torch.Tensor
     dst: tuple[torch.Tensor, torch.Tensor] | None
@@ -60,6 +60,8 @@ class _Compaction:
             lens = keep.sum(-1)
             counts = lens.tolist()  # the one synchronisation: the new width
         low, high = (min(counts), max(counts)) if counts else (0, 0)
+        if dispatch.active() == "triton":  # the kernel ranks the kept slots itself: no plan to make
+            return cls(keep.new_empty(0, dtype=torch.long), None, lens, low, high, keep)
         if low == high:  # every row keeps ``high``: its kept slots are its first ``high`` after a stable sort
             cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
             rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
@@ -261,4 +263,4 @@ class Rows:
             plan.apply(field, new)
             self.fields[name] = new
         self.capacity = cap
-        self.lens, self.width, self.uniform = plan.lens, plan.width, plan.dst is None
+        self.lens, self.width, self.uniform = plan.lens, plan.width, plan.least == plan.width
