@@ -3,9 +3,11 @@
 Which path runs is the config's ``kernels``: ``auto`` (Triton on CUDA, torch elsewhere), ``torch``
 or ``triton`` (on a CPU: under ``TRITON_INTERPRET=1``, slowly; for tests). A cell resolves it once
 (:func:`dispatch.resolve`) and runs inside :func:`dispatch.using`; the cache's operations ask
-:func:`dispatch.active`, so the techniques do not change. Today: KIVI's quantize-and-pack and
-unpack-and-dequantize (:mod:`kvbench.kernels.kivi`), masked decode attention over ragged heads
-(:mod:`kvbench.kernels.attention`), fused decode attention over KIVI's codes
+:func:`dispatch.active` (or take a kernel module from :func:`dispatch.kernels`, None on the torch
+path), so the techniques do not change. Today: KIVI's quantize-and-pack and unpack-and-dequantize
+(:mod:`kvbench.kernels.kivi`), decode attention over ragged heads, by positions, lengths or a
+mask (:mod:`kvbench.kernels.attention`), block scoring for the read selectors
+(:mod:`kvbench.kernels.scoring`), fused decode attention over KIVI's codes
 (:mod:`kvbench.kernels.kivi_decode`) and compaction after an eviction
 (:mod:`kvbench.kernels.compaction`); docs/kernels.md.
 """

@@ -2,13 +2,15 @@
 reference (:func:`kvbench.cache.attention.attend`, same signature).
 
 One decode step, or a short chunk of queries, against a layer whose KV heads hold different
-tokens: a per-KV-head boolean mask (ragged heads' padding, a read selector's unread tokens, a
-sliding window, positions not yet seen) and an optional logit bias per stored unit (merged tokens'
-log(count)). A program takes the query heads of one KV head (grouped-query attention: the group's
-queries share every key read) for one query position and one split of the stored slots; each
-split keeps a running maximum, sum and output, and :func:`attend` merges the splits by their
-log-sum-exp. The mask is read per KV head: it is never repeated over the query group, and SDPA's
-fallback to its math kernel for a mask with grouped queries is gone.
+tokens: what a query reads comes from the stored slots' original positions against the query's
+(causal, the sliding window; computed in the kernel, no mask is built), the head-rows' lengths,
+and where a read selector or padding decides, a per-KV-head boolean mask; an optional logit bias
+per stored unit (merged tokens' log(count)). A program takes the query heads of one KV head
+(grouped-query attention: the group's queries share every key read) for one query position and
+one split of the stored slots; each split keeps a running maximum, sum and output, and
+:func:`attend` merges the splits by their log-sum-exp. The mask is read per KV head: it is never
+repeated over the query group, and SDPA's fallback to its math kernel for a mask with grouped
+queries is gone.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ def attend_reference(
     scaling: float,
     bias: torch.Tensor | None = None,
     lens: torch.Tensor | None = None,
+    positions: att.Positions | None = None,
 ) -> torch.Tensor:
     """The torch path (:func:`kvbench.cache.attention.attend`, SDPA) of :func:`attend`: ``lens``
-    becomes a mask of each head-row's first slots."""
+    and ``positions`` become masks."""
     if lens is not None:
         held = torch.arange(key.shape[2], device=key.device) < lens[..., None, None]
         mask = held if mask is None else mask & held
-    elif mask is None:
+    if positions is not None:
+        mask = positions.mask() if mask is None else mask & positions.mask()
+    if mask is None:
         mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=query.device).expand(
             key.shape[0], key.shape[1], query.shape[2], key.shape[2]
         )
@@ -50,10 +55,11 @@ SPLIT = 1024  # stored slots a split covers at least (more splits: more programs
 
 @triton.jit
 def _decode_kernel(
-    q, k, v, mask, bias, lens, m_out, l_out, acc_out,
-    H, G, Q, T, D, slots_per_split, scaling,
+    q, k, v, mask, bias, lens, kpos, qpos, m_out, l_out, acc_out,
+    H, G, Q, T, D, slots_per_split, scaling, window,
     sq_b, sq_h, sq_q, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, sm_b, sm_h, sm_q, sb_b, sb_h,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
+    skp_b, skp_h, sqp_b,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr, HAS_POS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,
 ):  # fmt: skip
@@ -80,6 +86,10 @@ def _decode_kernel(
     stop = tl.minimum(start + slots_per_split, T)
     if HAS_LENS:  # the head-row's tokens are its first lens slots: read no further
         stop = tl.minimum(stop, tl.load(lens + b * H + h))
+    if HAS_POS:  # read the positions in (oldest, newest]: causal, within the window (0: none)
+        qp = tl.load(qpos + b * sqp_b + qi).to(tl.int64)
+        newest = tl.where(qp < 0, 1 << 62, qp)  # a padding query (-1) reads every slot
+        oldest = tl.where((qp < 0) | (window == 0), -1, qp - window)
     for t0 in range(start, stop, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < stop
@@ -87,6 +97,9 @@ def _decode_kernel(
             read = t_ok & (tl.load(mask + b * sm_b + h * sm_h + qi * sm_q + t, mask=t_ok, other=0) != 0)
         else:
             read = t_ok
+        if HAS_POS:
+            kp = tl.load(kpos + b * skp_b + h * skp_h + t, mask=t_ok, other=0).to(tl.int64)
+            read = read & (kp <= newest) & (kp > oldest)
         # Block-sparse: keys and values are loaded for the slots read only (a read selector's
         # unread pages or experts cost no memory traffic), and a block with none read is skipped
         if tl.max(read.to(tl.int32), axis=0) > 0:
@@ -96,7 +109,9 @@ def _decode_kernel(
             if FP32:
                 kt = kt.to(tl.float32)
                 vt = vt.to(tl.float32)
-            s = tl.dot(qs, tl.trans(kt), out_dtype=tl.float32) * scaling  # (BLOCK_G, BLOCK_T)
+            s = (
+                tl.dot(qs, tl.trans(kt), out_dtype=tl.float32, input_precision="ieee") * scaling
+            )  # (BLOCK_G, BLOCK_T)
             if HAS_BIAS:
                 s += tl.load(bias + b * sb_b + h * sb_h + t, mask=read, other=0.0).to(tl.float32)[None, :]
             s = tl.where(read[None, :], s, float("-inf"))  # unread or past the split: no weight
@@ -114,7 +129,7 @@ def online_softmax(m_i, l_i, acc, s, v):
     p = tl.exp(s - shift[:, None])
     alpha = tl.exp(m_i - shift)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32, input_precision="ieee")
     return m_new, l_i, acc
 
 
@@ -170,6 +185,7 @@ def partials(
     scaling: float,
     bias: torch.Tensor | None = None,
     lens: torch.Tensor | None = None,
+    positions: att.Positions | None = None,
 ) -> Partials:
     """The softmax state of :func:`attend` per split, before the splits are merged (:func:`merge`
     joins them with other segments' of the same step)."""
@@ -184,16 +200,25 @@ def partials(
     mask_strides = (mask.stride(0), mask.stride(1), mask.stride(2)) if mask is not None else (0, 0, 0)
     bias_strides = (bias.stride(0), bias.stride(1)) if bias is not None else (0, 0)
     held = None if lens is None else lens.to(torch.int32).contiguous()
+    kpos = qpos = None
+    if positions is not None:
+        kpos = positions.key if positions.key.stride(-1) == 1 else positions.key.contiguous()
+        qpos = positions.query if positions.query.stride(-1) == 1 else positions.query.contiguous()
+    pos_strides = (kpos.stride(0), kpos.stride(1), qpos.stride(0)) if kpos is not None else (0, 0, 0)
+    window = positions.window if positions is not None and positions.window is not None else 0
     m = out.m
     if m.shape[0] and t:
         _decode_kernel[(m.shape[0], splits)](
             query, key, value, m if mask is None else mask, m if bias is None else bias,
-            m if held is None else held, m, out.l, out.acc,
-            h, hq // h, nq, t, d, per_split, scaling,
+            m if held is None else held, m if kpos is None else kpos, m if qpos is None else qpos,
+            m, out.l, out.acc,
+            h, hq // h, nq, t, d, per_split, scaling, window,
             query.stride(0), query.stride(1), query.stride(2),
             key.stride(0), key.stride(1), key.stride(2),
             value.stride(0), value.stride(1), value.stride(2), *mask_strides, *bias_strides,
+            *pos_strides,
             HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LENS=held is not None,
+            HAS_POS=positions is not None,
             BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d, FP32=dispatch.interpreted(),
         )  # fmt: skip
     return out
@@ -225,10 +250,14 @@ def attend(
     scaling: float,
     bias: torch.Tensor | None = None,
     lens: torch.Tensor | None = None,
+    positions: att.Positions | None = None,
 ) -> torch.Tensor:
     """:func:`attend_reference` for a decode step or a short chunk: query ``(B, Hq, Q, D)``, keys
-    and values ``(B, H, T, D)``, ``mask`` ``(B, H, Q, T)`` bool (per KV head; None: every slot),
-    ``bias`` ``(B, H, T)``, ``lens`` ``(B, H)``: each head-row holds its first ``lens`` slots (the
-    kernel reads no further, so a ragged layer costs its stored tokens, not its longest head's).
+    and values ``(B, H, T, D)``, ``mask`` ``(B, H, Q, T)`` bool (per KV head; None: every slot;
+    a stride of 0 over ``Q`` reads one row for all queries), ``bias`` ``(B, H, T)``, ``lens``
+    ``(B, H)``: each head-row holds its first ``lens`` slots (the kernel reads no further, so a
+    ragged layer costs its stored tokens, not its longest head's), ``positions``: causal over the
+    original positions and the sliding window, computed in the kernel instead of read from a mask.
     Returns ``(B, Hq, Q, D)`` in the query's dtype."""
-    return merge([partials(query, key, value, mask, scaling, bias, lens)], query, key.shape[1])
+    parts = partials(query, key, value, mask, scaling, bias, lens, positions)
+    return merge([parts], query, key.shape[1])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator
 from contextvars import ContextVar
+from types import ModuleType
 
 import torch
 
@@ -61,3 +63,12 @@ def using(path: str) -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def kernels(name: str) -> ModuleType | None:
+    """``kvbench.kernels.<name>`` on the Triton path, None on the torch path (the caller then runs
+    the kernel's torch reference). Imported on first use: :func:`check` has refused ``triton``
+    where the package is missing, so the torch path never needs it."""
+    if active() != "triton":
+        return None
+    return importlib.import_module(f"kvbench.kernels.{name}")

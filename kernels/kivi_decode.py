@@ -78,7 +78,7 @@ def _kivi_decode_kernel(
         if not FP32:  # at the cache's dtype, as the torch path attends
             k = k.to(qs.dtype)
             v = v.to(qs.dtype)
-        s = tl.dot(qs, tl.trans(k), out_dtype=tl.float32) * scaling
+        s = tl.dot(qs, tl.trans(k), out_dtype=tl.float32, input_precision="ieee") * scaling
         s = tl.where(t_ok[None, :], s, float("-inf"))
         m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, v)
     store_partials(m_out, l_out, acc_out, row, split, m_i, l_i, acc, BLOCK_G, BLOCK_D)

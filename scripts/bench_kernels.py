@@ -14,6 +14,11 @@ here, said so).
   over every token.
 - ``decode.sparse1/8``: one decode step reading one page in eight (Quest's pages of 16 tokens,
   and the window), against the torch path (SDPA with the mask) and dense SDPA over every token.
+- ``decode.window``: one decode step under a sliding window of 4,096 tokens (Mistral's), the
+  window computed in the kernel from the stored positions, against the torch path (SDPA with the
+  mask built from the positions) and dense SDPA over every token.
+- ``score.quest``: Quest's page bounds for one decode step (pages of 16 tokens, the query group's
+  maximum), against the torch path (two matmuls).
 - ``decode.kivi2bit``: one decode step over a 2-bit KIVI cache, codes dequantized in registers,
   against the torch path (dequantize, then SDPA) and bf16 SDPA over the full cache.
 
@@ -79,13 +84,13 @@ def row(label: str, ms: dict[str, float], moved: int | None, peak: float | None)
 
 
 def case(batch: int, t: int, device: torch.device, gen: torch.Generator, peak: float | None) -> None:
-    """The three kernels at one batch size and context, each beside its torch path."""
+    """The kernels at one batch size and context, each beside its torch path."""
     cuda = device.type == "cuda"
     kernels = None
     if cuda:
-        from kvbench.kernels import attention, kivi
+        from kvbench.kernels import attention, kivi, scoring
 
-        kernels = (kivi, attention)
+        kernels = (kivi, attention, scoring)
     k = torch.randn(batch * KV_HEADS * t, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
     label = f"batch {batch}, {t} tokens"
     moved = 2 * k.numel() * 2 + 2 * k.numel() // 4  # bf16 keys and values, 2-bit codes
@@ -108,10 +113,8 @@ def case(batch: int, t: int, device: torch.device, gen: torch.Generator, peak: f
     lens = torch.randint(t // 4, 3 * t // 4 + 1, (batch, KV_HEADS, 1, 1), generator=gen, device=device)
     mask = torch.arange(t, device=device) < lens  # ragged heads: about half the slots each
     scale = HEAD_DIM**-0.5
-    ms = {
-        "torch": bench(lambda: att.attend(q, kv, kv, mask, scale), cuda),
-        "sdpa": bench(lambda: F.scaled_dot_product_attention(q, kv, kv, scale=scale, enable_gqa=True), cuda),
-    }
+    sdpa = bench(lambda: F.scaled_dot_product_attention(q, kv, kv, scale=scale, enable_gqa=True), cuda)
+    ms = {"torch": bench(lambda: att.attend(q, kv, kv, mask, scale), cuda), "sdpa": sdpa}
     if kernels:
         ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, mask, scale), cuda)
     moved = 2 * kv.numel() * 2 + mask.numel()  # every slot's key and value (bf16) and the mask
@@ -120,17 +123,36 @@ def case(batch: int, t: int, device: torch.device, gen: torch.Generator, peak: f
     pages = torch.rand(batch, KV_HEADS, t // 16, generator=gen, device=device) < 1 / 8
     sparse = pages.repeat_interleave(16, -1)[..., None, :]
     sparse[..., -32:] = True
-    ms = {"torch": bench(lambda: att.attend(q, kv, kv, sparse, scale), cuda), "sdpa": ms["sdpa"]}
+    ms = {"torch": bench(lambda: att.attend(q, kv, kv, sparse, scale), cuda), "sdpa": sdpa}
     if kernels:
         ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, sparse, scale), cuda)
     read = int(sparse.sum()) * HEAD_DIM * 2 * 2 + sparse.numel()  # the pages read (bf16) and the mask
     print(row(f"decode.sparse1/8   {label}", ms, read, peak))
+    # a sliding window of 4,096 tokens: what a step reads comes from the positions
+    kpos = torch.arange(t, device=device).expand(batch, KV_HEADS, t)
+    at = att.Positions(kpos, torch.full((batch, 1), t, device=device), 4096)
+    valid = torch.ones(batch, KV_HEADS, 1, t, dtype=torch.bool, device=device)
+    ms = {
+        "torch": bench(lambda: att.attend(q, kv, kv, at.mask() & valid, scale), cuda),
+        "sdpa": sdpa,
+    }
+    if kernels:
+        ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, valid, scale, positions=at), cuda)
+    read = batch * KV_HEADS * min(t, 4096) * HEAD_DIM * 2 * 2 + kpos.numel() * 8  # the window, positions
+    print(row(f"decode.window      {label}", ms, read, peak))
+    # Quest's page bounds for the step: per-channel minimum and maximum of every page of 16 tokens
+    kmin = kv.view(batch, KV_HEADS, t // 16, 16, HEAD_DIM).amin(3)
+    kmax = kv.view(batch, KV_HEADS, t // 16, 16, HEAD_DIM).amax(3)
+    ms = {"torch": bench(lambda: att.group_bounds(q, kmin, kmax), cuda)}
+    if kernels:
+        ms["triton"] = bench(lambda: kernels[2].group_bounds(q, kmin, kmax), cuda)
+    print(row(f"score.quest        {label}", ms, 2 * kmin.numel() * 2, peak))
     lens = torch.full((batch * KV_HEADS,), t, device=device)
     seg = quantize_tokens(k, k, torch.arange(k.shape[0], device=device), lens, 2, 2, 32)
     packed = (seg.kcodes, seg.vcodes, seg.vzero, seg.vstep, seg.kzero, seg.kstep)
     ms = {
         "torch": bench(lambda: kivi_decode.attend_reference(q, *packed, lens, 2, 2, 32, 32, scale), cuda),
-        "sdpa": ms["sdpa"],  # bf16 over the full cache, as above
+        "sdpa": sdpa,  # bf16 over the full cache, as above
     }
     if kernels:
 

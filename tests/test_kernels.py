@@ -12,6 +12,7 @@ import torch
 from conftest import tiny_cfg
 from helpers import make_stack, run_chunks, tokens
 from kvbench import models, run
+from kvbench.cache import attention as att
 from kvbench.compressors.distillation import DistillationCompressor
 from kvbench.compressors.pikv import PiKVCompressor
 from kvbench.compressors.pyramid import PyramidCompressor
@@ -19,6 +20,7 @@ from kvbench.compressors.quantized import QuantizedCompressor, quantize_tokens
 from kvbench.kernels import attention as ka
 from kvbench.kernels import compaction as kc
 from kvbench.kernels import dispatch, kivi, kivi_decode
+from kvbench.kernels import scoring as ks
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
 from kvbench.schedulers.h2o import H2OScheduler
@@ -201,12 +203,22 @@ def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, techniq
     """A tiny GQA model's logits over a prefill and decode steps agree on both paths (float
     tolerance: the kernel sums in another order) for techniques whose steps read through a mask;
     the Triton path ran the kernel at every masked step (AdaKV's ragged heads by their lengths,
-    with no mask)."""
+    with no mask; a sliding window and merged units by positions, with no mask built from them),
+    and the read selectors scored their pages or experts by the scoring kernel."""
     ids = tokens(60)
-    calls, by_lens = [], []
+    calls, by_lens, by_pos, scored = [], [], [], []
     merge, partials = ka.merge, ka.partials
     monkeypatch.setattr(ka, "merge", lambda *a: calls.append(1) or merge(*a))
-    monkeypatch.setattr(ka, "partials", lambda *a: by_lens.append(a[6] is not None) or partials(*a))
+
+    def spy(*a):
+        by_lens.append(a[6] is not None)
+        by_pos.append(len(a) > 7 and a[7] is not None)
+        return partials(*a)
+
+    monkeypatch.setattr(ka, "partials", spy)
+    for name in ("group_bounds", "group_scores"):
+        kernel = getattr(ks, name)
+        monkeypatch.setattr(ks, name, lambda *a, kernel=kernel, name=name: scored.append(name) or kernel(*a))
 
     lm = tiny_93 if technique is not None else models.load(tiny_cfg("mistral", sliding_window=16), "cpu")
     parts = {role: technique()} if technique is not None else {}
@@ -220,7 +232,10 @@ def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, techniq
     assert not calls
     torch.testing.assert_close(logits("triton"), want, atol=1e-4, rtol=1e-4)
     assert len(calls) >= 20  # at least once a decode step
-    assert any(by_lens) == (request.node.callspec.id == "adakv")  # by lengths: one segment's ragged rows
+    case = request.node.callspec.id
+    assert any(by_lens) == (case == "adakv")  # by lengths: one segment's ragged rows
+    assert any(by_pos) == (case in ("sliding-window", "distillation"))  # no selector: positions alone
+    assert set(scored) == {"quest": {"group_bounds"}, "router-base": {"group_scores"}}.get(case, set())
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -343,3 +358,76 @@ def test_block_sparse_decode_reads_the_selected_pages(device):
         want = ka.attend_reference(q, k, v, mask, d**-0.5)
         got = ka.attend(q.to(device), k.to(device), v.to(device), mask.to(device), d**-0.5)
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "batch, q_heads, kv_heads, queries, slots, head_dim, window",
+    [
+        (2, 9, 3, 1, 77, 64, None),  # one step, causal over shuffled original positions
+        (1, 32, 8, 4, 130, 128, 37),  # a chunk under a sliding window
+        (2, 9, 3, 3, 95, 80, 8),  # a narrow window, a padding query
+    ],
+)
+def test_decode_attention_from_positions_equals_its_reference(
+    device, batch, q_heads, kv_heads, queries, slots, head_dim, window
+):
+    """Causal and sliding-window reads computed in the kernel from the stored slots' original
+    positions (in any order, as evictions leave them) and the queries' (-1: a padding query, which
+    reads every slot) give SDPA's attention under :func:`read_mask`'s mask; the valid slots come as
+    one mask row shared by every query (stride 0)."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(slots)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        q = torch.randn(batch, q_heads, queries, head_dim, generator=gen).to(dtype)
+        k, v = (torch.randn(batch, kv_heads, slots, head_dim, generator=gen).to(dtype) for _ in range(2))
+        kpos = torch.stack(
+            [torch.randperm(slots + 9, generator=gen)[:slots] for _ in range(batch * kv_heads)]
+        )
+        kpos = kpos.view(batch, kv_heads, slots)
+        qpos = torch.arange(slots + 9 - queries, slots + 9).expand(batch, -1).clone()
+        qpos[-1, 0] = -1 if queries > 1 else qpos[-1, 0]
+        valid = torch.rand(batch, kv_heads, 1, slots, generator=gen) < 0.9
+        mask = valid.expand(-1, -1, queries, -1)
+        want = ka.attend_reference(q, k, v, mask, head_dim**-0.5, positions=att.Positions(kpos, qpos, window))
+        on = att.Positions(kpos.to(device), qpos.to(device), window)
+        got = ka.attend(
+            q.to(device), k.to(device), v.to(device), mask.to(device), head_dim**-0.5, positions=on
+        )
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+        # the reference's mask is read_mask's, padding queries reading every valid slot
+        seen = att.read_mask(kpos, valid[:, :, 0], qpos, window) | (valid & (qpos < 0)[:, None, :, None])
+        torch.testing.assert_close(want, ka.attend_reference(q, k, v, seen, head_dim**-0.5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "batch, q_heads, kv_heads, queries, pages, head_dim",
+    [
+        (1, 9, 3, 1, 5, 64),  # GQA 9/3, fewer pages than a block
+        (2, 32, 8, 2, 70, 128),  # Llama-3.1-8B's heads, pages past two blocks
+        (1, 4, 4, 1, 33, 80),  # one query head per KV head
+        (1, 4, 2, 1, 0, 64),  # no full page yet
+    ],
+)
+def test_block_scores_equal_their_references(device, batch, q_heads, kv_heads, queries, pages, head_dim):
+    """Quest's page bounds (the query group's maximum of Σ max(q·min, q·max)) and the routers'
+    expert scores ((Σ_g q_g)·c) from the scoring kernel equal their torch references, and a bound
+    is at least every q·k of its page."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(pages)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-4), (torch.float16, 1e-4)):
+        q = torch.randn(batch, q_heads, queries, head_dim, generator=gen).to(dtype)
+        keys = torch.randn(batch, kv_heads, pages, 16, head_dim, generator=gen).to(dtype)
+        kmin, kmax = keys.amin(3), keys.amax(3)
+        centroid = keys.float().mean(3).to(dtype)
+        on = [x.to(device) for x in (q, kmin, kmax, centroid)]
+        bound = ks.group_bounds(*on[:3]).cpu()
+        assert bound.shape == (batch, kv_heads, queries, pages) and bound.dtype == torch.float32
+        torch.testing.assert_close(bound, att.group_bounds(q, kmin, kmax), atol=tol, rtol=tol)
+        score = ks.group_scores(on[0], on[3]).cpu()
+        torch.testing.assert_close(score, att.group_scores(q, centroid), atol=tol, rtol=tol)
+        qk = torch.einsum(
+            "bhgqd,bhptd->bhgqpt", q.float().view(batch, kv_heads, -1, queries, head_dim), keys.float()
+        )
+        assert (bound[:, :, None, :, :] >= qk.amax(-1) - 1e-4).all()

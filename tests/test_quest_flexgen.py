@@ -10,12 +10,13 @@ import torch
 
 from helpers import make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench.cache import attention as att
+from kvbench.cache.attention import page_bounds
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.flexgen import FlexGenScheduler, visible_counts
-from kvbench.schedulers.quest import PageBounds, QuestScheduler, page_bounds
+from kvbench.schedulers.quest import PageBounds, QuestScheduler
 
 SIZES = [96, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
 N = sum(SIZES)

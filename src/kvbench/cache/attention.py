@@ -8,6 +8,8 @@ query blocks that keep memory bounded at long context.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -35,6 +37,22 @@ def read_mask(
     if sliding_window is not None:
         mask = mask & (kp > qp - sliding_window)
     return mask
+
+
+@dataclass
+class Positions:
+    """Original positions in place of a mask built from them: of the stored slots ``key``
+    ``(B, H, T)``, of the queries ``query`` ``(B, q)`` (-1: a padding query, which reads every slot;
+    its output is discarded), and the model's sliding ``window`` (None: none)."""
+
+    key: torch.Tensor
+    query: torch.Tensor
+    window: int | None = None
+
+    def mask(self) -> torch.Tensor:
+        """``(B, H, q, T)`` bool: what :func:`read_mask` gives every slot, padding queries all."""
+        seen = read_mask(self.key, torch.ones_like(self.key, dtype=torch.bool), self.query, self.window)
+        return seen | (self.query < 0)[:, None, :, None]
 
 
 def additive(mask: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -274,3 +292,47 @@ def kv_hit(
     overlap = torch.where(outside, torch.minimum(full_on_units[..., :t], p_stack), 0.0).sum(-1)
     mass = p_full[..., keep].sum(-1)
     return hit, overlap / mass
+
+
+def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of ``q·k`` over each page, per query head.
+
+    ``Σ_i max(q_i·min_i, q_i·max_i) = q⁺·max + q⁻·min`` (``q⁺``, ``q⁻`` the positive and negative
+    parts), two matmuls instead of a ``(q, pages, D)`` product.
+
+    Args:
+        query: ``(B, Hq, q, D)``.
+        kmin, kmax: ``(B, H, P, D)`` per-channel key minimum and maximum of each page.
+
+    Returns:
+        ``(B, H, g, q, P)`` fp32, ``g = Hq / H`` query heads per KV head.
+    """
+    b, hq, q, d = query.shape
+    h = kmin.shape[1]
+    grouped = query.float().view(b, h, hq // h, q, d)
+    pos, neg = grouped.clamp(min=0), grouped.clamp(max=0)
+    return torch.einsum("bhgqd,bhpd->bhgqp", pos, kmax.float()) + torch.einsum(
+        "bhgqd,bhpd->bhgqp", neg, kmin.float()
+    )
+
+
+def group_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """:func:`page_bounds`' maximum over each KV head's query group: ``(B, H, q, P)`` fp32, an
+    upper bound for every query head of the group (the torch reference of
+    :func:`kvbench.kernels.scoring.group_bounds`)."""
+    return page_bounds(query, kmin, kmax).amax(2)
+
+
+def group_scores(query: torch.Tensor, centroid: torch.Tensor) -> torch.Tensor:
+    """q · centroid per KV head, summed over the query heads of its group (the torch reference of
+    :func:`kvbench.kernels.scoring.group_scores`).
+
+    Args:
+        query: ``(B, Hq, q, D)``; centroid: ``(B, H, E, D)``.
+
+    Returns:
+        ``(B, H, q, E)`` fp32.
+    """
+    b, h, _, d = centroid.shape
+    summed = query.float().view(b, h, -1, query.shape[2], d).sum(2)  # Σ_g q_g · c = (Σ_g q_g) · c
+    return summed @ centroid.float().transpose(-1, -2)

@@ -32,11 +32,6 @@ from kvbench.cache import held
 from kvbench.cache.store import LayerStore
 from kvbench.kernels import dispatch
 
-try:  # triton is a dependency on Linux; elsewhere the torch path runs alone
-    from kvbench.kernels import attention as attention_kernels
-except ImportError:
-    attention_kernels = None
-
 ATTN_NAME = "kvbench"
 HOST = torch.device("cpu")  # where the KV-hit probe keeps its shadow keys and compares
 _ACTIVE: contextvars.ContextVar[KVCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
@@ -240,7 +235,10 @@ class KVCache(Cache):
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
-            out = _attend_decoded(store, query, mask, mask_fn if per_block else None, scaling, reads_all)
+            positions = att.Positions(view.pos, qpos, sliding_window) if per_block else None
+            out = _attend_decoded(
+                store, query, mask, mask_fn if per_block else None, scaling, reads_all, positions
+            )
         for tech in self.stack.query_observers:
             tech.observe_queries(layer, store, query, qpos)
         observers = self.stack.observers
@@ -323,30 +321,37 @@ def head_blocks(batch: int, heads: int, per_head: int) -> list[tuple[int, int, i
 
 
 def _attend_decoded(
-    store: LayerStore, query, mask, mask_fn, scaling: float, reads_all: bool = False
+    store: LayerStore, query, mask, mask_fn, scaling: float, reads_all: bool = False, positions=None
 ) -> torch.Tensor:
     """Attention over the store's keys and values (``mask`` or, per block of queries, ``mask_fn``:
     see :func:`att.attend`, :func:`att.attend_blocks`). A store holding representations is read in
     blocks of head-rows (:func:`head_blocks`), each decoded (:meth:`LayerStore.decoded`), attended
     and dropped: the layer's keys and values never exist decoded whole, unless a technique reads
-    them (``view().k``). On the Triton path, a step that reads every token (``reads_all``) of a
-    layer that is not one dense segment is attended segment by segment by their kernels
-    (:meth:`Segment.attend_partials`), merged by log-sum-exp (docs/kernels.md)."""
+    them (``view().k``).
+
+    On the Triton path (docs/kernels.md), a step that reads every token (``reads_all``) of a layer
+    that is not one dense segment is attended segment by segment by their kernels
+    (:meth:`Segment.attend_partials`), merged by log-sum-exp; other masked steps of at most
+    :data:`KERNEL_QUERIES` queries run the decode kernel, which computes a mask from positions alone
+    (``mask_fn``) from ``positions`` (:class:`att.Positions`) and the valid slots instead of
+    reading one."""
     view = store.view()
     one_dense = len(store.segments) == 1 and view.dense
-    if reads_all and not one_dense and view.bias is None and dispatch.active() == "triton":
-        assert attention_kernels is not None, "kernels=triton without triton (dispatch.check)"
+    kernel = dispatch.kernels("attention")
+    if kernel is not None and reads_all and not one_dense and view.bias is None:
         parts = [seg.attend_partials(query, scaling, store.batch) for seg in store.segments]
         if all(p is not None for p in parts):
-            return attention_kernels.merge(parts, query, store.kv_heads)
+            return kernel.merge(parts, query, store.kv_heads)
 
-    def attend(q, k, v, mask, mask_fn, bias):
+    def attend(q, k, v, mask, mask_fn, bias, part=(slice(None), slice(None))):
         k, v = k.to(q.dtype), v.to(q.dtype)
         masked = mask is not None or mask_fn is not None
-        if masked and q.shape[2] <= KERNEL_QUERIES and dispatch.active() == "triton":
-            assert attention_kernels is not None, "kernels=triton without triton (dispatch.check)"
-            mask = mask if mask is not None else mask_fn(0, q.shape[2])
-            return attention_kernels.attend(q, k, v, mask, scaling, bias)
+        if kernel is not None and masked and q.shape[2] <= KERNEL_QUERIES:
+            if mask is not None:
+                return kernel.attend(q, k, v, mask, scaling, bias)
+            valid = view.valid[part][:, :, None, :].expand(-1, -1, q.shape[2], -1)  # one row for all queries
+            pos = att.Positions(view.pos[part], positions.query[part[0]], positions.window)
+            return kernel.attend(q, k, v, valid, scaling, bias, positions=pos)
         if mask_fn is not None:
             return att.attend_blocks(q, k, v, mask_fn, scaling, bias)
         return att.attend(q, k, v, mask, scaling, bias)
@@ -369,6 +374,7 @@ def _attend_decoded(
             None if mask is None else mask[part],
             None if mask_fn is None else lambda s, e, part=part: mask_fn(s, e)[part],
             None if view.bias is None else view.bias[part],
+            part,
         )
     return out
 

@@ -22,11 +22,6 @@ import torch
 from kvbench.cache.ragged import segment_ids, starts, valid_mask
 from kvbench.kernels import dispatch
 
-try:  # triton is a dependency on Linux; elsewhere the torch path runs alone
-    from kvbench.kernels import compaction
-except ImportError:
-    compaction = None
-
 _MIN_GROWTH = 64
 
 
@@ -79,8 +74,7 @@ class _Compaction:
         one ``index_select`` over a ``(BH * stride, ...)`` view; slots of a row past its length read
         as zeros. On the Triton path, one kernel pass per field (kept slots read once, written at
         their new columns)."""
-        if dispatch.active() == "triton":
-            assert compaction is not None, "kernels=triton without triton (dispatch.check)"
+        if compaction := dispatch.kernels("compaction"):
             compaction.compact_into(values, self.keep, out, self.width)
             return
         bh, stride, *rest = values.shape

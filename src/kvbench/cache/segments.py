@@ -23,11 +23,6 @@ from kvbench.cache import ragged
 from kvbench.cache.rows import Rows
 from kvbench.kernels import dispatch
 
-try:  # triton is a dependency on Linux; elsewhere the torch path runs alone
-    from kvbench.kernels import attention as attention_kernels
-except ImportError:
-    attention_kernels = None
-
 KV = ("k", "v")  # the full-precision rows' stored keys and values
 NOT_STATE = ("k", "v", "bias")  # rows fields that are not per-token bookkeeping
 
@@ -186,7 +181,8 @@ class FPSegment:
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
         """A decode step's softmax state over these rows (the Triton path, :meth:`Segment.
         attend_partials`): each head-row's first ``lens`` slots, read by the decode kernel."""
-        assert attention_kernels is not None and dispatch.active() == "triton"
+        attention_kernels = dispatch.kernels("attention")
+        assert attention_kernels is not None, "attend_partials runs on the Triton path only"
         shape = (batch, self.rows.bh // batch, self.rows.width, query.shape[-1])
         k, v = (self.rows.get(n).view(shape) for n in KV)
         return attention_kernels.partials(query, k, v, None, scaling, None, self.rows.lens.view(batch, -1))

@@ -23,20 +23,11 @@ from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
 from kvbench.select import leaving_window
 
-try:  # triton is a dependency on Linux; elsewhere the torch path runs alone
-    from kvbench.kernels import kivi as kivi_kernels
-    from kvbench.kernels import kivi_decode
-except ImportError:
-    kivi_kernels = kivi_decode = None
-
 
 def _ops() -> ModuleType:
     """KIVI's four operations (quantize and dequantize, keys and values) on the cell's path
     (:mod:`kvbench.kernels.dispatch`): the Triton kernels, or their torch references."""
-    if dispatch.active() == "triton":
-        assert kivi_kernels is not None, "kernels=triton without triton (kvbench.kernels.dispatch.check)"
-        return kivi_kernels
-    return quant
+    return dispatch.kernels("kivi") or quant
 
 
 @dataclass
@@ -66,6 +57,7 @@ class QuantSegment(GroupedSegment):
         """The fused kernel (:mod:`kvbench.kernels.kivi_decode`): codes dequantized in registers,
         where every key group holds the same number of tokens."""
         per_group = self.full_groups()
+        kivi_decode = dispatch.kernels("kivi_decode")
         if per_group is None or kivi_decode is None:
             return None
         return kivi_decode.partials(

@@ -13,9 +13,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvbench.cache import attention as att
 from kvbench.cache.reads import SETTLE_EVERY, ReadCount, count_reads, resolve_all
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
+from kvbench.kernels import dispatch
 from kvbench.roles import Flags, Router
 
 
@@ -81,20 +83,6 @@ def block_means(keys: torch.Tensor, eid: torch.Tensor, member: torch.Tensor, exp
     """Mean key of each expert's members ``(B, H, E, D)`` fp32 (zero for an empty expert)."""
     onehot = expert_onehot(eid, member, experts)
     return expert_sums(onehot, keys) / onehot.sum(2).clamp(min=1)[..., None]
-
-
-def group_scores(query: torch.Tensor, centroid: torch.Tensor) -> torch.Tensor:
-    """q · centroid per KV head, summed over the query heads of its group.
-
-    Args:
-        query: ``(B, Hq, q, D)``; centroid: ``(B, H, E, D)``.
-
-    Returns:
-        ``(B, H, q, E)`` fp32.
-    """
-    b, h, _, d = centroid.shape
-    summed = query.float().view(b, h, -1, query.shape[2], d).sum(2)  # Σ_g q_g · c = (Σ_g q_g) · c
-    return summed @ centroid.float().transpose(-1, -2)
 
 
 def top_k_choice(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -248,7 +236,9 @@ class ExpertRouter(Router):
         eid = self.route_experts(layer, store, qpos)
         count, centroid = self.summarize(layer, store, eid)
         empty = (count == 0)[:, :, None, :]
-        score = group_scores(query, centroid).masked_fill(empty, float("-inf"))
+        kernel = dispatch.kernels("scoring")
+        score = (kernel.group_scores if kernel else att.group_scores)(query, centroid)
+        score = score.masked_fill(empty, float("-inf"))
         chosen = self.choose(layer, store, score, count, qpos) & ~empty
         routing = Routing(eid=eid, count=count, chosen=chosen)
         self._account(layer, store, routing, qpos)

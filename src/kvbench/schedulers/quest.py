@@ -33,11 +33,13 @@ from typing import Any
 
 import torch
 
+from kvbench.cache import attention as att
 from kvbench.cache import ragged
 from kvbench.cache.reads import SETTLE_EVERY, ReadCount, count_reads, resolve_all
 from kvbench.cache.side import SideData
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
+from kvbench.kernels import dispatch
 from kvbench.roles import Flags, Scheduler
 
 
@@ -47,28 +49,6 @@ class PageBounds(SideData):
 
     kmin: torch.Tensor
     kmax: torch.Tensor
-
-
-def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Quest's upper bound of ``q·k`` over each page, per query head.
-
-    ``Σ_i max(q_i·min_i, q_i·max_i) = q⁺·max + q⁻·min`` (``q⁺``, ``q⁻`` the positive and negative
-    parts), two matmuls instead of a ``(q, pages, D)`` product.
-
-    Args:
-        query: ``(B, Hq, q, D)``.
-        kmin, kmax: ``(B, H, P, D)`` per-channel key minimum and maximum of each page.
-
-    Returns:
-        ``(B, H, g, q, P)`` fp32, ``g = Hq / H`` query heads per KV head.
-    """
-    b, hq, q, d = query.shape
-    h = kmin.shape[1]
-    grouped = query.float().view(b, h, hq // h, q, d)
-    pos, neg = grouped.clamp(min=0), grouped.clamp(max=0)
-    return torch.einsum("bhgqd,bhpd->bhgqp", pos, kmax.float()) + torch.einsum(
-        "bhgqd,bhpd->bhgqp", neg, kmin.float()
-    )
 
 
 @dataclass
@@ -194,7 +174,8 @@ class QuestScheduler(Scheduler):
         else:
             kmin = ragged.to_padded(bounds.kmin, lay.n_full.flatten())[0].view(b, h, width, d)
             kmax = ragged.to_padded(bounds.kmax, lay.n_full.flatten())[0].view(b, h, width, d)
-        bound = page_bounds(query, kmin, kmax).amax(2)  # (B, H, q, P): max over the query group
+        kernel = dispatch.kernels("scoring")  # the bound's maximum over the query group:
+        bound = (kernel.group_bounds if kernel else att.group_bounds)(query, kmin, kmax)  # (B, H, q, P)
         take = self.take_pages(bound, lay.cost, lay.extra)
         tok = torch.gather(take, -1, lay.index.expand(b, h, q, t))
         mask = (tok & lay.pageable[:, :, None, :]) | lay.always[:, :, None, :]
