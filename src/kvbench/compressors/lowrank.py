@@ -167,7 +167,7 @@ class LatentSegment(RowCounts, Segment):
             return as_float(self.klat), as_float(self.vlat)
         assert self.kzero is not None and self.kstep is not None
         assert self.vzero is not None and self.vstep is not None
-        kc, vc = quant.unpack(self.klat, self.bits), quant.unpack(self.vlat, self.bits)
+        kc, vc = quant.unpack_codes(self.klat, self.bits), quant.unpack_codes(self.vlat, self.bits)
         return (
             quant.dequantize(kc, self.kzero, self.kstep, torch.float32),
             quant.dequantize(vc, self.vzero, self.vstep, torch.float32),
