@@ -327,14 +327,11 @@ def _attend_decoded(
     see :func:`att.attend`, :func:`att.attend_blocks`). A store holding representations is read in
     blocks of head-rows (:func:`head_blocks`), each decoded (:meth:`LayerStore.decoded`), attended
     and dropped: the layer's keys and values never exist decoded whole, unless a technique reads
-    them (``view().k``).
-
-    On the Triton path (docs/kernels.md), a step that reads every token (``reads_all``) of a layer
-    that is not one dense segment is attended segment by segment by their kernels
+    them (``view().k``). On the Triton path (docs/kernels.md) a step reading every token
+    (``reads_all``) of a layer that is not one dense segment is attended segment by segment
     (:meth:`Segment.attend_partials`), merged by log-sum-exp; other masked steps of at most
-    :data:`KERNEL_QUERIES` queries run the decode kernel, which computes a mask from positions alone
-    (``mask_fn``) from ``positions`` (:class:`att.Positions`) and the valid slots instead of
-    reading one."""
+    :data:`KERNEL_QUERIES` queries run the decode kernel, which takes ``positions``
+    (:class:`att.Positions`) and the valid slots where ``mask_fn`` would build a mask from them."""
     view = store.view()
     one_dense = len(store.segments) == 1 and view.dense
     kernel = dispatch.kernels("attention")
