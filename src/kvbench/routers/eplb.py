@@ -54,6 +54,10 @@ class Placement(SideData):
     # layer stores and counts): loads per expert and device, each slot's expert and device, the
     # devices without replication
     host: dict[str, list] = field(default_factory=dict, repr=False)
+    # not counted (the layer's bytes are the replicas and the plan above): the buffers the
+    # replicas are views of, with rows past them to grow into ("k", "v"), and the plan's copies of
+    # each expert ("copies")
+    room: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
 def replicate(load: list[float], devices: int, replicas: int) -> list[int]:
@@ -155,6 +159,20 @@ def serve(
     return out
 
 
+def _appended(buf: torch.Tensor | None, kept: int, new: torch.Tensor) -> torch.Tensor:
+    """``buf``'s first ``kept`` rows followed by ``new``, in ``buf`` while it has room, else in a
+    buffer a quarter larger than needed: appending a step's replicas costs their rows, not a copy
+    of every replica so far."""
+    need = kept + new.shape[0]
+    if buf is None or buf.shape[0] < need:
+        grown = new.new_empty(need + max(64, need // 4), *new.shape[1:])
+        if kept:
+            grown[:kept] = buf[:kept]  # type: ignore[index]
+        buf = grown
+    buf[kept:need] = new
+    return buf
+
+
 def imbalance(per_device: torch.Tensor) -> float | None:
     mean = float(per_device.mean())
     return float(per_device.max()) / mean if mean else None
@@ -191,7 +209,9 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         held, new = self.assign_new(store)
         side = self.plan(store)
         assert side.slot_expert is not None
-        reps = torch.bincount(side.slot_expert, minlength=self.num_experts)
+        reps = side.room.get("copies")  # copies of each expert in the plan
+        if reps is None or reps.device != side.slot_expert.device:
+            reps = side.room["copies"] = torch.bincount(side.slot_expert, minlength=self.num_experts)
         view = store.view()
         # The same plan over the same stored tokens (appends aside): the replicas so far stay and
         # the tokens assigned now add theirs (replicas are counted, not read: order is free).
@@ -203,11 +223,19 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         flat = torch.repeat_interleave(extra.flatten())  # the one read: how many copies
         _, h, t = extra.shape
         at = (flat // (h * t), flat // t % h, flat % t)
-        k, v = view.k[at], view.v[at]
-        if grow:
-            assert side.replica_k is not None and side.replica_v is not None
-            k, v = torch.cat([side.replica_k, k]), torch.cat([side.replica_v, v])
-        side.replica_k, side.replica_v, side.replica_key = k, v, key
+        for name, new in (("k", view.k[at]), ("v", view.v[at])):
+            have: torch.Tensor | None = getattr(side, f"replica_{name}") if grow else None
+            buf = side.room.get(name)
+            if (
+                have is None
+                or buf is None
+                or buf.untyped_storage().data_ptr() != have.untyped_storage().data_ptr()
+            ):
+                buf, have = None, None  # not a view of its buffer (moved, or first made): start over
+            kept = 0 if have is None else have.shape[0]
+            side.room[name] = buf = _appended(buf, kept, new)
+            setattr(side, f"replica_{name}", buf[: kept + new.shape[0]])
+        side.replica_key = key
 
     def plan(self, store: LayerStore) -> Placement:
         """Refresh the placement from the loads so far (created empty on first use), on the host."""
@@ -220,12 +248,21 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
             side.host = {"load": [0.0] * self.num_experts, "device_load": [0.0] * self.num_devices}
             store.set_side(side)
         host = side.host
-        host["slot_expert"], host["slot_device"] = plan_slots(host["load"], self.num_devices, self.replicas)
-        host["base_device"] = plan_slots(host["load"], self.num_devices, 0)[1]
+        slot_expert, slot_device = plan_slots(host["load"], self.num_devices, self.replicas)
+        base_device = plan_slots(host["load"], self.num_devices, 0)[1]
+        if side.slot_expert is not None and (slot_expert, slot_device, base_device) == (
+            host["slot_expert"],
+            host["slot_device"],
+            host["base_device"],
+        ):
+            return side  # the same plan: its tensors stand
+        host["slot_expert"], host["slot_device"], host["base_device"] = slot_expert, slot_device, base_device
         side.slot_expert, side.slot_device, side.base_device = (
             torch.tensor(host[name], dtype=torch.long, device=store.device)
             for name in ("slot_expert", "slot_device", "base_device")
         )
+        copies = [slot_expert.count(e) for e in range(self.num_experts)]
+        side.room["copies"] = torch.tensor(copies, dtype=torch.long, device=store.device)
         return side
 
     def choose(
