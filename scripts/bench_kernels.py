@@ -26,6 +26,7 @@ On a CPU there are no Triton figures: the script times the torch paths at the sm
 says that GPU figures need a GPU.
 
     python scripts/bench_kernels.py [--contexts 4096,32768,131072] [--batches 1,8]
+    TRITON_INTERPRET=1 python scripts/bench_kernels.py --check --contexts 128 --batches 1
 """
 
 from __future__ import annotations
@@ -40,21 +41,22 @@ import torch.nn.functional as F
 from kvbench.cache import attention as att
 from kvbench.cache import quant
 from kvbench.compressors.quantized import quantize_tokens
-from kvbench.kernels import kivi_decode
+from kvbench.kernels import dispatch, kivi_decode
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+REPEATS = 5  # timed calls per figure on a CPU (--check: 1)
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM, data sheets (SXM)
 
 
 def bench(fn, cuda: bool) -> float:
-    """Median milliseconds of ``fn``."""
+    """Median milliseconds of ``fn`` (on a CPU, of ``REPEATS`` calls after one warm-up)."""
     if cuda:
         import triton.testing
 
         return float(triton.testing.do_bench(fn, return_mode="median"))
     fn()
     times = []
-    for _ in range(5):
+    for _ in range(REPEATS):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -83,11 +85,14 @@ def row(label: str, ms: dict[str, float], moved: int | None, peak: float | None)
     return f"{label:38s} " + ", ".join(cells)
 
 
-def case(batch: int, t: int, device: torch.device, gen: torch.Generator, peak: float | None) -> None:
-    """The kernels at one batch size and context, each beside its torch path."""
+def case(
+    batch: int, t: int, device: torch.device, gen: torch.Generator, peak: float | None, check: bool = False
+) -> None:
+    """The kernels at one batch size and context, each beside its torch path (``check``: the Triton
+    rows under the interpreter, once each, to check the script)."""
     cuda = device.type == "cuda"
     kernels = None
-    if cuda:
+    if cuda or check:
         from kvbench.kernels import attention, kivi, scoring
 
         kernels = (kivi, attention, scoring)
@@ -171,7 +176,16 @@ def main() -> int:
         "--contexts", default=None, help="stored tokens (default 4096,32768,131072; CPU 1024,4096)"
     )
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="on a CPU, run the Triton rows under TRITON_INTERPRET=1 to check this script (times mean nothing)",
+    )
     args = ap.parse_args()
+    if args.check and not dispatch.interpreted():
+        ap.error("--check needs TRITON_INTERPRET=1 in the environment")
+    global REPEATS
+    REPEATS = 1 if args.check else REPEATS
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     contexts = [int(c) for c in (args.contexts or ("4096,32768,131072" if cuda else "1024,4096")).split(",")]
@@ -179,12 +193,14 @@ def main() -> int:
     if cuda:
         peak, where = peak_gbps(device)
         print(f"bench_kernels: {where}")
+    elif args.check:
+        print("bench_kernels: --check: Triton under its interpreter on the CPU; the times mean nothing")
     else:
         print("bench_kernels: no CUDA here: the torch paths alone (Triton figures need a GPU)")
     gen = torch.Generator(device=device).manual_seed(0)
     for batch in (int(b) for b in args.batches.split(",")):
         for t in contexts:
-            case(batch, t, device, gen, peak)
+            case(batch, t, device, gen, peak, check=args.check and not cuda)
     return 0
 
 

@@ -5,6 +5,10 @@ setting: refused in one line when it cannot run, part of a cell's identity, said
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -431,3 +435,23 @@ def test_block_scores_equal_their_references(device, batch, q_heads, kv_heads, q
             "bhgqd,bhptd->bhgqpt", q.float().view(batch, kv_heads, -1, queries, head_dim), keys.float()
         )
         assert (bound[:, :, None, :, :] >= qk.amax(-1) - 1e-4).all()
+
+
+def test_bench_kernels_runs_every_row_on_both_paths():
+    """``scripts/bench_kernels.py --check`` runs each row's Triton kernels (under the interpreter)
+    beside their torch paths, so the benchmark a GPU node runs has been run through once; without
+    the interpreter, ``--check`` is refused in one line."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_kernels.py"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    args = [sys.executable, str(script), "--check", "--contexts", "128", "--batches", "1"]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
+    rows = [line for line in out.splitlines() if "batch 1, 128 tokens" in line]
+    names = [line.split()[0] for line in rows]
+    assert names == [
+        "kivi.quantize", "kivi.dequantize", "decode.masked", "decode.sparse1/8", "decode.window",
+        "score.quest", "decode.kivi2bit",
+    ]  # fmt: skip
+    assert all("torch " in line and "triton " in line for line in rows)
+    env["TRITON_INTERPRET"] = "0"
+    refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "--check needs TRITON_INTERPRET=1" in refused.stderr
