@@ -179,7 +179,7 @@ def main() -> int:
     ap.add_argument(
         "--check",
         action="store_true",
-        help="on a CPU, run the Triton rows under TRITON_INTERPRET=1 to check this script (times mean nothing)",
+        help="on a CPU: the Triton rows under TRITON_INTERPRET=1, to check this script (times mean nothing)",
     )
     args = ap.parse_args()
     if args.check and not dispatch.interpreted():
