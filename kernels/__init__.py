@@ -8,6 +8,7 @@ path), so the techniques do not change. Today: KIVI's quantize-and-pack and unpa
 (:mod:`kvbench.kernels.kivi`), decode attention over ragged heads, by positions, lengths or a
 mask (:mod:`kvbench.kernels.attention`), block scoring for the read selectors
 (:mod:`kvbench.kernels.scoring`), fused decode attention over KIVI's codes
-(:mod:`kvbench.kernels.kivi_decode`) and compaction after an eviction
+(:mod:`kvbench.kernels.kivi_decode`) and over low-rank latents (:mod:`kvbench.kernels.latent_decode`),
+and compaction after an eviction
 (:mod:`kvbench.kernels.compaction`); docs/kernels.md.
 """

@@ -19,6 +19,9 @@ here, said so).
   mask built from the positions) and dense SDPA over every token.
 - ``score.quest``: Quest's page bounds for one decode step (pages of 16 tokens, the query group's
   maximum), against the torch path (two matmuls).
+- ``decode.latent``: one decode step over low-rank latents (``lora``: rank 32 keys and values on
+  per-head bases), keys rebuilt and rotated in registers and values kept latent, against the torch
+  path (rebuild every key and value, then SDPA) and bf16 SDPA over the full cache.
 - ``decode.kivi2bit``: one decode step over a 2-bit KIVI cache, codes dequantized in registers,
   against the torch path (dequantize, then SDPA) and bf16 SDPA over the full cache.
 
@@ -40,8 +43,9 @@ import torch.nn.functional as F
 
 from kvbench.cache import attention as att
 from kvbench.cache import quant
+from kvbench.cache.rotary import Rotary
 from kvbench.compressors.quantized import quantize_tokens
-from kvbench.kernels import dispatch, kivi_decode
+from kvbench.kernels import dispatch, kivi_decode, latent_decode
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 REPEATS = 5  # timed calls per figure on a CPU (--check: 1)
@@ -168,6 +172,23 @@ def case(
         ms["triton"] = bench(fused, cuda)
     moved = sum(x.numel() * x.element_size() for x in packed)  # the codes and their parameters
     print(row(f"decode.kivi2bit    {label}", ms, moved, peak))
+    # low-rank latents at rank 32 (lora): every token's key and value latent, bases per KV head
+    rotary = Rotary(1.0 / (500000 ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM)))
+    klat, vlat = (k[:, :32].contiguous() for _ in range(2))
+    bases = [
+        torch.randn(KV_HEADS, HEAD_DIM, 32, generator=gen, device=device).to(torch.bfloat16) for _ in range(2)
+    ]
+    positions = torch.arange(t, device=device).repeat(batch * KV_HEADS)
+    latent = (klat, vlat, positions, *bases, rotary, lens)
+    ms = {"torch": bench(lambda: latent_decode.attend_reference(q, *latent, scale), cuda), "sdpa": sdpa}
+    if kernels:
+
+        def fused_latent() -> None:
+            kernels[1].merge([latent_decode.partials(q, *latent, t, scale)], q, KV_HEADS)
+
+        ms["triton"] = bench(fused_latent, cuda)
+    moved = 2 * klat.numel() * 2 + positions.numel() * 8  # the latents (bf16) and positions
+    print(row(f"decode.latent      {label}", ms, moved, peak))
 
 
 def main() -> int:

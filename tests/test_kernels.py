@@ -17,13 +17,15 @@ from conftest import tiny_cfg
 from helpers import make_stack, run_chunks, tokens
 from kvbench import models, run
 from kvbench.cache import attention as att
+from kvbench.cache.rotary import Rotary
 from kvbench.compressors.distillation import DistillationCompressor
+from kvbench.compressors.lora import LoraCompressor
 from kvbench.compressors.pikv import PiKVCompressor
 from kvbench.compressors.pyramid import PyramidCompressor
 from kvbench.compressors.quantized import QuantizedCompressor, quantize_tokens
 from kvbench.kernels import attention as ka
 from kvbench.kernels import compaction as kc
-from kvbench.kernels import dispatch, kivi, kivi_decode
+from kvbench.kernels import dispatch, kivi, kivi_decode, latent_decode
 from kvbench.kernels import scoring as ks
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
@@ -449,9 +451,68 @@ def test_bench_kernels_runs_every_row_on_both_paths():
     names = [line.split()[0] for line in rows]
     assert names == [
         "kivi.quantize", "kivi.dequantize", "decode.masked", "decode.sparse1/8", "decode.window",
-        "score.quest", "decode.kivi2bit",
+        "score.quest", "decode.kivi2bit", "decode.latent",
     ]  # fmt: skip
     assert all("torch " in line and "triton " in line for line in rows)
     env["TRITON_INTERPRET"] = "0"
     refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "--check needs TRITON_INTERPRET=1" in refused.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "batch, q_heads, kv_heads, tokens_per_row, head_dim, ranks, rotated",
+    [
+        (1, 9, 3, 77, 64, (16, 24), 64),  # GQA 9/3, ranks off the powers of two
+        (2, 32, 8, 130, 128, (32, 32), 128),  # Llama-3.1-8B's heads, a batch
+        (1, 4, 2, 50, 80, (8, 16), 32),  # head_dim 80, partial rotary: the rest passes through
+        (1, 4, 2, 2100, 64, (16, 16), 64),  # several splits, merged by their log-sum-exp
+    ],
+)
+def test_latent_decode_equals_rebuild_then_attention(
+    device, batch, q_heads, kv_heads, tokens_per_row, head_dim, ranks, rotated
+):
+    """The fused latent decode (keys rebuilt and rotated in registers, values kept latent until
+    one product with their basis) gives what rebuilding every key and value and SDPA give, with
+    RoPE's attention scaling, in float32, bfloat16 and float16."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(tokens_per_row)
+    rk, rv = ranks
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, rotated, 2).float() / rotated)), 1.25)
+    n = batch * kv_heads * tokens_per_row
+    lens = torch.full((batch * kv_heads,), tokens_per_row)
+    pos = torch.randperm(3 * tokens_per_row, generator=gen)[:tokens_per_row].repeat(batch * kv_heads)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)):
+        q = torch.randn(batch, q_heads, 1, head_dim, generator=gen).to(dtype)
+        klat, vlat = (torch.randn(n, r, generator=gen).to(dtype) for r in ranks)
+        kbasis = (torch.randn(kv_heads, head_dim, rk, generator=gen) / rk**0.5).to(dtype)
+        vbasis = (torch.randn(kv_heads, head_dim, rv, generator=gen) / rv**0.5).to(dtype)
+        args = (klat, vlat, pos, kbasis, vbasis, rotary, lens)
+        want = latent_decode.attend_reference(q, *args, head_dim**-0.5)
+        on = [x.to(device) if isinstance(x, torch.Tensor) else x for x in args]
+        parts = latent_decode.partials(q.to(device), *on, tokens_per_row, head_dim**-0.5)
+        got = ka.merge([parts], q.to(device), kv_heads)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_lora_decodes_through_the_latent_kernel(tiny, monkeypatch):
+    """A tiny model's logits under ``compressor=lora`` agree on both paths, every decode step on
+    the Triton path reading the latents through the fused kernel; stored bytes are equal."""
+    ids = tokens(60)
+    fused = []
+    kernel = latent_decode.partials
+    monkeypatch.setattr(latent_decode, "partials", lambda *a: fused.append(1) or kernel(*a))
+
+    def logits(path: str):
+        with dispatch.using(path):
+            lora = LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256)
+            out, cache = run_chunks(
+                tiny, make_stack(tiny, compressor=lora, window=8, sinks=2), ids, [40] + [1] * 20
+            )
+        return out, cache.nbytes()
+
+    (torch_logits, torch_bytes), (triton_logits, triton_bytes) = logits("torch"), logits("triton")
+    assert triton_bytes == torch_bytes
+    torch.testing.assert_close(triton_logits, torch_logits, atol=1e-4, rtol=1e-4)
+    assert len(fused) >= 20 * tiny.model.config.num_hidden_layers  # every layer, every decode step

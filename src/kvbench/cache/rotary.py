@@ -8,7 +8,7 @@ GPT-NeoX with partial rotary) is supported; other models are refused by name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -24,7 +24,6 @@ class Rotary:
 
     inv_freq: torch.Tensor
     scaling: float = 1.0
-    _tables: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def rot_dim(self) -> int:
@@ -42,33 +41,12 @@ class Rotary:
 
     def _cos_sin(self, pos: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``(..., rot_dim / 2)`` at ``pos``, times the attention scaling: both halves of
-        the rotated channels turn by the same angles, so each is computed once.
-
-        On the CPU they are read from a table that covers every position seen so far (grown to the
-        next power of two), so a decode step that rotates every stored key looks its angles up
-        instead of computing them again: ``rot_dim * 4`` bytes a position (16 MiB at 32k positions
-        and head_dim 128), one table for all layers. On a GPU they are computed (cheap there; the
-        table's size would need the largest position on the host: a sync per call)."""
-        pos = pos.to(device)
-        if device.type != "cpu":
-            return self._angles(pos.float(), device)
-        cos, sin = self._table(int(pos.max()) + 1 if pos.numel() else 0, device)
-        flat = pos.reshape(-1)
-        return cos.index_select(0, flat).view(*pos.shape, -1), sin.index_select(0, flat).view(*pos.shape, -1)
-
-    def _angles(self, pos: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = pos[..., None] * self.inv_freq.to(device)
+        the rotated channels turn by the same angles, so each is computed once."""
+        freqs = pos.to(device).float()[..., None] * self.inv_freq.to(device)
         cos, sin = freqs.cos(), freqs.sin()
         if self.scaling != 1.0:  # multiplying by 1 changes no value: save two operations
             cos, sin = cos * self.scaling, sin * self.scaling
         return cos, sin
-
-    def _table(self, positions: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        table = self._tables.get(device)
-        if table is None or table[0].shape[0] < positions:
-            size = max(1024, 1 << max(0, positions - 1).bit_length())
-            table = self._tables[device] = self._angles(torch.arange(size, device=device).float(), device)
-        return table
 
     def rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Apply RoPE. ``x`` ``(..., D)``; ``pos`` broadcastable to ``x.shape[:-1]``."""

@@ -23,6 +23,7 @@ from kvbench.cache.side import SideData
 from kvbench.cache.store import LayerStore
 from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
+from kvbench.kernels import dispatch
 from kvbench.roles import BindContext, Budget
 from kvbench.select import leaving_window
 
@@ -185,6 +186,18 @@ class LatentSegment(RowCounts, Segment):
             part.kbasis = self.kbasis[first : first + hi - lo]
             part.vbasis = self.vbasis[first : first + hi - lo]
         return part
+
+    def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
+        """The fused kernel (:mod:`kvbench.kernels.latent_decode`): keys rebuilt and rotated in
+        registers, values kept latent; latents stored unquantized and bases shared by the batch's
+        sequences (not a part of one sequence's heads)."""
+        kernel = dispatch.kernels("latent_decode")
+        if kernel is None or self.bits is not None or self.kbasis.shape[0] * batch != self.lens.numel():
+            return None
+        return kernel.partials(
+            query, self.klat, self.vlat, self.pos, self.kbasis, self.vbasis, self.rotary, self.lens,
+            self.rows.width, scaling,
+        )  # fmt: skip
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         kl, vl = self.latents()

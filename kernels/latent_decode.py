@@ -1,0 +1,183 @@
+"""Fused decode attention over low-rank latents (``lora``, Palu's data-aware bases): one query step
+reads each token's key and value latents and rebuilds nothing in memory, beside its torch
+reference (rebuild every key and value, then attention).
+
+Keys are stored as pre-RoPE latents on a per-KV-head basis, ``K = rotate(klat · Bkᵀ)``; values as
+``V = vlat · Bvᵀ``. A program takes the query heads of one KV head for one split of its head-row's
+tokens: a block of key latents times the basis gives the block's pre-RoPE keys in registers, one
+half of the rotated channels at a time, turned by cos and sin of each token's position (computed
+in the kernel), then scores. Values are never rebuilt: the output is linear in them, so the split
+accumulates ``p · vlat`` (rank ``rv`` instead of ``head_dim``) and multiplies by ``Bvᵀ`` once at
+the end. The split's softmax state (:class:`kvbench.kernels.attention.Partials`) merges with the
+full-precision window's by log-sum-exp (:func:`kvbench.kernels.attention.merge`). It serves steps
+that read every stored token (no read selector, window or padding); quantized latents
+(``lora_plus_plus``) take the decoded path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvbench.cache import attention as att
+from kvbench.cache.rotary import Rotary
+from kvbench.kernels.attention import (
+    BLOCK_T,
+    Partials,
+    blocks,
+    empty_partials,
+    online_softmax,
+    split_slots,
+    store_partials,
+)
+
+
+@triton.jit
+def _rope_keys(lat, basis, h, half, at, c, s, sb_h, sb_d, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, R):
+    """The two rotated halves of a block's keys: ``lat`` ``(BLOCK_T, BLOCK_R)`` times the basis rows
+    ``at .. at + half`` and ``at + half .. at + 2 half``, turned by ``c``, ``s`` ``(BLOCK_T,
+    BLOCK_H)``."""
+    j = tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    tile = (j[:, None] < half) & (r[None, :] < R)
+    b1 = tl.load(basis + h * sb_h + (at + j[:, None]) * sb_d + r[None, :], mask=tile, other=0.0)
+    b2 = tl.load(basis + h * sb_h + (at + half + j[:, None]) * sb_d + r[None, :], mask=tile, other=0.0)
+    x1 = tl.dot(lat, tl.trans(b1.to(tl.float32)), out_dtype=tl.float32, input_precision="ieee")
+    x2 = tl.dot(lat, tl.trans(b2.to(tl.float32)), out_dtype=tl.float32, input_precision="ieee")
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _latent_decode_kernel(
+    q, klat, vlat, pos, kbasis, vbasis, inv_freq, lens, starts, m_out, l_out, acc_out,
+    H, G, D, HALF, RK, RV, slots_per_split, scaling, rope_scaling,
+    sq_b, sq_h, skb_h, skb_d, svb_h, svb_d,
+    HAS_PASS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_RK: tl.constexpr, BLOCK_RV: tl.constexpr,
+):  # fmt: skip
+    bh = tl.program_id(0)  # the head-row: b * H + h (one query position)
+    split = tl.program_id(1)
+    h = bh % H
+    b = bh // H
+    g = tl.arange(0, BLOCK_G)
+    j = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    rk = tl.arange(0, BLOCK_RK)
+    rv = tl.arange(0, BLOCK_RV)
+    g_ok = g < G  # BLOCK_G: the query group rounded up (at least 16, for tl.dot)
+    j_ok = j < HALF  # BLOCK_H: half the rotated channels, rounded up
+    rot = 2 * HALF
+    q_at = q + b * sq_b + (h * G + g[:, None]) * sq_h
+    q1 = tl.load(q_at + j[None, :], mask=g_ok[:, None] & j_ok[None, :], other=0.0).to(tl.float32)
+    q2 = tl.load(q_at + HALF + j[None, :], mask=g_ok[:, None] & j_ok[None, :], other=0.0).to(tl.float32)
+    # the channels past the rotated ones (partial rotary) pass through: zero where there are none
+    rest = (d >= rot) & (d < D)
+    q3 = tl.load(q_at + d[None, :], mask=g_ok[:, None] & rest[None, :], other=0.0).to(tl.float32)
+    freq = tl.load(inv_freq + j, mask=j_ok, other=0.0)
+    first = tl.load(starts + bh)  # the head-row's first flat token
+    stop = tl.minimum((split + 1) * slots_per_split, tl.load(lens + bh))
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_RV), dtype=tl.float32)  # Σ p · vlat: values stay latent
+    for t0 in range(split * slots_per_split, stop, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        t_ok = t < stop  # past the split or the head-row's tokens: not read
+        at = first + t
+        kl = tl.load(
+            klat + at[:, None] * RK + rk[None, :], mask=t_ok[:, None] & (rk[None, :] < RK), other=0.0
+        )
+        angle = tl.load(pos + at, mask=t_ok, other=0).to(tl.float32)[:, None] * freq[None, :]
+        c = tl.cos(angle) * rope_scaling
+        s = tl.sin(angle) * rope_scaling
+        k1, k2 = _rope_keys(kl.to(tl.float32), kbasis, h, HALF, 0, c, s, skb_h, skb_d, BLOCK_RK, BLOCK_H, RK)
+        sc = tl.dot(q1, tl.trans(k1), out_dtype=tl.float32, input_precision="ieee")
+        sc += tl.dot(q2, tl.trans(k2), out_dtype=tl.float32, input_precision="ieee")
+        if HAS_PASS:
+            bk = tl.load(
+                kbasis + h * skb_h + d[:, None] * skb_d + rk[None, :],
+                mask=rest[:, None] & (rk[None, :] < RK),
+                other=0.0,
+            ).to(tl.float32)
+            k3 = tl.dot(kl.to(tl.float32), tl.trans(bk), out_dtype=tl.float32, input_precision="ieee")
+            sc += tl.dot(q3, tl.trans(k3), out_dtype=tl.float32, input_precision="ieee")
+        sc = tl.where(t_ok[None, :], sc * scaling, float("-inf"))
+        vl = tl.load(
+            vlat + at[:, None] * RV + rv[None, :], mask=t_ok[:, None] & (rv[None, :] < RV), other=0.0
+        )
+        m_i, l_i, acc = online_softmax(m_i, l_i, acc, sc, vl.to(tl.float32))
+    # the values' basis once: (BLOCK_G, rv) · Bvᵀ -> (BLOCK_G, BLOCK_D)
+    bv = tl.load(
+        vbasis + h * svb_h + d[:, None] * svb_d + rv[None, :],
+        mask=(d[:, None] < D) & (rv[None, :] < RV),
+        other=0.0,
+    ).to(tl.float32)
+    out = tl.dot(acc, tl.trans(bv), out_dtype=tl.float32, input_precision="ieee")
+    store_partials(m_out, l_out, acc_out, bh, split, m_i, l_i, out, BLOCK_G, BLOCK_D)
+
+
+def partials(
+    query: torch.Tensor,
+    klat: torch.Tensor,
+    vlat: torch.Tensor,
+    pos: torch.Tensor,
+    kbasis: torch.Tensor,
+    vbasis: torch.Tensor,
+    rotary: Rotary,
+    lens: torch.Tensor,
+    width: int,
+    scaling: float,
+) -> Partials:
+    """The softmax state of one decode step (query ``(B, Hq, 1, D)``) over a latent segment: flat
+    head-major latents ``klat`` ``(N, rk)`` and ``vlat`` ``(N, rv)`` at original positions ``pos``
+    ``(N,)``, ``lens`` ``(B * H,)`` tokens per head-row (at most ``width``, known on the host),
+    bases ``(H, D, r)`` shared by the batch's sequences."""
+    b, _, nq, d = query.shape
+    assert nq == 1, "latent decode: one query step"
+    h = lens.numel() // b
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    klat, vlat, pos = (x.contiguous() for x in (klat, vlat, pos))
+    splits, per_split = split_slots(max(width, 1))
+    out = empty_partials(query, h, splits)
+    block_g, block_d = blocks(query, h)
+    half = rotary.rot_dim // 2
+    starts = (torch.cumsum(lens, 0) - lens).to(torch.int32)
+    inv_freq = rotary.inv_freq.to(device=query.device, dtype=torch.float32)
+    rk, rv = klat.shape[1], vlat.shape[1]
+    if out.m.shape[0] and width:
+        _latent_decode_kernel[(out.m.shape[0], splits)](
+            query, klat, vlat, pos, kbasis, vbasis, inv_freq, lens.to(torch.int32), starts,
+            out.m, out.l, out.acc, h, query.shape[1] // h, d, half, rk, rv, per_split, scaling,
+            rotary.scaling, query.stride(0), query.stride(1), kbasis.stride(0), kbasis.stride(1),
+            vbasis.stride(0), vbasis.stride(1),
+            HAS_PASS=2 * half < d, BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d,
+            BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_RK=max(16, triton.next_power_of_2(rk)),
+            BLOCK_RV=max(16, triton.next_power_of_2(rv)),
+        )  # fmt: skip
+    return out
+
+
+def attend_reference(
+    query: torch.Tensor,
+    klat: torch.Tensor,
+    vlat: torch.Tensor,
+    pos: torch.Tensor,
+    kbasis: torch.Tensor,
+    vbasis: torch.Tensor,
+    rotary: Rotary,
+    lens: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """The torch path for one decode step over a latent segment whose head-rows hold the same
+    number of tokens: rebuild every key (``rotate(klat · Bkᵀ)``) and value (``vlat · Bvᵀ``), then
+    attention (SDPA). ``(B, Hq, 1, D)``."""
+    b, _, _, d = query.shape
+    bh = lens.numel()
+    h = bh // b
+    per_row = klat.shape[0] // bh
+    kl = klat.float().view(b, h, per_row, -1)
+    vl = vlat.float().view(b, h, per_row, -1)
+    k = torch.einsum("bhtr,hdr->bhtd", kl, kbasis.float())
+    v = torch.einsum("bhtr,hdr->bhtd", vl, vbasis.float())
+    k = rotary.rotate(k, pos.view(b, h, per_row))
+    return att.attend(query, k.to(query.dtype), v.to(query.dtype), None, scaling)
