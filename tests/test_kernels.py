@@ -95,23 +95,25 @@ def test_kivi_key_groups_left_ragged_by_an_eviction(device):
 
 
 @pytest.mark.parametrize(
-    "compressor",
+    "compressor, fused_kernel",
     [
-        lambda: QuantizedCompressor(bits=2, group_size=8),
-        lambda: PyramidCompressor(bits_max=8, bits_min=3, group_size=8),
-        lambda: PiKVCompressor(group_size=8),
+        (lambda: QuantizedCompressor(bits=2, group_size=8), kivi_decode),
+        (lambda: PyramidCompressor(bits_max=8, bits_min=3, group_size=8), kivi_decode),
+        (lambda: PiKVCompressor(group_size=8), kivi_decode),
+        (lambda: LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256), latent_decode),
     ],
-    ids=["quantized-2bit", "pyramid-8-3bit", "pikv"],
+    ids=["quantized-2bit", "pyramid-8-3bit", "pikv", "lora"],
 )
-def test_the_engine_gives_the_same_logits_on_either_path(tiny, compressor, monkeypatch):
+def test_the_engine_gives_the_same_logits_on_either_path(tiny, compressor, fused_kernel, monkeypatch):
     """A tiny model's stored bytes over a prefill and decode steps are the same with
     ``kernels=triton`` (interpreted here) as with ``kernels=torch`` (the packing kernels write the
     torch path's bytes), and its logits agree within float tolerance: each decode step reads the
-    packed codes through the fused kernel, which sums in another order than SDPA."""
+    packed codes (KIVI) or the latents (LoRA) through a fused kernel, which sums in another order
+    than SDPA."""
     ids = tokens(60)
     fused = []
-    kernel = kivi_decode.partials
-    monkeypatch.setattr(kivi_decode, "partials", lambda *a: fused.append(1) or kernel(*a))
+    kernel = fused_kernel.partials
+    monkeypatch.setattr(fused_kernel, "partials", lambda *a: fused.append(1) or kernel(*a))
 
     def logits(path: str):
         with dispatch.using(path):
@@ -494,25 +496,3 @@ def test_latent_decode_equals_rebuild_then_attention(
         got = ka.merge([parts], q.to(device), kv_heads)
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
-
-
-def test_lora_decodes_through_the_latent_kernel(tiny, monkeypatch):
-    """A tiny model's logits under ``compressor=lora`` agree on both paths, every decode step on
-    the Triton path reading the latents through the fused kernel; stored bytes are equal."""
-    ids = tokens(60)
-    fused = []
-    kernel = latent_decode.partials
-    monkeypatch.setattr(latent_decode, "partials", lambda *a: fused.append(1) or kernel(*a))
-
-    def logits(path: str):
-        with dispatch.using(path):
-            lora = LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256)
-            out, cache = run_chunks(
-                tiny, make_stack(tiny, compressor=lora, window=8, sinks=2), ids, [40] + [1] * 20
-            )
-        return out, cache.nbytes()
-
-    (torch_logits, torch_bytes), (triton_logits, triton_bytes) = logits("torch"), logits("triton")
-    assert triton_bytes == torch_bytes
-    torch.testing.assert_close(triton_logits, torch_logits, atol=1e-4, rtol=1e-4)
-    assert len(fused) >= 20 * tiny.model.config.num_hidden_layers  # every layer, every decode step
