@@ -235,10 +235,8 @@ class KVCache(Cache):
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
-            positions = att.Positions(view.pos, qpos, sliding_window) if per_block else None
-            out = _attend_decoded(
-                store, query, mask, mask_fn if per_block else None, scaling, reads_all, positions
-            )
+            pos = att.Positions(view.pos, qpos, sliding_window) if per_block else None
+            out = _attend_decoded(store, query, mask, mask_fn if pos else None, scaling, reads_all, pos)
         for tech in self.stack.query_observers:
             tech.observe_queries(layer, store, query, qpos)
         observers = self.stack.observers
@@ -384,11 +382,9 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
 def kvbench_attention(
     module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs
 ):
-    """Attention function registered as ``attn_implementation="kvbench"``.
-
-    Reads the active :class:`KVCache`; ``key``/``value`` are only the new tokens (already stored).
-    Returns ``(B, q, Hq, D)`` and no weights.
-    """
+    """Attention function registered as ``attn_implementation="kvbench"``: reads the active
+    :class:`KVCache` (``key``/``value`` are only the new tokens, already stored); returns ``(B, q,
+    Hq, D)`` and no weights."""
     cache = _ACTIVE.get()
     if cache is None:
         raise RuntimeError("kvbench attention needs a kvbench KVCache as past_key_values")

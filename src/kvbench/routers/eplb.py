@@ -209,9 +209,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         held, new = self.assign_new(store)
         side = self.plan(store)
         assert side.slot_expert is not None
-        reps = side.room.get("copies")  # copies of each expert in the plan
-        if reps is None or reps.device != side.slot_expert.device:
-            reps = side.room["copies"] = torch.bincount(side.slot_expert, minlength=self.num_experts)
+        reps = side.room["copies"]  # copies of each expert in the plan
         view = store.view()
         # The same plan over the same stored tokens (appends aside): the replicas so far stay and
         # the tokens assigned now add theirs (replicas are counted, not read: order is free).
@@ -223,17 +221,10 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         flat = torch.repeat_interleave(extra.flatten())  # the one read: how many copies
         _, h, t = extra.shape
         at = (flat // (h * t), flat // t % h, flat % t)
+        # the replicas are views of their buffers (only this method sets them): keep or start over
+        kept = side.replica_k.shape[0] if grow and side.replica_k is not None else 0
         for name, new in (("k", view.k[at]), ("v", view.v[at])):
-            have: torch.Tensor | None = getattr(side, f"replica_{name}") if grow else None
-            buf = side.room.get(name)
-            if (
-                have is None
-                or buf is None
-                or buf.untyped_storage().data_ptr() != have.untyped_storage().data_ptr()
-            ):
-                buf, have = None, None  # not a view of its buffer (moved, or first made): start over
-            kept = 0 if have is None else have.shape[0]
-            side.room[name] = buf = _appended(buf, kept, new)
+            side.room[name] = buf = _appended(side.room.get(name) if kept else None, kept, new)
             setattr(side, f"replica_{name}", buf[: kept + new.shape[0]])
         side.replica_key = key
 

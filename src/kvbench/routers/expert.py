@@ -236,8 +236,7 @@ class ExpertRouter(Router):
         eid = self.route_experts(layer, store, qpos)
         count, centroid = self.summarize(layer, store, eid)
         empty = (count == 0)[:, :, None, :]
-        kernel = dispatch.kernels("scoring")
-        score = (kernel.group_scores if kernel else att.group_scores)(query, centroid)
+        score = (dispatch.kernels("scoring") or att).group_scores(query, centroid)  # the cell's path
         score = score.masked_fill(empty, float("-inf"))
         chosen = self.choose(layer, store, score, count, qpos) & ~empty
         routing = Routing(eid=eid, count=count, chosen=chosen)

@@ -174,8 +174,8 @@ class QuestScheduler(Scheduler):
         else:
             kmin = ragged.to_padded(bounds.kmin, lay.n_full.flatten())[0].view(b, h, width, d)
             kmax = ragged.to_padded(bounds.kmax, lay.n_full.flatten())[0].view(b, h, width, d)
-        kernel = dispatch.kernels("scoring")  # the bound's maximum over the query group:
-        bound = (kernel.group_bounds if kernel else att.group_bounds)(query, kmin, kmax)  # (B, H, q, P)
+        # (B, H, q, P): the bound's maximum over the query group, by the cell's path
+        bound = (dispatch.kernels("scoring") or att).group_bounds(query, kmin, kmax)
         take = self.take_pages(bound, lay.cost, lay.extra)
         tok = torch.gather(take, -1, lay.index.expand(b, h, q, t))
         mask = (tok & lay.pageable[:, :, None, :]) | lay.always[:, :, None, :]
