@@ -274,6 +274,33 @@ def test_svd_rank_error_is_each_blocks_svd_tail(tiny_93):
     assert tech.metrics()["key_residual"] > 0
 
 
+@pytest.mark.parametrize("rotated, dtype", [(64, torch.float32), (16, torch.float32), (16, torch.bfloat16)])
+def test_rotation_matches_rotate_half_and_rows_share_angles(rotated, dtype):
+    """Rotary's half-by-half rotation is bitwise HF's ``x·cos + rotate_half(x)·sin`` (full and
+    partial rotary, with the attention scaling), undone by unrotate; rotate_rows gives rotate's
+    values bitwise whether the head-rows share their positions (angles computed once) or not."""
+    torch.manual_seed(0)
+    d, rows, per_row = 64, 6, 37
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, rotated, 2).float() / rotated)), 1.25)
+    x = torch.randn(rows * per_row, d).to(dtype)
+    pos = torch.randperm(500)[:per_row].repeat(rows)
+    angles = pos.float()[:, None] * rotary.inv_freq
+    cos, sin = torch.cat((angles.cos(),) * 2, -1) * 1.25, torch.cat((angles.sin(),) * 2, -1) * 1.25
+    xr = x[:, :rotated].float()
+    half = torch.cat((-xr[:, rotated // 2 :], xr[:, : rotated // 2]), -1)
+    expected = torch.cat(((xr * cos + half * sin).to(dtype), x[:, rotated:]), -1)
+    out = rotary.rotate(x, pos)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    assert torch.allclose(
+        rotary.unrotate(out.float(), pos), x.float(), atol=0.05 if dtype != torch.float32 else 1e-5
+    )
+    assert torch.equal(rotary.rotate_rows(x, pos, per_row), out)  # every row at the same positions
+    mixed = pos.clone()
+    mixed[-1] += 1  # the last row differs: no sharing
+    assert torch.equal(rotary.rotate_rows(x, mixed, per_row), rotary.rotate(x, mixed))
+    assert torch.equal(rotary.rotate_rows(x, pos, None), out)
+
+
 def test_svd_full_rank_reconstruction_is_exact(neox):
     tech = _bound(neox, SVDCompressor(key_rank=16, value_rank=16, block_size=16))
     store, k, v = _store(neox)

@@ -52,19 +52,17 @@ class Rotary:
         """Apply RoPE. ``x`` ``(..., D)``; ``pos`` broadcastable to ``x.shape[:-1]``."""
         return self._turn(x, *self._cos_sin(pos, x.device), undo=False)
 
-    def rotate_rows(
-        self, x: torch.Tensor, pos: torch.Tensor, heads: int, per_row: int | None
-    ) -> torch.Tensor:
-        """:meth:`rotate` of flat head-major tokens ``x`` ``(N, D)`` at ``pos`` ``(N,)``, ``per_row``
-        tokens in each of the ``heads`` head-rows of every sequence (None: the rows differ).
+    def rotate_rows(self, x: torch.Tensor, pos: torch.Tensor, per_row: int | None) -> torch.Tensor:
+        """:meth:`rotate` of flat row-major tokens ``x`` ``(N, D)`` at ``pos`` ``(N,)``, ``per_row``
+        tokens in each head-row (None: the rows differ).
 
-        On the CPU, when every head of a sequence holds the same positions (a window's oldest token
-        leaves every head at once), the angles are computed once per sequence and shared by its
-        heads: the same values, and the angles cost as much as the rotation itself."""
-        if per_row is not None and heads > 1 and pos.device.type == "cpu" and x.shape[0]:
-            p = pos.view(-1, heads, per_row)
-            if torch.equal(p, p[:, :1].expand_as(p)):
-                return self.rotate(x.view(*p.shape, x.shape[-1]), p[:, :1]).view(x.shape)
+        On the CPU, when every head-row holds the same positions (a window's oldest token leaves
+        every head at once; a batch's windows sit at the same positions), the angles are computed
+        for one row and shared: the same values, and the angles cost as much as the rotation."""
+        if per_row and x.shape[0] > per_row and pos.device.type == "cpu":
+            p = pos.view(-1, per_row)
+            if torch.equal(p, p[:1].expand_as(p)):
+                return self.rotate(x.view(p.shape[0], per_row, x.shape[-1]), p[:1]).view(x.shape)
         return self.rotate(x, pos)
 
     def unrotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

@@ -201,9 +201,7 @@ class LatentSegment(RowCounts, Segment):
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         kl, vl = self.latents()
-        k = self.rotary.rotate_rows(
-            self._expand(kl, self.kbasis), self.pos, self.kbasis.shape[0], self.row_count()
-        )
+        k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, self.row_count())
         return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
 
     def _project(self, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:

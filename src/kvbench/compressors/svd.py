@@ -64,7 +64,7 @@ class SVDSegment(GroupedSegment):
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.full_groups()
-        k = self.rotary.rotate(self.expand(self.ka, self.kb, block), self.pos)
+        k = self.rotary.rotate_rows(self.expand(self.ka, self.kb, block), self.pos, self.row_count())
         v = self.va if self.vb is None else self.expand(self.va, self.vb, block)
         return k.to(dtype), v.to(dtype)
 
