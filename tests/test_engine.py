@@ -8,6 +8,11 @@ import torch
 from conftest import FAMILIES, tiny_cfg
 from helpers import make_stack, run_chunks, tokens
 from kvbench import models
+from kvbench.cache import attention as att
+from kvbench.cache import engine
+from kvbench.compressors.lora import LoraCompressor
+from kvbench.compressors.lora_plus_plus import LoraPlusPlusCompressor
+from kvbench.compressors.lowrank import LatentSegment
 from kvbench.eval import perplexity
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 
@@ -182,3 +187,54 @@ def test_observers_read_narrow_sub_blocks_as_one_full_block(tech):
             assert torch.equal(one, split)
         else:
             torch.testing.assert_close(one, split, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("latent", [False, True])
+def test_partials_merged_equal_attention_over_every_slot(latent):
+    """A decode step attended part by part (:func:`att.partial`, ragged slots of one part masked,
+    one part's values latent on per-head bases) and merged by log-sum-exp gives what SDPA gives over
+    every slot at once; a query group that reads nothing in one part takes the others' output."""
+    gen = torch.Generator().manual_seed(3)
+    b, h, g, d, r = 2, 3, 3, 16, 5
+    q = torch.randn(b, h * g, 1, d, generator=gen)
+    k1, k2 = torch.randn(b, h, 7, d, generator=gen), torch.randn(b, h, 11, d, generator=gen)
+    v1 = torch.randn(b, h, 7, d, generator=gen)
+    basis = torch.randn(h, d, r, generator=gen) if latent else None
+    lat = torch.randn(b, h, 11, r, generator=gen)
+    v2 = torch.einsum("bhtr,hdr->bhtd", lat, basis) if latent else torch.randn(b, h, 11, d, generator=gen)
+    valid = torch.rand(b, h, 7, generator=gen) > 0.3
+    valid[0, 1] = False  # a head-row with nothing in the first part
+    parts = [
+        att.partial(q, k1, v1, 0.25, valid),
+        att.partial(q, k2, lat if latent else v2, 0.25, basis=basis),
+    ]
+    mask = torch.cat((valid, torch.ones(b, h, 11, dtype=torch.bool)), -1)[:, :, None]
+    want = att.attend(q, torch.cat((k1, k2), 2), torch.cat((v1, v2), 2), mask, 0.25)
+    torch.testing.assert_close(att.merge(parts, q), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_latents_attended_without_rebuilding_values(tiny_93, bits, monkeypatch):
+    """On the torch path, lora's (and with ``bits``, lora_plus_plus's) decode steps attend the latent
+    segment through its partial, values kept latent: the logits agree with decoding every key and
+    value first, and the stored bytes are the same."""
+    if bits is None:
+        make = lambda: LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256)  # noqa: E731
+    else:
+        make = lambda: LoraPlusPlusCompressor(
+            key_rank=4, value_rank=8, latent_bits=bits, calibration_tokens=256
+        )  # noqa: E731
+    ids, sizes = tokens(50), [30] + [1] * 20
+    latent = []
+    original = LatentSegment.attend_partials
+    monkeypatch.setattr(
+        LatentSegment, "attend_partials", lambda self, *a: latent.append(1) or original(self, *a)
+    )
+    out, cache = run_chunks(tiny_93, make_stack(tiny_93, compressor=make(), window=4, sinks=2), ids, sizes)
+    assert len(latent) >= 20 * tiny_93.model.config.num_hidden_layers - 8
+    monkeypatch.setattr(engine, "_partials", lambda *a: None)
+    decoded, cache_decoded = run_chunks(
+        tiny_93, make_stack(tiny_93, compressor=make(), window=4, sinks=2), ids, sizes
+    )
+    assert cache.nbytes() == cache_decoded.nbytes()
+    torch.testing.assert_close(out, decoded, atol=1e-4, rtol=1e-4)

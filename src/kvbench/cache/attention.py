@@ -118,6 +118,57 @@ def attend_blocks(
     return out
 
 
+@dataclass
+class Partial:
+    """One decode step's softmax state over some of a layer's slots, on the torch path (the Triton
+    path has its own, :class:`kvbench.kernels.attention.Partials`): per KV head's query group, the
+    largest logit ``m`` ``(B, H, g, q)`` (-inf: nothing read), the sum ``l`` of ``exp(logit - m)``
+    and the unnormalized output ``acc`` ``(B, H, g, q, D)``, float32."""
+
+    m: torch.Tensor
+    l: torch.Tensor  # noqa: E741
+    acc: torch.Tensor
+
+
+def partial(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+    basis: torch.Tensor | None = None,
+) -> Partial:
+    """:class:`Partial` of ``query`` ``(B, Hq, q, D)`` over keys ``(B, H, T, D)`` and values
+    ``(B, H, T, Dv)``, the slots where ``valid`` ``(B, H, T)`` holds (None: all).
+
+    ``basis`` ``(H, D, Dv)``: the values are latents on per-head bases; the output is summed in
+    latent space and expanded once, ``(p·latents)·basisᵀ``, instead of expanding every value."""
+    logits = _logits(query, key, scaling)  # (B, H, g, q, T)
+    if valid is not None:
+        logits.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+    m = logits.amax(-1, keepdim=True)
+    p = logits.sub_(m.masked_fill(m == float("-inf"), 0.0)).exp_()  # a row that read nothing: zeros
+    acc = torch.einsum("bhgqt,bhtr->bhgqr", p, value.float())
+    if basis is not None:
+        acc = torch.einsum("bhgqr,hdr->bhgqd", acc, basis.float())
+    return Partial(m.squeeze(-1), p.sum(-1), acc)
+
+
+def merge(parts: list[Partial], query: torch.Tensor) -> torch.Tensor:
+    """The attention output ``(B, Hq, q, D)`` (the query's dtype) from the :class:`Partial` of each
+    part of a layer's slots, merged by their log-sum-exp: ``Σ e^(m_i - M) acc_i / Σ e^(m_i - M) l_i``.
+    A query that read nothing gets zeros, as SDPA gives."""
+    top = torch.stack([p.m for p in parts]).amax(0)
+    top = top.masked_fill(top == float("-inf"), 0.0)
+    weight = torch.exp(parts[0].m - top)
+    total, acc = weight * parts[0].l, weight[..., None] * parts[0].acc
+    for p in parts[1:]:
+        weight = torch.exp(p.m - top)
+        total, acc = total + weight * p.l, acc + weight[..., None] * p.acc
+    out = acc / total.masked_fill(total == 0, 1.0)[..., None]  # (B, H, g, q, D)
+    return out.flatten(1, 2).to(query.dtype)
+
+
 def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     """``(B, H, g, q, T)`` fp32 logits of grouped queries against per-KV-head keys."""
     b, hq, q, d = query.shape

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvbench.cache import attention as att
 from kvbench.cache import quant
 from kvbench.cache.rotary import Rotary
 from kvbench.cache.segments import RowCounts, Segment, as_float, joined_on_read
@@ -188,16 +189,30 @@ class LatentSegment(RowCounts, Segment):
         return part
 
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
-        """The fused kernel (:mod:`kvbench.kernels.latent_decode`): keys rebuilt and rotated in
-        registers, values kept latent; latents stored unquantized and bases shared by the batch's
-        sequences (not a part of one sequence's heads)."""
-        kernel = dispatch.kernels("latent_decode")
-        if kernel is None or self.bits is not None or self.kbasis.shape[0] * batch != self.lens.numel():
+        """Attention over the latents, for bases shared by the batch's sequences (not a part of one
+        sequence's heads). On the Triton path, the fused kernel
+        (:mod:`kvbench.kernels.latent_decode`: keys rebuilt and rotated in registers, values kept
+        latent; latents stored unquantized). On the torch path, for head-rows of the same length:
+        keys rebuilt and rotated as :meth:`read` does, values kept latent, the output summed in
+        latent space and expanded once (:func:`kvbench.cache.attention.partial`): a value is never
+        rebuilt."""
+        if self.kbasis.shape[0] * batch != self.lens.numel():
             return None
-        return kernel.partials(
-            query, self.klat, self.vlat, self.pos, self.kbasis, self.vbasis, self.rotary, self.lens,
-            self.rows.width, scaling,
-        )  # fmt: skip
+        kernel = dispatch.kernels("latent_decode")
+        if kernel is not None:
+            if self.bits is not None:
+                return None
+            return kernel.partials(
+                query, self.klat, self.vlat, self.pos, self.kbasis, self.vbasis, self.rotary, self.lens,
+                self.rows.width, scaling,
+            )  # fmt: skip
+        n = self.row_count()
+        if n is None or dispatch.kernels("attention") is not None:
+            return None
+        kl, vl = self.latents()
+        k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, n)
+        shape = (batch, self.kbasis.shape[0], n, -1)
+        return att.partial(query, k.view(shape), vl.view(shape), scaling, basis=self.vbasis)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         kl, vl = self.latents()
