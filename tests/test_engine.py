@@ -13,6 +13,7 @@ from kvbench.cache import engine
 from kvbench.compressors.lora import LoraCompressor
 from kvbench.compressors.lora_plus_plus import LoraPlusPlusCompressor
 from kvbench.compressors.lowrank import LatentSegment
+from kvbench.compressors.svd import SVDCompressor, SVDSegment
 from kvbench.eval import perplexity
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 
@@ -213,25 +214,31 @@ def test_partials_merged_equal_attention_over_every_slot(latent):
     torch.testing.assert_close(att.merge(parts, q), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("bits", [None, 4])
-def test_latents_attended_without_rebuilding_values(tiny_93, bits, monkeypatch):
-    """On the torch path, lora's (and with ``bits``, lora_plus_plus's) decode steps attend the latent
-    segment through its partial, values kept latent: the logits agree with decoding every key and
-    value first, and the stored bytes are the same."""
-    if bits is None:
-        make = lambda: LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256)  # noqa: E731
-    else:
-        make = lambda: LoraPlusPlusCompressor(
-            key_rank=4, value_rank=8, latent_bits=bits, calibration_tokens=256
-        )  # noqa: E731
+@pytest.mark.parametrize(
+    "make, segment",
+    [
+        (lambda: LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256), LatentSegment),
+        (
+            lambda: LoraPlusPlusCompressor(key_rank=4, value_rank=8, latent_bits=4, calibration_tokens=256),
+            LatentSegment,
+        ),
+        (lambda: SVDCompressor(key_rank=3, value_rank=5, block_size=8), SVDSegment),
+        (lambda: SVDCompressor(key_rank=3, value_rank=None, block_size=8), SVDSegment),
+    ],
+    ids=["lora", "lora_plus_plus-4bit", "svd", "svd-fp-values"],
+)
+def test_factored_values_are_attended_without_rebuilding_them(tiny_93, make, segment, monkeypatch):
+    """On the torch path, decode steps attend a latent (lora, lora_plus_plus) or block-factored (svd)
+    segment through its partial, values summed in factor space and expanded once: the logits agree
+    with decoding every key and value first, and the stored bytes are the same."""
     ids, sizes = tokens(50), [30] + [1] * 20
-    latent = []
-    original = LatentSegment.attend_partials
+    used = []
+    original = segment.attend_partials
     monkeypatch.setattr(
-        LatentSegment, "attend_partials", lambda self, *a: latent.append(1) or original(self, *a)
+        segment, "attend_partials", lambda self, *a: used.append(original(self, *a) is not None)
     )
     out, cache = run_chunks(tiny_93, make_stack(tiny_93, compressor=make(), window=4, sinks=2), ids, sizes)
-    assert len(latent) >= 20 * tiny_93.model.config.num_hidden_layers - 8
+    assert sum(used) >= 16 * tiny_93.model.config.num_hidden_layers
     monkeypatch.setattr(engine, "_partials", lambda *a: None)
     decoded, cache_decoded = run_chunks(
         tiny_93, make_stack(tiny_93, compressor=make(), window=4, sinks=2), ids, sizes

@@ -141,16 +141,26 @@ def partial(
     """:class:`Partial` of ``query`` ``(B, Hq, q, D)`` over keys ``(B, H, T, D)`` and values
     ``(B, H, T, Dv)``, the slots where ``valid`` ``(B, H, T)`` holds (None: all).
 
-    ``basis`` ``(H, D, Dv)``: the values are latents on per-head bases; the output is summed in
-    latent space and expanded once, ``(p·latents)·basisᵀ``, instead of expanding every value."""
+    ``basis``: the values are latents, on per-head bases ``(H, D, Dv)`` or on per-block bases
+    ``(B, H, M, D, Dv)`` (each of a head-row's ``M`` blocks of ``T / M`` consecutive slots its own);
+    the output is summed in latent space and expanded once per basis, ``(p·latents)·basisᵀ``,
+    instead of expanding every value."""
     logits = _logits(query, key, scaling)  # (B, H, g, q, T)
     if valid is not None:
         logits.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
     m = logits.amax(-1, keepdim=True)
     p = logits.sub_(m.masked_fill(m == float("-inf"), 0.0)).exp_()  # a row that read nothing: zeros
-    acc = torch.einsum("bhgqt,bhtr->bhgqr", p, value.float())
-    if basis is not None:
-        acc = torch.einsum("bhgqr,hdr->bhgqd", acc, basis.float())
+    value = value.float()
+    if basis is None:
+        acc = torch.einsum("bhgqt,bhtd->bhgqd", p, value)
+    elif basis.dim() == 3:
+        acc = torch.einsum("bhgqr,hdr->bhgqd", torch.einsum("bhgqt,bhtr->bhgqr", p, value), basis.float())
+    else:
+        blocks = basis.shape[2]
+        lat = torch.einsum(
+            "bhgqmn,bhmnr->bhgqmr", p.unflatten(-1, (blocks, -1)), value.unflatten(2, (blocks, -1))
+        )
+        acc = torch.einsum("bhgqmr,bhmdr->bhgqd", lat, basis.float())
     return Partial(m.squeeze(-1), p.sum(-1), acc)
 
 

@@ -21,11 +21,13 @@ from typing import Any
 
 import torch
 
+from kvbench.cache import attention as att
 from kvbench.cache import ragged
 from kvbench.cache.segments import GroupedSegment, as_float
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
 from kvbench.errors import ConfigError
+from kvbench.kernels import dispatch
 from kvbench.roles import BindContext, Compressor, Flags
 from kvbench.select import leaving_window
 
@@ -61,6 +63,19 @@ class SVDSegment(GroupedSegment):
             )
         p, valid = ragged.to_padded(as_float(a), self.gcount.long())  # (M, n, r)
         return ragged.from_padded(torch.bmm(p, as_float(b).transpose(1, 2)), valid)
+
+    def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
+        """On the torch path, for head-rows of the same length in full blocks: keys rebuilt and
+        rotated as :meth:`read` does; values kept factored, the output summed per block in factor
+        space and expanded once per block (:func:`kvbench.cache.attention.partial`). None otherwise
+        (the step is decoded)."""
+        block, n = self.full_groups(), self.row_count()
+        if block is None or not n or n % block or dispatch.kernels("attention") is not None:
+            return None
+        k = self.rotary.rotate_rows(self.expand(self.ka, self.kb, block), self.pos, n)
+        shape = (batch, self.lens.numel() // batch, n, -1)
+        basis = None if self.vb is None else self.vb.view(*shape[:2], n // block, *self.vb.shape[1:])
+        return att.partial(query, k.view(shape), self.va.view(shape), scaling, basis=basis)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.full_groups()
