@@ -245,3 +245,22 @@ def test_factored_values_are_attended_without_rebuilding_them(tiny_93, make, seg
     )
     assert cache.nbytes() == cache_decoded.nbytes()
     torch.testing.assert_close(out, decoded, atol=1e-4, rtol=1e-4)
+
+
+def test_partials_stay_within_the_decoded_blocks_bound(tiny_93, monkeypatch):
+    """A layer whose keys exceed :data:`engine.DECODE_ELEMS` is decoded in blocks of head-rows
+    instead: the torch path's partials, which rebuild a segment's keys whole, are not asked."""
+    asked = []
+    original = LatentSegment.attend_partials
+    monkeypatch.setattr(
+        LatentSegment, "attend_partials", lambda self, *a: asked.append(1) or original(self, *a)
+    )
+    monkeypatch.setattr(engine, "DECODE_ELEMS", 20 * tiny_93.head_dim)  # fewer than one layer's keys
+    stack = make_stack(
+        tiny_93,
+        compressor=LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256),
+        window=4,
+        sinks=2,
+    )
+    run_chunks(tiny_93, stack, tokens(40), [30] + [1] * 5)
+    assert not asked

@@ -337,7 +337,9 @@ def _attend_decoded(
     view = store.view()
     one_dense = len(store.segments) == 1 and view.dense
     kernel = dispatch.kernels("attention")
-    if reads_all and not one_dense and view.bias is None:
+    # The torch path's partials rebuild a segment's keys whole: only within the decoded blocks' bound.
+    whole = store.batch * store.kv_heads * view.pos.shape[2] * store.head_dim <= DECODE_ELEMS
+    if reads_all and not one_dense and view.bias is None and (kernel is not None or whole):
         parts = _partials(store, query, scaling)
         if parts is not None:
             return (
