@@ -80,9 +80,8 @@ class Rotary:
         xr = xr if xr.dtype == torch.float32 else xr.float()
         x1, x2 = xr[..., :h], xr[..., h:]
         shape = xr.shape[:-1]
-        if (
-            cos.shape[:-1] != shape
-        ):  # (torch.broadcast_shapes costs more than this whole turn of a few tokens)
+        # torch.broadcast_shapes costs more than the whole turn of the few tokens a step moves
+        if cos.shape[:-1] != shape:
             shape = torch.broadcast_shapes(shape, cos.shape[:-1])
         whole = r == x.shape[-1] and x.dtype == torch.float32
         out = x.new_empty(*shape, x.shape[-1] if whole else r, dtype=torch.float32)
