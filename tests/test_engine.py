@@ -232,6 +232,7 @@ def test_factored_values_are_attended_without_rebuilding_them(tiny_93, make, seg
     segment through its partial, values summed in factor space and expanded once: the logits agree
     with decoding every key and value first, and the stored bytes are the same."""
     ids, sizes = tokens(50), [30] + [1] * 20
+    monkeypatch.setattr(att, "PARTIAL_MIN_SLOTS", 0)  # the tiny model's segments are short
     used = []
     original = segment.attend_partials
     monkeypatch.setattr(
@@ -250,6 +251,7 @@ def test_factored_values_are_attended_without_rebuilding_them(tiny_93, make, seg
 def test_partials_stay_within_the_decoded_blocks_bound(tiny_93, monkeypatch):
     """A layer whose keys exceed :data:`engine.DECODE_ELEMS` is decoded in blocks of head-rows
     instead: the torch path's partials, which rebuild a segment's keys whole, are not asked."""
+    monkeypatch.setattr(att, "PARTIAL_MIN_SLOTS", 0)
     asked = []
     original = LatentSegment.attend_partials
     monkeypatch.setattr(
@@ -264,3 +266,20 @@ def test_partials_stay_within_the_decoded_blocks_bound(tiny_93, monkeypatch):
     )
     run_chunks(tiny_93, stack, tokens(40), [30] + [1] * 5)
     assert not asked
+
+
+def test_short_segments_are_decoded_on_the_torch_path(tiny_93, monkeypatch):
+    """Below :data:`att.PARTIAL_MIN_SLOTS` tokens per head-row a latent segment has no partial on the
+    torch path (SDPA over the decoded rows is quicker there): the step is decoded, bitwise as
+    before."""
+    given = []
+    original = LatentSegment.attend_partials
+    monkeypatch.setattr(LatentSegment, "attend_partials", lambda self, *a: given.append(original(self, *a)))
+    stack = make_stack(
+        tiny_93,
+        compressor=LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256),
+        window=4,
+        sinks=2,
+    )
+    run_chunks(tiny_93, stack, tokens(40), [30] + [1] * 5)
+    assert given and all(part is None for part in given)

@@ -192,7 +192,8 @@ class LatentSegment(RowCounts, Segment):
         """Attention over the latents, for bases shared by the batch's sequences (not a part of one
         sequence's heads). On the Triton path, the fused kernel
         (:mod:`kvbench.kernels.latent_decode`: keys rebuilt and rotated in registers, values kept
-        latent; latents stored unquantized). On the torch path, for head-rows of the same length:
+        latent; latents stored unquantized). On the torch path, for head-rows of the same length
+        (at least :data:`kvbench.cache.attention.PARTIAL_MIN_SLOTS`):
         keys rebuilt and rotated as :meth:`read` does, values kept latent, the output summed in
         latent space and expanded once (:func:`kvbench.cache.attention.partial`): a value is never
         rebuilt."""
@@ -207,7 +208,7 @@ class LatentSegment(RowCounts, Segment):
                 self.rows.width, scaling,
             )  # fmt: skip
         n = self.row_count()
-        if n is None or dispatch.kernels("attention") is not None:
+        if n is None or n < att.PARTIAL_MIN_SLOTS or dispatch.kernels("attention") is not None:
             return None
         kl, vl = self.latents()
         k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, n)

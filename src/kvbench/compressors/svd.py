@@ -65,12 +65,15 @@ class SVDSegment(GroupedSegment):
         return ragged.from_padded(torch.bmm(p, as_float(b).transpose(1, 2)), valid)
 
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
-        """On the torch path, for head-rows of the same length in full blocks: keys rebuilt and
+        """On the torch path, for head-rows of the same length in full blocks (at least
+        :data:`kvbench.cache.attention.PARTIAL_MIN_SLOTS`): keys rebuilt and
         rotated as :meth:`read` does; values kept factored, the output summed per block in factor
         space and expanded once per block (:func:`kvbench.cache.attention.partial`). None otherwise
         (the step is decoded)."""
         block, n = self.full_groups(), self.row_count()
-        if block is None or not n or n % block or dispatch.kernels("attention") is not None:
+        if block is None or not n or n % block or n < att.PARTIAL_MIN_SLOTS:
+            return None
+        if dispatch.kernels("attention") is not None:
             return None
         k = self.rotary.rotate_rows(self.expand(self.ka, self.kb, block), self.pos, n)
         shape = (batch, self.lens.numel() // batch, n, -1)
