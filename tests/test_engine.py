@@ -248,38 +248,27 @@ def test_factored_values_are_attended_without_rebuilding_them(tiny_93, make, seg
     torch.testing.assert_close(out, decoded, atol=1e-4, rtol=1e-4)
 
 
+def _lora_partials(lm, monkeypatch) -> list:
+    """What LatentSegment.attend_partials returned over a tiny lora run (prefill 30, 5 steps)."""
+    given = []
+    original = LatentSegment.attend_partials
+    monkeypatch.setattr(LatentSegment, "attend_partials", lambda self, *a: given.append(original(self, *a)))
+    lora = LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256)
+    run_chunks(lm, make_stack(lm, compressor=lora, window=4, sinks=2), tokens(40), [30] + [1] * 5)
+    return given
+
+
 def test_partials_stay_within_the_decoded_blocks_bound(tiny_93, monkeypatch):
     """A layer whose keys exceed :data:`engine.DECODE_ELEMS` is decoded in blocks of head-rows
     instead: the torch path's partials, which rebuild a segment's keys whole, are not asked."""
     monkeypatch.setattr(att, "PARTIAL_MIN_SLOTS", 0)
-    asked = []
-    original = LatentSegment.attend_partials
-    monkeypatch.setattr(
-        LatentSegment, "attend_partials", lambda self, *a: asked.append(1) or original(self, *a)
-    )
     monkeypatch.setattr(engine, "DECODE_ELEMS", 20 * tiny_93.head_dim)  # fewer than one layer's keys
-    stack = make_stack(
-        tiny_93,
-        compressor=LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256),
-        window=4,
-        sinks=2,
-    )
-    run_chunks(tiny_93, stack, tokens(40), [30] + [1] * 5)
-    assert not asked
+    assert not _lora_partials(tiny_93, monkeypatch)
 
 
 def test_short_segments_are_decoded_on_the_torch_path(tiny_93, monkeypatch):
     """Below :data:`att.PARTIAL_MIN_SLOTS` tokens per head-row a latent segment has no partial on the
     torch path (SDPA over the decoded rows is quicker there): the step is decoded, bitwise as
     before."""
-    given = []
-    original = LatentSegment.attend_partials
-    monkeypatch.setattr(LatentSegment, "attend_partials", lambda self, *a: given.append(original(self, *a)))
-    stack = make_stack(
-        tiny_93,
-        compressor=LoraCompressor(key_rank=4, value_rank=8, calibration_tokens=256),
-        window=4,
-        sinks=2,
-    )
-    run_chunks(tiny_93, stack, tokens(40), [30] + [1] * 5)
+    given = _lora_partials(tiny_93, monkeypatch)
     assert given and all(part is None for part in given)
