@@ -9,7 +9,7 @@ from conftest import FAMILIES, tiny_cfg
 from helpers import make_stack, run_chunks, tokens
 from kvbench import models
 from kvbench.cache import attention as att
-from kvbench.cache import engine
+from kvbench.cache import engine, partials
 from kvbench.compressors.lora import LoraCompressor
 from kvbench.compressors.lora_plus_plus import LoraPlusPlusCompressor
 from kvbench.compressors.lowrank import LatentSegment
@@ -192,7 +192,7 @@ def test_observers_read_narrow_sub_blocks_as_one_full_block(tech):
 
 @pytest.mark.parametrize("latent", [False, True])
 def test_partials_merged_equal_attention_over_every_slot(latent):
-    """A decode step attended part by part (:func:`att.partial`, ragged slots of one part masked,
+    """A decode step attended part by part (:func:`partials.partial`, ragged slots of one part masked,
     one part's values latent on per-head bases) and merged by log-sum-exp gives what SDPA gives over
     every slot at once; a query group that reads nothing in one part takes the others' output."""
     gen = torch.Generator().manual_seed(3)
@@ -206,12 +206,12 @@ def test_partials_merged_equal_attention_over_every_slot(latent):
     valid = torch.rand(b, h, 7, generator=gen) > 0.3
     valid[0, 1] = False  # a head-row with nothing in the first part
     parts = [
-        att.partial(q, k1, v1, 0.25, valid),
-        att.partial(q, k2, lat if latent else v2, 0.25, basis=basis),
+        partials.partial(q, k1, v1, 0.25, valid),
+        partials.partial(q, k2, lat if latent else v2, 0.25, basis=basis),
     ]
     mask = torch.cat((valid, torch.ones(b, h, 11, dtype=torch.bool)), -1)[:, :, None]
     want = att.attend(q, torch.cat((k1, k2), 2), torch.cat((v1, v2), 2), mask, 0.25)
-    torch.testing.assert_close(att.merge(parts, q), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(partials.merge(parts, q, h), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -232,7 +232,7 @@ def test_factored_values_are_attended_without_rebuilding_them(tiny_93, make, seg
     segment through its partial, values summed in factor space and expanded once: the logits agree
     with decoding every key and value first, and the stored bytes are the same."""
     ids, sizes = tokens(50), [30] + [1] * 20
-    monkeypatch.setattr(att, "PARTIAL_MIN_SLOTS", 0)  # the tiny model's segments are short
+    monkeypatch.setattr(partials, "PARTIAL_MIN_SLOTS", 0)  # the tiny model's segments are short
     used = []
     original = segment.attend_partials
     monkeypatch.setattr(
@@ -240,7 +240,7 @@ def test_factored_values_are_attended_without_rebuilding_them(tiny_93, make, seg
     )
     out, cache = run_chunks(tiny_93, make_stack(tiny_93, compressor=make(), window=4, sinks=2), ids, sizes)
     assert sum(used) >= 16 * tiny_93.model.config.num_hidden_layers
-    monkeypatch.setattr(engine, "_partials", lambda *a: None)
+    monkeypatch.setattr(partials, "gather", lambda *a: None)
     decoded, cache_decoded = run_chunks(
         tiny_93, make_stack(tiny_93, compressor=make(), window=4, sinks=2), ids, sizes
     )
@@ -261,13 +261,13 @@ def _lora_partials(lm, monkeypatch) -> list:
 def test_partials_stay_within_the_decoded_blocks_bound(tiny_93, monkeypatch):
     """A layer whose keys exceed :data:`engine.DECODE_ELEMS` is decoded in blocks of head-rows
     instead: the torch path's partials, which rebuild a segment's keys whole, are not asked."""
-    monkeypatch.setattr(att, "PARTIAL_MIN_SLOTS", 0)
+    monkeypatch.setattr(partials, "PARTIAL_MIN_SLOTS", 0)
     monkeypatch.setattr(engine, "DECODE_ELEMS", 20 * tiny_93.head_dim)  # fewer than one layer's keys
     assert not _lora_partials(tiny_93, monkeypatch)
 
 
 def test_short_segments_are_decoded_on_the_torch_path(tiny_93, monkeypatch):
-    """Below :data:`att.PARTIAL_MIN_SLOTS` tokens per head-row a latent segment has no partial on the
+    """Below :data:`partials.PARTIAL_MIN_SLOTS` tokens per head-row a latent segment has no partial on the
     torch path (SDPA over the decoded rows is quicker there): the step is decoded, bitwise as
     before."""
     given = _lora_partials(tiny_93, monkeypatch)

@@ -22,15 +22,13 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvbench.cache import attention as att
-from kvbench.cache import held
-from kvbench.cache.segments import FPSegment
+from kvbench.cache import held, partials
 from kvbench.cache.store import LayerStore
 from kvbench.kernels import dispatch
 
@@ -328,23 +326,18 @@ def _attend_decoded(
     blocks of head-rows (:func:`head_blocks`), each decoded (:meth:`LayerStore.decoded`), attended
     and dropped: the layer's keys and values never exist decoded whole, unless a technique reads
     them (``view().k``). A step reading every token (``reads_all``) of a layer that is not one
-    dense segment is attended segment by segment (:meth:`Segment.attend_partials`), merged by
-    log-sum-exp, wherever every segment has its partial: on the Triton path (docs/kernels.md) from
-    the kernels that read the encoded forms, on the torch path where the encoded form saves work
-    (the latents: values never rebuilt). On the Triton path, other masked steps of at most
+    dense segment is attended segment by segment where every segment can (:mod:`.partials`; on the
+    torch path, only within :data:`DECODE_ELEMS`). On the Triton path, other masked steps of at most
     :data:`KERNEL_QUERIES` queries run the decode kernel, which takes ``positions``
     (:class:`att.Positions`) and the valid slots where ``mask_fn`` would build a mask from them."""
     view = store.view()
     one_dense = len(store.segments) == 1 and view.dense
     kernel = dispatch.kernels("attention")
-    # The torch path's partials rebuild a segment's keys whole: only within the decoded blocks' bound.
     whole = store.batch * store.kv_heads * view.pos.shape[2] * store.head_dim <= DECODE_ELEMS
     if reads_all and not one_dense and view.bias is None and (kernel is not None or whole):
-        parts = _partials(store, query, scaling)
+        parts = partials.gather(store.segments, query, scaling, store.batch)
         if parts is not None:
-            return (
-                kernel.merge(parts, query, store.kv_heads) if kernel is not None else att.merge(parts, query)
-            )
+            return (kernel or partials).merge(parts, query, store.kv_heads)
 
     def attend(q, k, v, mask, mask_fn, bias, part=(slice(None), slice(None))):
         k, v = k.to(q.dtype), v.to(q.dtype)
@@ -380,19 +373,6 @@ def _attend_decoded(
             part,
         )
     return out
-
-
-def _partials(store: LayerStore, query: torch.Tensor, scaling: float) -> list[Any] | None:
-    """Every segment's :meth:`Segment.attend_partials`, in the store's order, or None as soon as one
-    has none (asked first: the full-precision rows always have theirs)."""
-    segs = store.segments
-    parts: dict[int, Any] = {}
-    for i in sorted(range(len(segs)), key=lambda i: isinstance(segs[i], FPSegment)):
-        part = segs[i].attend_partials(query, scaling, store.batch)
-        if part is None:
-            return None
-        parts[i] = part
-    return [parts[i] for i in range(len(segs))]
 
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:

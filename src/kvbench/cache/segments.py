@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from kvbench.cache import attention as att
-from kvbench.cache import ragged
+from kvbench.cache import partials, ragged
 from kvbench.cache.rows import Rows
 from kvbench.kernels import dispatch
 
@@ -98,7 +97,7 @@ class Segment:
         """One decode step's softmax state over this segment's tokens, from its encoded form, to
         merge with the layer's other segments' by log-sum-exp: on the Triton path a kernel's
         (:class:`kvbench.kernels.attention.Partials`), on the torch path
-        :class:`kvbench.cache.attention.Partial` where reading the encoded form saves work over
+        :class:`kvbench.cache.partials.Partial` where reading the encoded form saves work over
         decoding it. None where the representation has neither (the step is then decoded and
         attended whole)."""
         return None
@@ -185,13 +184,13 @@ class FPSegment:
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
         """A decode step's softmax state over these rows (:meth:`Segment.attend_partials`): each
         head-row's first ``lens`` slots, read by the decode kernel on the Triton path, by
-        :func:`kvbench.cache.attention.partial` on the torch path."""
+        :func:`kvbench.cache.partials.partial` on the torch path."""
         shape = (batch, self.rows.bh // batch, self.rows.width, query.shape[-1])
         k, v = (self.rows.get(n).view(shape) for n in KV)
         attention_kernels = dispatch.kernels("attention")
         if attention_kernels is None:
             valid = None if self.rows.uniform else self.rows.valid().view(shape[:3])
-            return att.partial(query, k, v, scaling, valid)
+            return partials.partial(query, k, v, scaling, valid)
         return attention_kernels.partials(query, k, v, None, scaling, None, self.rows.lens.view(batch, -1))
 
 

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from kvbench.cache import attention as att
-from kvbench.cache import quant
+from kvbench.cache import partials, quant
 from kvbench.cache.rotary import Rotary
 from kvbench.cache.segments import RowCounts, Segment, as_float, joined_on_read
 from kvbench.cache.side import SideData
@@ -193,9 +192,9 @@ class LatentSegment(RowCounts, Segment):
         sequence's heads). On the Triton path, the fused kernel
         (:mod:`kvbench.kernels.latent_decode`: keys rebuilt and rotated in registers, values kept
         latent; latents stored unquantized). On the torch path, for head-rows of the same length
-        (at least :data:`kvbench.cache.attention.PARTIAL_MIN_SLOTS`):
+        (at least :data:`kvbench.cache.partials.PARTIAL_MIN_SLOTS`):
         keys rebuilt and rotated as :meth:`read` does, values kept latent, the output summed in
-        latent space and expanded once (:func:`kvbench.cache.attention.partial`): a value is never
+        latent space and expanded once (:func:`kvbench.cache.partials.partial`): a value is never
         rebuilt."""
         if self.kbasis.shape[0] * batch != self.lens.numel():
             return None
@@ -208,12 +207,12 @@ class LatentSegment(RowCounts, Segment):
                 self.rows.width, scaling,
             )  # fmt: skip
         n = self.row_count()
-        if n is None or n < att.PARTIAL_MIN_SLOTS or dispatch.kernels("attention") is not None:
+        if n is None or n < partials.PARTIAL_MIN_SLOTS or dispatch.kernels("attention") is not None:
             return None
         kl, vl = self.latents()
         k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, n)
         shape = (batch, self.kbasis.shape[0], n, -1)
-        return att.partial(query, k.view(shape), vl.view(shape), scaling, basis=self.vbasis)
+        return partials.partial(query, k.view(shape), vl.view(shape), scaling, basis=self.vbasis)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         kl, vl = self.latents()

@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from kvbench.cache import attention as att
-from kvbench.cache import ragged
+from kvbench.cache import partials, ragged
 from kvbench.cache.segments import GroupedSegment, as_float
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
@@ -66,19 +65,19 @@ class SVDSegment(GroupedSegment):
 
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
         """On the torch path, for head-rows of the same length in full blocks (at least
-        :data:`kvbench.cache.attention.PARTIAL_MIN_SLOTS`): keys rebuilt and
+        :data:`kvbench.cache.partials.PARTIAL_MIN_SLOTS`): keys rebuilt and
         rotated as :meth:`read` does; values kept factored, the output summed per block in factor
-        space and expanded once per block (:func:`kvbench.cache.attention.partial`). None otherwise
+        space and expanded once per block (:func:`kvbench.cache.partials.partial`). None otherwise
         (the step is decoded)."""
         block, n = self.full_groups(), self.row_count()
-        if block is None or not n or n % block or n < att.PARTIAL_MIN_SLOTS:
+        if block is None or not n or n % block or n < partials.PARTIAL_MIN_SLOTS:
             return None
         if dispatch.kernels("attention") is not None:
             return None
         k = self.rotary.rotate_rows(self.expand(self.ka, self.kb, block), self.pos, n)
         shape = (batch, self.lens.numel() // batch, n, -1)
         basis = None if self.vb is None else self.vb.view(*shape[:2], n // block, *self.vb.shape[1:])
-        return att.partial(query, k.view(shape), self.va.view(shape), scaling, basis=basis)
+        return partials.partial(query, k.view(shape), self.va.view(shape), scaling, basis=basis)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.full_groups()
