@@ -162,6 +162,7 @@ class KVCache(Cache):
                 self.stack.apply(i, store)
                 store.release()
         self.routed = True
+        _ACTIVE.set(None)  # the next forward's update sets it again; a finished cache is not kept
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.stores)

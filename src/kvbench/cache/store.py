@@ -22,6 +22,7 @@ reported apart as ``aux_nbytes()``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -239,8 +240,11 @@ class LayerStore:
         decoded when first read (:meth:`decoded`) and kept until :meth:`release`; their joined
         positions are kept between steps."""
         if self._view is None:
+            # the segments, not the bound ``self.decoded``: a view holding its store would be a
+            # reference cycle, and a finished cache's tensors would wait for the garbage collector
+            decode = functools.partial(decode_rows, self.segments, 0, self.batch * self.kv_heads, self.dtype)
             self._view, self._joined = padded_view(
-                self.segments, self._joined, self.batch, self.kv_heads, self.decoded
+                self.segments, self._joined, self.batch, self.kv_heads, decode
             )
         return self._view
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterable
 from contextlib import contextmanager
@@ -37,7 +38,11 @@ def timed(devices: Devices, out: list[float]):
 
 def reset_peak(devices: Devices) -> None:
     """Reset the peak-memory counters: each CUDA device's allocator, this process's peak RSS on
-    Linux when a device is the CPU, and the caches' per-device peaks (:data:`held.PEAKS`)."""
+    Linux when a device is the CPU, and the caches' per-device peaks (:data:`held.PEAKS`).
+
+    Garbage is collected first, so that memory held only by dead reference cycles (a previous
+    cell's objects, a traceback's frames) is not counted in the next peak."""
+    gc.collect()
     held.reset_peaks()
     for device in _each(devices):
         if device.type == "cuda":
