@@ -262,7 +262,9 @@ def _tiny(cfg: DictConfig, dtype: torch.dtype):
     config_cls = transformers.AutoConfig.for_model(cfg.family, **dict(cfg.config)).__class__
     config = config_cls(**dict(cfg.config))
     torch.manual_seed(cfg.seed)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # drawn in float32 and cast: torch's generators draw half-precision normals differently across
+    # versions (2.11 did, 2.13 does not), and a model's weights must not depend on its dtype
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)
 
 
 def _converted_gguf(cfg: DictConfig) -> Path:
