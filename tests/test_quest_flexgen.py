@@ -338,13 +338,14 @@ def test_flexgen_times_the_slow_tier_on_cuda():
     stack = make_stack(lm, scheduler=FlexGenScheduler(fast_percent=50))
     _, cache = run_chunks(lm, stack, tokens(40), [40])
     store = cache.stores[0]
-    view = store.view()
-    query = torch.randn(1, 9, 1, lm.head_dim, device="cuda")
-    store.last_qpos = torch.tensor([[39]], device="cuda")
-    mask = att.read_mask(view.pos, view.valid, store.last_qpos, None)
-    out = stack.scheduler.attend_tiers(0, store, query, mask, 0.25)
-    assert torch.allclose(out, att.attend(query, view.k, view.v, mask, 0.25), atol=1e-5)
-    stack.scheduler.evict(lm.num_layers - 1, cache.stores[-1])  # closes the step: timings read
+    with torch.inference_mode():  # as in a decode step: the slow tier's copy is an inference tensor
+        view = store.view()
+        query = torch.randn(1, 9, 1, lm.head_dim, device="cuda")
+        store.last_qpos = torch.tensor([[39]], device="cuda")
+        mask = att.read_mask(view.pos, view.valid, store.last_qpos, None)
+        out = stack.scheduler.attend_tiers(0, store, query, mask, 0.25)
+        assert torch.allclose(out, att.attend(query, view.k, view.v, mask, 0.25), atol=1e-5)
+        stack.scheduler.evict(lm.num_layers - 1, cache.stores[-1])  # closes the step: timings read
     assert stack.scheduler.metrics()["slow_tier_attention_ms"] is not None
 
 

@@ -284,13 +284,13 @@ class FlexGenScheduler(Scheduler):
         tokens = [s[5] for s in steps]
         fast_reads, all_reads = sum(s[3] for s in steps), sum(s[4] for s in steps)
         last, later = steps[-1], steps[1:]
-        moved_later = sum(s[2] for s in later)
+        moved_later, later_tokens = sum(s[2] for s in later), sum(tokens[1:])
         return {
             "fast_tier_bytes": float(last[0]),
             "slow_tier_bytes": float(last[1]),
             "bytes_moved_prefill": float(steps[0][2]),
             "bytes_moved_per_step": moved_later / len(later) if later else None,
-            "bytes_moved_per_token": moved_later / sum(tokens[1:]) if later else None,
+            "bytes_moved_per_token": moved_later / later_tokens if later_tokens else None,
             "fast_attention_share": fast_reads / all_reads if all_reads else None,
             "slow_tier_attention_ms": sum(self._slow_ms) / len(self._slow_ms) if self._slow_ms else None,
         }
