@@ -222,16 +222,18 @@ def _bind_context(lm, budget, seed: int):
     return BindContext.for_model(lm, budget, seed) if "budget" in params else BindContext.for_model(lm, seed)
 
 
-def build_cell_stack(lm, technique: str | None, budget: float):
+def build_cell_stack(lm, technique: str | None, budget: float, model: str = "smollm2_135m"):
     """The stack of a real cell with ``technique`` alone (None: the full cache): composed, validated, bound.
 
-    Needs an active ``hydra.initialize_config_dir``. Binding may fit a calibration (cached on disk).
+    ``model`` names the config the cell validates against (``tiny_random`` where the embedded GGUF
+    package is not installed, as on a GPU node); the stack is bound to ``lm`` either way. Needs an
+    active ``hydra.initialize_config_dir``. Binding may fit a calibration (cached on disk).
     """
     from hydra import compose
 
     from kvbench import config
 
-    overrides = [f"budget={budget}", "dataset=pydoc", "model=smollm2_135m", "device=cpu"]
+    overrides = [f"budget={budget}", "dataset=pydoc", f"model={model}", "device=cpu"]
     if technique is not None:
         role, name = technique.split("/", 1)
         overrides.insert(0, f"{role}={name}")
