@@ -20,6 +20,7 @@
   heads, head_dim 128, vocabulary 128,256, bf16) at each of ``--contexts`` for the full cache and
   every technique: peak allocated and reserved memory of a prefill and 16 decode steps, the
   cache's stored and resident bytes, and the time per output token; ``--techniques`` names some.
+  A first row runs the same steps through transformers' own cache and SDPA, for comparison.
 
 One line per check; exits non-zero on a failure. On a GPU node (one GPU, about 25 GB free for the
 memory part at 32k with 32 layers: the full cache's peak was 24.3 GB on an H200; the whole script
@@ -38,6 +39,7 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -45,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
 
 from kvbench import config, models, run  # noqa: E402
+from kvbench.cache import engine  # noqa: E402
 from kvbench.eval import loop, measure  # noqa: E402
 from kvbench.kernels import dispatch  # noqa: E402
 from kvbench.roles import BindContext, Budget  # noqa: E402
@@ -323,6 +326,9 @@ def check_memory(
         ids = torch.randint(
             0, SHAPED_8B["vocab_size"], (n + steps,), generator=torch.Generator().manual_seed(n)
         ).tolist()
+        checks.guarded(
+            f"memory transformers at {n}", lambda n=n, ids=ids: plain_row(lm, ids, n, steps, checks)
+        )
         wanted = None if only is None else set(only.split(","))
         for tech in [t for t in [None, *bo.catalog()] if wanted is None or (t or "none") in wanted]:
 
@@ -349,6 +355,33 @@ def check_memory(
             checks.guarded(f"memory {tech or 'full cache'} at {n}", one)
             if device == "cuda":
                 torch.cuda.empty_cache()
+
+
+def plain_row(lm, ids: list[int], n: int, steps: int, checks: Checks) -> None:
+    """The same prefill and decode steps through transformers' own cache and SDPA attention: what
+    the full cache's row is compared with (issue 12's "within 1.05x of plain transformers")."""
+    lm.model.set_attn_implementation("sdpa")
+    cache = transformers.DynamicCache(config=lm.model.config)
+    try:
+        measure.reset_peak(lm.devices)
+        times: list[float] = []
+        with torch.inference_mode():
+            chunks = [ids[:n], *([t] for t in ids[n : n + steps])]
+            for chunk in chunks:
+                x = torch.tensor([chunk], device=lm.device)
+                with measure.timed(lm.devices, times):
+                    lm.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        mem = measure.memory(lm.devices)
+        alloc = sum(m.get("peak_allocated_mb") or 0 for m in mem.values())
+        reserved = sum(m.get("peak_reserved_mb") or 0 for m in mem.values())
+        tpot = 1000 * sum(times[2:]) / max(1, len(times) - 2)  # decode steps after the first
+        print(
+            f"{'transformers (sdpa)':28s} {n:7d} {alloc:13.0f} {reserved:11.0f} {'':9s} {'':11s} {tpot:8.1f}"
+        )
+        checks.total += 1
+    finally:
+        lm.model.set_attn_implementation(engine.ATTN_NAME)
+        del cache
 
 
 def main() -> int:
