@@ -22,9 +22,10 @@
   cache's stored and resident bytes, and the time per output token; ``--techniques`` names some.
   A first row runs the same steps through transformers' own cache and SDPA, for comparison.
 
-One line per check; exits non-zero on a failure. On a GPU node (one GPU, about 25 GB free for the
-memory part at 32k with 32 layers: the full cache's peak was 24.3 GB on an H200; the whole script
-takes about ten minutes there, the memory part at two contexts most of it):
+One line per check; exits non-zero on a failure. On a GPU node (one GPU; the memory part at 32k
+with 32 layers needs about 33 GB free: the random weights are drawn in float32, 30 GiB, and cast
+to bf16, and the full cache's cell then peaked at 24.3 GB on an H200; the whole script takes
+about ten minutes there, the memory part at two contexts most of it):
 
     python scripts/gpu_check.py                      # everything on cuda
     python scripts/gpu_check.py --only memory --contexts 8192,32768

@@ -226,6 +226,8 @@ def load(cfg: DictConfig, device: str = "auto") -> LoadedModel:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         _LOADED[key] = _load(cfg, resolve_device(device))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what loading left reserved (a random model's float32 draw)
     return _LOADED[key]
 
 
