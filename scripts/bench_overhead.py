@@ -80,10 +80,11 @@ def plain_run(lm, ids, decode: int) -> float:
     with torch.inference_mode():
         cache = DynamicCache(config=lm.model.config)
         # the last position's logits only, as kvbench's loop asks for them (logits_to_keep)
-        out = lm.model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cached = {lm.cache_arg: cache, "use_cache": True}
+        out = lm.model(input_ids=torch.tensor([ids]), **cached, logits_to_keep=1)
         tok = out.logits[0, -1].argmax()
         for _ in range(decode):
-            out = lm.model(input_ids=tok.view(1, 1), past_key_values=cache, use_cache=True)
+            out = lm.model(input_ids=tok.view(1, 1), **cached)
             tok = out.logits[0, -1].argmax()
     lm.model.set_attn_implementation("kvbench")
     return time.perf_counter() - start

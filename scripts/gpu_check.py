@@ -371,7 +371,7 @@ def plain_row(lm, ids: list[int], n: int, steps: int, checks: Checks) -> None:
             for chunk in chunks:
                 x = torch.tensor([chunk], device=lm.device)
                 with measure.timed(lm.devices, times):
-                    lm.model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    lm.model(input_ids=x, **{lm.cache_arg: cache}, use_cache=True, logits_to_keep=1)
         mem = measure.memory(lm.devices)
         alloc = sum(m.get("peak_allocated_mb") or 0 for m in mem.values())
         reserved = sum(m.get("peak_reserved_mb") or 0 for m in mem.values())

@@ -272,3 +272,26 @@ def test_short_segments_are_decoded_on_the_torch_path(tiny_93, monkeypatch):
     before."""
     given = _lora_partials(tiny_93, monkeypatch)
     assert given and all(part is None for part in given)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_cache_goes_in_under_the_keyword_the_forward_declares(family):
+    """transformers renamed ``past_key_values`` to ``cache`` and removes the old name in 5.40, where
+    a cache passed under it would be dropped for a model-built one: kvbench passes the cache under
+    the name the installed version's forward declares, and no deprecation is raised."""
+    import inspect
+    import warnings
+    from types import SimpleNamespace
+
+    lm = models.load(tiny_cfg(family), "cpu")
+    assert lm.cache_arg in inspect.signature(lm.model.forward).parameters
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run_chunks(lm, make_stack(lm), tokens(20), [12, 1, 1])
+    assert not [w for w in seen if "past_key_values" in str(w.message)]
+
+    def older(input_ids=None, past_key_values=None, use_cache=None):
+        """An older transformers' forward."""
+
+    before = SimpleNamespace(model=SimpleNamespace(forward=older))
+    assert models.LoadedModel.cache_arg.func(before) == "past_key_values"

@@ -79,6 +79,14 @@ class LoadedModel:
         """The model's forward takes ``logits_to_keep``: its lm head runs only over the rows asked for."""
         return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
+    @functools.cached_property
+    def cache_arg(self) -> str:
+        """The keyword the model's forward takes its cache under: ``cache`` where transformers has
+        renamed it (``past_key_values`` is deprecated there and goes in 5.40: a cache passed under
+        the old name would then be ignored and the model would build its own), else
+        ``past_key_values``."""
+        return "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))

@@ -389,7 +389,7 @@ def kvbench_attention(
     Hq, D)`` and no weights."""
     cache = _ACTIVE.get()
     if cache is None:
-        raise RuntimeError("kvbench attention needs a kvbench KVCache as past_key_values")
+        raise RuntimeError("kvbench attention needs a kvbench KVCache as the model's cache")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = cache.attend(module.layer_idx, query, scaling, sliding_window)

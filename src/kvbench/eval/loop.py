@@ -58,7 +58,8 @@ def _logits(lm: LoadedModel, ids: torch.Tensor, pos: torch.Tensor, cache: KVCach
     rows: dict[str, object] = {}
     if keep is not None and keep < n and lm.keeps_rows:
         rows["logits_to_keep"] = keep if keep > 0 else torch.zeros(0, dtype=torch.long)
-    out = lm.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, **rows)
+    rows[lm.cache_arg] = cache
+    out = lm.model(input_ids=ids, position_ids=pos, use_cache=True, **rows)
     logits = out.logits
     if keep is not None and logits.shape[1] > keep:
         logits = logits[:, logits.shape[1] - keep :]
