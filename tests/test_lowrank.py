@@ -301,6 +301,39 @@ def test_rotation_matches_rotate_half_and_rows_share_angles(rotated, dtype):
     assert torch.equal(rotary.rotate_rows(x, pos, None), out)
 
 
+def test_layers_of_a_step_share_the_angles_of_the_same_positions(monkeypatch):
+    """rotate_rows computes one head-row's angles once for the layers of a step (each layer's
+    segment holds the same positions in its own tensor); positions that change, even in place, or
+    another rotary, compute their own. Every result is rotate's, bitwise."""
+    torch.manual_seed(0)
+    rows, per_row, d = 3, 40, 64
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    computed = []
+    original = Rotary._cos_sin
+    monkeypatch.setattr(
+        Rotary,
+        "_cos_sin",
+        lambda self, pos, device: computed.append(pos.numel()) or original(self, pos, device),
+    )
+    pos = torch.arange(per_row).repeat(rows)
+    for _layer in range(4):
+        x = torch.randn(rows * per_row, d)
+        assert torch.equal(rotary.rotate_rows(x, pos.clone(), per_row), original_rotate(rotary, x, pos))
+    assert computed == [per_row]  # the first layer's angles, reused by the other three
+    pos[per_row - 1 :: per_row] += 1  # a new position in every row, written in place
+    x = torch.randn(rows * per_row, d)
+    assert torch.equal(rotary.rotate_rows(x, pos, per_row), original_rotate(rotary, x, pos))
+    other = Rotary(rotary.inv_freq * 0.5)
+    assert torch.equal(other.rotate_rows(x, pos, per_row), original_rotate(other, x, pos))
+    assert computed == [per_row] * 3
+
+
+def original_rotate(rotary: Rotary, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotation with angles computed afresh for every token."""
+    angles = pos.float()[:, None] * rotary.inv_freq
+    return rotary._turn(x, angles.cos(), angles.sin(), undo=False)
+
+
 def test_svd_full_rank_reconstruction_is_exact(neox):
     tech = _bound(neox, SVDCompressor(key_rank=16, value_rank=16, block_size=16))
     store, k, v = _store(neox)

@@ -14,6 +14,9 @@ import torch
 
 from kvbench.errors import ConfigError
 
+# The last head-row's angles on the CPU (:meth:`Rotary._row_angles`): at most one entry, outside the cache.
+_ROW_ANGLES: list[tuple[Rotary, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
 ROTATE_HALF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gemma", "gemma2", "phi3", "olmo2")
 
 
@@ -62,8 +65,24 @@ class Rotary:
         if per_row and x.shape[0] > per_row and pos.device.type == "cpu":
             p = pos.view(-1, per_row)
             if torch.equal(p, p[:1].expand_as(p)):
-                return self.rotate(x.view(p.shape[0], per_row, x.shape[-1]), p[:1]).view(x.shape)
+                turned = self._turn(
+                    x.view(p.shape[0], per_row, x.shape[-1]), *self._row_angles(p[0]), undo=False
+                )
+                return turned.view(x.shape)
         return self.rotate(x, pos)
+
+    def _row_angles(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_cos_sin` of one head-row's positions ``(T,)`` on the CPU, computed once for the
+        layers of a step: each layer's segment holds the same positions (a representation keeps
+        every token it is given), so the last row's angles are kept, with a copy of its positions
+        to compare. The same values; the memo sits in this module, not in the cache, so what a
+        cache holds is measured as before (it is at most one row's angles)."""
+        for rotary, seen, cos, sin in _ROW_ANGLES:
+            if rotary is self and seen.shape == pos.shape and torch.equal(seen, pos):
+                return cos, sin
+        cos, sin = self._cos_sin(pos, pos.device)
+        _ROW_ANGLES[:] = [(self, pos.clone(), cos, sin)]
+        return cos, sin
 
     def unrotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Undo :meth:`rotate` (exact up to rounding; divides out the attention scaling)."""
