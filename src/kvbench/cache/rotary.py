@@ -15,7 +15,14 @@ import torch
 from kvbench.errors import ConfigError
 
 # The last head-row's angles on the CPU (:meth:`Rotary._row_angles`): at most one entry, outside the cache.
-_ROW_ANGLES: list[tuple[Rotary, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+_ROW_ANGLES: list[tuple[Rotary, object, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+
+def device_of(pos: torch.Tensor) -> object:
+    """The device whose layers may share angles: the memo's key, so that no layer reads a tensor
+    another device's layer made (a test places layers on fake devices of one CPU through it)."""
+    return pos.device
+
 
 ROTATE_HALF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gemma", "gemma2", "phi3", "olmo2")
 
@@ -77,11 +84,12 @@ class Rotary:
         every token it is given), so the last row's angles are kept, with a copy of its positions
         to compare. The same values; the memo sits in this module, not in the cache, so what a
         cache holds is measured as before (it is at most one row's angles)."""
-        for rotary, seen, cos, sin in _ROW_ANGLES:
-            if rotary is self and seen.shape == pos.shape and torch.equal(seen, pos):
+        device = device_of(pos)
+        for rotary, where, seen, cos, sin in _ROW_ANGLES:
+            if rotary is self and where == device and seen.shape == pos.shape and torch.equal(seen, pos):
                 return cos, sin
         cos, sin = self._cos_sin(pos, pos.device)
-        _ROW_ANGLES[:] = [(self, pos.clone(), cos, sin)]
+        _ROW_ANGLES[:] = [(self, device, pos.clone(), cos, sin)]
         return cos, sin
 
     def unrotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
