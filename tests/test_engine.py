@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import warnings
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -279,10 +283,6 @@ def test_the_cache_goes_in_under_the_keyword_the_forward_declares(family):
     """transformers renamed ``past_key_values`` to ``cache`` and removes the old name in 5.40, where
     a cache passed under it would be dropped for a model-built one: kvbench passes the cache under
     the name the installed version's forward declares, and no deprecation is raised."""
-    import inspect
-    import warnings
-    from types import SimpleNamespace
-
     lm = models.load(tiny_cfg(family), "cpu")
     assert lm.cache_arg in inspect.signature(lm.model.forward).parameters
     with warnings.catch_warnings(record=True) as seen:
