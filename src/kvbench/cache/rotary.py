@@ -19,8 +19,8 @@ _ROW_ANGLES: list[tuple[Rotary, object, torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def device_of(pos: torch.Tensor) -> object:
-    """The device whose layers may share angles: the memo's key, so that no layer reads a tensor
-    another device's layer made (a test places layers on fake devices of one CPU through it)."""
+    """The memo's device key: only layers on one device share angles, so no layer reads a tensor
+    made on another device (as :meth:`LayerStore.position_key` names the device for the same reason)."""
     return pos.device
 
 

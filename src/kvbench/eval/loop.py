@@ -58,8 +58,7 @@ def _logits(lm: LoadedModel, ids: torch.Tensor, pos: torch.Tensor, cache: KVCach
     rows: dict[str, object] = {}
     if keep is not None and keep < n and lm.keeps_rows:
         rows["logits_to_keep"] = keep if keep > 0 else torch.zeros(0, dtype=torch.long)
-    rows[lm.cache_arg] = cache
-    out = lm.model(input_ids=ids, position_ids=pos, use_cache=True, **rows)
+    out = lm.model(input_ids=ids, position_ids=pos, use_cache=True, **{lm.cache_arg: cache}, **rows)
     logits = out.logits
     if keep is not None and logits.shape[1] > keep:
         logits = logits[:, logits.shape[1] - keep :]
