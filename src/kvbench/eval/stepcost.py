@@ -1,0 +1,285 @@
+"""What one decode step costs the host, for kvbench's cache and for plain transformers (issue 29).
+
+At batch 1 a decode step on a GPU is bound by the host: one kernel launch per operation, plus the
+Python around it. Both can be measured without a GPU:
+
+- **Launches and bytes written**, counted: every aten operation that is not a view (each at least
+  one launch on a GPU) and the bytes it writes, while decoding only (:class:`LaunchCounter`). Per
+  layer per step, from the difference of two runs of ``short`` and ``long`` new tokens after the
+  same prefill, so prefill and compression points before the first step cancel
+  (:func:`decode_cost`). Deterministic: tests bound them per technique.
+- **Host time**, on a model whose arithmetic is negligible (:data:`HOST_MODEL`: eight thin layers,
+  a short context, one thread): its step costs what the host spends per operation and per line of
+  Python, as a batch-1 step on a GPU does (:func:`host_tpot`). Time ratios belong to the benchmark
+  (``scripts/bench_decode.py``), not to tests.
+
+Both sides run the same greedy loop: the next token read on the host after each step (as
+``generate()`` does to test for the end of a sequence), transformers through its own
+``DynamicCache`` with SDPA, kvbench through :mod:`kvbench.eval.loop` with the stack applied after
+every step.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import DynamicCache
+
+from kvbench.eval import loop
+from kvbench.models import LoadedModel
+from kvbench.paths import CONF_DIR
+from kvbench.roles import BindContext
+from kvbench.stack import ROLES, Stack, build_stack
+
+# A random Llama with Llama-3.1-8B's attention shapes (32 query and 8 KV heads of 128): what a
+# layer's decode step launches and writes depends on these, not on the hidden size or depth.
+LAUNCH_MODEL: dict = {
+    "name": "launch_8b_attention",
+    "source": "tiny",
+    "family": "llama",
+    "seed": 0,
+    "dtype": "float32",
+    "device_map": None,
+    "description": "random Llama with Llama-3.1-8B's attention shapes (step costs only)",
+    "config": {
+        "vocab_size": 256,
+        "hidden_size": 512,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+    },
+}
+
+# A random Llama whose arithmetic is negligible: eight layers of hidden size 64, 4 query and 2 KV
+# heads of 16. With one thread and a short context its step costs what the host spends.
+HOST_MODEL: dict = {
+    "name": "launch_bound",
+    "source": "tiny",
+    "family": "llama",
+    "seed": 0,
+    "dtype": "float32",
+    "device_map": None,
+    "description": "random thin Llama whose decode step is bound by the host (step costs only)",
+    "config": {
+        "vocab_size": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 8192,
+    },
+}
+
+# Knobs a technique needs to run on these models at all: FastV prunes after layer 2 by default,
+# and the launch model has two layers.
+MODEL_OVERRIDES: dict[str, tuple[str, ...]] = {"compressor/fastv": ("compressor.layer=1",)}
+
+# Operations that read a device value on the host: a synchronisation on a GPU.
+SYNCS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "item"})
+# In-place operations that write only what their index names, not the whole tensor they return.
+_INDEXED = frozenset(
+    {"index_put_", "index_copy_", "index_add_", "scatter_", "scatter_add_", "scatter_reduce_"}
+)
+
+
+def _is_view(func) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+def _nbytes(x) -> int:
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+def _written(name: str, args: Sequence, out) -> int:
+    """Bytes an operation writes: its outputs; for an indexed in-place write, the slots it names."""
+    if name in _INDEXED:
+        target = args[0]
+        if name == "index_put_":  # a bool index names its true slots (read here, on the host)
+            idx = [i for i in args[1] if i is not None]
+            if idx[0].dtype == torch.bool:
+                slots, dims = int(idx[0].sum()), idx[0].dim()
+            else:
+                slots, dims = torch.broadcast_shapes(*(i.shape for i in idx)).numel(), len(idx)
+            per = target.shape[dims:].numel()
+            return slots * per * target.element_size()
+        if name.startswith("scatter"):
+            return args[2].numel() * target.element_size()
+        return _nbytes(args[3])  # index_copy_ / index_add_: the source
+    outs = out if isinstance(out, (tuple, list)) else [out]
+    return sum(_nbytes(o) for o in outs)
+
+
+class LaunchCounter(TorchDispatchMode):
+    """Counts, while active and ``on``, the aten operations that are not views (each at least one
+    kernel launch on a GPU), the bytes they write and the ones that read a device value on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = True
+        self.ops = 0
+        self.bytes = 0
+        self.syncs = 0
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.on and not _is_view(func):
+            name = func.overloadpacket.__name__
+            self.ops += 1
+            self.by_op[name] = self.by_op.get(name, 0) + 1
+            self.bytes += _written(name, args, out)
+            self.syncs += name in SYNCS
+        return out
+
+
+@dataclass
+class StepCost:
+    """Per layer per decode step: operations launched, megabytes written, host reads."""
+
+    ops: float
+    mb: float
+    syncs: float
+    by_op: dict[str, float] = field(default_factory=dict)
+
+
+# ``run(n, counter)``: prefill, then ``n`` decode steps with ``counter`` active around them only.
+Run = Callable[[int, LaunchCounter], None]
+
+
+def decode_cost(run: Run, layers: int, short: int = 4, long: int = 20) -> StepCost:
+    """:class:`StepCost` of ``run``'s decode steps, by the difference of ``long`` and ``short`` steps."""
+    a, b = LaunchCounter(), LaunchCounter()
+    run(short, a)
+    run(long, b)
+    per = (long - short) * layers
+    names = set(a.by_op) | set(b.by_op)
+    by_op = {n: (b.by_op.get(n, 0) - a.by_op.get(n, 0)) / per for n in names}
+    return StepCost(
+        (b.ops - a.ops) / per,
+        (b.bytes - a.bytes) / per / 1e6,
+        (b.syncs - a.syncs) / per,
+        {n: c for n, c in sorted(by_op.items(), key=lambda kv: -kv[1]) if c},
+    )
+
+
+def kvbench_run(lm: LoadedModel, stack: Stack, ids: list[int]) -> Run:
+    """Prefill ``ids`` through kvbench's cache with ``stack`` applied, then greedy steps (a needle
+    case's shape: the context compressed at the end of the prefill, then decoding)."""
+
+    def run(steps: int, counter: LaunchCounter) -> None:
+        step = kvbench_stepper(lm, stack, ids)
+        with counter:
+            for _ in range(steps):
+                step()
+
+    return run
+
+
+def plain_model(lm: LoadedModel) -> Any:
+    """A copy of ``lm``'s model (the same weights) attending through SDPA: plain transformers,
+    without switching the model kvbench runs."""
+    model = copy.deepcopy(lm.model)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def plain_run(lm: LoadedModel, model: Any, ids: list[int]) -> Run:
+    """The same work through plain transformers (``model``: :func:`plain_model`): ``DynamicCache``,
+    SDPA, the last position's logits."""
+
+    def run(steps: int, counter: LaunchCounter) -> None:
+        step = plain_stepper(lm, model, ids)
+        with counter:
+            for _ in range(steps):
+                step()
+
+    return run
+
+
+def timed_steps(make: Callable[[], Callable[[], None]], steps: int, warm: int = 2) -> float:
+    """Mean seconds of ``steps`` calls of the step function ``make()`` prepares, after ``warm`` untimed."""
+    step = make()
+    for _ in range(warm):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+def kvbench_stepper(lm: LoadedModel, stack: Stack, ids: list[int]) -> Callable[[], None]:
+    """A prefilled kvbench cache and a function that runs one greedy step through it."""
+    cache = loop.new_cache(lm, stack)
+    tok = [int(loop.step(lm, cache, ids, keep=1)[-1].argmax())]
+
+    def step() -> None:
+        tok[0] = int(loop.step(lm, cache, [tok[0]])[-1].argmax())
+
+    return step
+
+
+def plain_stepper(lm: LoadedModel, model: Any, ids: list[int]) -> Callable[[], None]:
+    """A prefilled ``DynamicCache`` and a function that runs one greedy step of plain transformers
+    (``model``: :func:`plain_model`) through it."""
+    cached = {lm.cache_arg: DynamicCache(config=model.config), "use_cache": True}
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids], device=lm.device), **cached, logits_to_keep=1)
+    tok = [int(out.logits[0, -1].argmax())]
+
+    @torch.inference_mode()
+    def step() -> None:
+        x = torch.tensor([[tok[0]]], device=lm.device)
+        tok[0] = int(model(input_ids=x, **cached).logits[0, -1].argmax())
+
+    return step
+
+
+def catalog() -> list[str]:
+    """Every technique as ``role/name``: each YAML of the three roles but ``none`` and ``chain``
+    (whose stages are empty by default)."""
+    return [
+        f"{role}/{p.stem}"
+        for role in ROLES
+        for p in sorted((CONF_DIR / role).glob("*.yaml"))
+        if p.stem not in ("none", "chain")
+    ]
+
+
+def technique_config(technique: str | None, budget: float, overrides: Sequence[str] = ()) -> DictConfig:
+    """The resolved config of a cell with ``technique`` (``role/name``; None: the full cache) alone."""
+    over = [f"budget={budget}", "model=tiny_random", "dataset=pydoc", "device=cpu", *overrides]
+    if technique is not None:
+        role, name = technique.split("/", 1)
+        over = [f"{role}={name}", *over, *MODEL_OVERRIDES.get(technique, ())]
+    if GlobalHydra.instance().is_initialized():
+        return compose("config", overrides=over)
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=over)
+
+
+def technique_stack(lm: LoadedModel, technique: str | None, budget: float = 0.5, seed: int = 0) -> Stack:
+    """The stack of ``technique`` alone at ``budget``, bound to ``lm`` (may fit a calibration)."""
+    stack = build_stack(technique_config(technique, budget))
+    stack.bind(BindContext.for_model(lm, seed))
+    return stack
+
+
+def model_config(spec: dict) -> DictConfig:
+    """A model config (as ``conf/model/*.yaml``) of one of this module's specs."""
+    cfg = OmegaConf.create(spec)
+    assert isinstance(cfg, DictConfig)
+    return cfg
