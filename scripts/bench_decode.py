@@ -93,7 +93,7 @@ def host(names: list[str | None], context: int, steps: int, rounds: int, budget:
     stacks = {}
     for name in names:  # bound (calibrations fitted) before any timing
         print(f"(2) building {name or FULL}", file=sys.stderr, flush=True)
-        stacks[name] = stepcost.technique_stack(lm, name, budget)
+        stacks[name] = stepcost.technique_stack(lm, name, budget, tiny=True)  # head_dim 16
     ratios: dict[str | None, list[float]] = {n: [] for n in names}
     plain_ms: list[float] = []
     mine_ms: dict[str | None, list[float]] = {n: [] for n in names}

@@ -33,7 +33,7 @@ from helpers import budget_of, padded_batch_vs_solo, tokens
 from kvbench import config, models
 from kvbench.cache import engine
 from kvbench.errors import ConfigError
-from kvbench.eval import loop
+from kvbench.eval import loop, stepcost
 from kvbench.roles import BindContext
 from kvbench.stack import Stack, build_technique, chain_stages
 
@@ -68,17 +68,13 @@ def _env(tmp_path_factory):
     mp.undo()
 
 
-def tiny_knobs(role: str, option: str) -> list[str]:
-    """Knobs sized for the tiny model (3 layers, head_dim 16), from the YAML's ``# tiny: k=v ...``
-    comment line (after its keys, so that docs/techniques.md leaves it out); the YAML's defaults,
-    which suit real models, where there is none."""
-    for line in (CONF / role / f"{option}.yaml").read_text().splitlines():
-        if line.startswith("# tiny:"):
-            return [f"{role}.{kv}" for kv in line.removeprefix("# tiny:").split()]
-    return []
-
-
-TINY_KNOBS = {f"{role}/{option}": knobs for role, option in OPTIONS if (knobs := tiny_knobs(role, option))}
+# Knobs sized for the tiny model (3 layers, head_dim 16), from the YAML's ``# tiny: k=v ...`` comment
+# line (after its keys, so that docs/techniques.md leaves it out); the YAML's defaults where none.
+TINY_KNOBS = {
+    f"{role}/{option}": knobs
+    for role, option in OPTIONS
+    if (knobs := stepcost.tiny_knobs(f"{role}/{option}"))
+}
 
 
 def technique(role: str, option: str, **knobs):

@@ -330,8 +330,9 @@ def _store_at_32k(lm, role: str, technique, layer: int = 0, tokens: int = T32K) 
 
 def _bookkeeping(store: LayerStore) -> int:
     """Bytes beyond the format's and the full-precision rows' keys and values that a store may hold:
-    every segment's rows at their capacity with a position (int64), the techniques' per-token
-    state (float32) and, for merged units, a logit bias (float32) a slot; a compressed segment's
+    every segment's rows at their capacity with a position (int64), a valid flag (bool, for rows
+    that every slot fills), the techniques' per-token state (float32) and, for merged units, a
+    logit bias (float32) a slot; a compressed segment's
     own positions; merged units' member positions (int64 a member); the view's joined positions,
     valid slots and biases (9 bytes a slot, 13 with merged units; at most a quarter and 64 slots of
     room); and the last chunk's query positions."""
@@ -339,7 +340,7 @@ def _bookkeeping(store: LayerStore) -> int:
     state = sum(4 * math.prod(st.shape) for st in store.states())
     merged = [seg.members() for seg in store.segments if seg.members() is not None]
     rows = sum(
-        seg.rows.capacity * bh * (8 + state + (4 if seg.members() is not None else 0))
+        seg.rows.capacity * bh * (8 + 1 + state + (4 if seg.members() is not None else 0))
         for seg in store.segments
     )
     width = sum(seg.rows.width for seg in store.segments)

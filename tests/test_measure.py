@@ -120,8 +120,9 @@ def test_resident_bytes_count_every_tensor_the_cache_holds(tiny):
         for t in seg.rows.fields.values()
     }
     h, n = tiny.kv_heads, len(ids)
-    # per layer besides the fields: the view's valid mask, the last positions, seen and row lengths
-    bookkeeping = tiny.num_layers * (h * n + 8 * n + 8 + 8 * h)
+    # besides the fields: per layer, the valid mask of its full rows (a bool a slot of capacity);
+    # once, the step's positions and counts of tokens seen, which the layers share
+    bookkeeping = sum(h * store.fp.rows.capacity for store in cache.stores) + 8 * n + 8
     assert cache.resident_bytes() == sum(fields.values()) + bookkeeping > cache.nbytes()
     shadowed = loop.new_cache(tiny, make_stack(tiny), shadow=True)
     loop.step(tiny, shadowed, ids)

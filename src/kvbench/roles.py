@@ -260,26 +260,33 @@ class Router(Technique):
         """Called after every forward chunk, last: update shard assignment of stored tokens."""
 
 
-def keep_top(scores: torch.Tensor, valid: torch.Tensor | None, k: int | torch.Tensor) -> torch.Tensor:
+def keep_top(
+    scores: torch.Tensor, valid: torch.Tensor | None, k: int | torch.Tensor, protected_fit: bool = False
+) -> torch.Tensor:
     """Boolean mask of the ``k`` highest valid scores per head-row (ties: the earlier slot).
 
     Args:
         scores: ``(B, H, T)``; protected tokens should carry ``+inf`` and are never dropped.
         valid: ``(B, H, T)``, or None when every slot is a real token.
         k: tokens to keep per head-row: an int, or per sequence ``(B,)``, or per head-row ``(B, H)``.
+        protected_fit: the caller knows that no head-row holds more than ``k`` (an int) protected
+            tokens, so ``k`` is kept exactly, without counting them.
 
     Returns:
         ``(B, H, T)`` bool.
     """
     b, h, t = scores.shape
-    kk = torch.as_tensor(k, device=scores.device).long()
-    kk = kk.view(b, 1) if kk.dim() == 1 else kk
-    kk = kk.expand(b, h) if kk.dim() else kk.expand(b, h)
-    protected = scores == float("inf")
-    kk = torch.maximum(kk, (protected if valid is None else protected & valid).sum(-1))
+    if protected_fit and isinstance(k, int):
+        kk: torch.Tensor | int = k
+    else:
+        kk = torch.as_tensor(k, device=scores.device).long()
+        kk = kk.view(b, 1) if kk.dim() == 1 else kk
+        kk = kk.expand(b, h) if kk.dim() else kk.expand(b, h)
+        protected = scores == float("inf")
+        kk = torch.maximum(kk, (protected if valid is None else protected & valid).sum(-1))[..., None]
     masked = scores if valid is None else scores.masked_fill(~valid, float("-inf"))
     order = masked.argsort(dim=-1, descending=True, stable=True)
     # The first kk of each row in sorted order, put back in place.
-    kept = torch.arange(t, device=scores.device) < kk[..., None]
-    kept = torch.empty_like(kept).scatter_(-1, order, kept)
+    kept = (torch.arange(t, device=scores.device) < kk).expand(b, h, t)
+    kept = torch.empty(b, h, t, dtype=torch.bool, device=scores.device).scatter_(-1, order, kept)
     return kept if valid is None else kept & valid

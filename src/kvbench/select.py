@@ -60,11 +60,30 @@ def evict_by_score(
     if within(store, capacity):
         return
     view = store.view()
+    kept = kept_host(store, budget, capacity)
+    scores = score().masked_fill(budget.protected_view(store), float("inf"))
+    if kept is not None:  # exactly ``kept`` per head-row, known on the host: no count to take
+        store.keep(keep_top(scores, None, kept[0], protected_fit=True), kept)
+        return
     cap = torch.tensor([capacity(seen) for seen in store.seen_host], device=store.device)
     if not view.dense and not bool((view.valid.sum(-1) > cap[:, None]).any()):
         return
-    scores = score().masked_fill(budget.protected_view(store), float("inf"))
     store.keep(keep_top(scores, None if view.dense else view.valid, cap))
+
+
+def kept_host(store: LayerStore, budget: Budget, capacity: Callable[[int], int]) -> list[int] | None:
+    """The tokens every head-row keeps after :func:`keep_top` at ``capacity(seen)``, when host figures
+    prove it (one full segment, sequences at one length, and fewer protected positions than the
+    capacity: sinks, the window and those from ``protect_from`` on), so that :meth:`LayerStore.keep`
+    compacts without reading a count from the device; else None."""
+    if len(store.segments) != 1 or store.uniform_tokens() is None or len(set(store.seen_host)) != 1:
+        return None
+    seen = store.seen_host[0]
+    recent = budget.window
+    if store.protect_from_host is not None:
+        recent = max(recent, seen - min(store.protect_from_host))
+    cap = capacity(seen)
+    return [cap] if budget.sinks + recent <= cap else None
 
 
 @dataclass

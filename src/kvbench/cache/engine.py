@@ -120,6 +120,9 @@ class KVCache(Cache):
         self.probe: HitProbe | None = None
         self.routed = False  # read selectors act for queries after the first compression point
         self.real: torch.Tensor | None = None  # (B, q) non-padding tokens of the coming forward
+        # No technique acts inside attention (none reads scores or queries, selects reads or places
+        # tiers): a decode step over one full segment is then plain SDPA (see ``attend``).
+        self.bare = not (stack.observers or stack.query_observers or stack.read_selector or stack.placer)
 
     # --- transformers interface -------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -184,13 +187,17 @@ class KVCache(Cache):
     def reference_bytes(self) -> int:
         """The same tokens as 16-bit K and V: the denominator-free reference of compression."""
         s = self.stores[0]
-        return len(self.stores) * s.kv_heads * s.head_dim * int(s.seen.sum()) * 2 * 2
+        return len(self.stores) * s.kv_heads * s.head_dim * sum(s.seen_host) * 2 * 2
 
     def attend(
         self, layer: int, query: torch.Tensor, scaling: float, sliding_window: int | None
     ) -> torch.Tensor:
         store = self.stores[layer]
         q_len = query.shape[2]
+        if q_len == 1 and self.bare and sliding_window is None and self.real is None and self.probe is None:
+            kv = store.dense_kv()
+            if kv is not None:  # one decode step over full-precision rows that every head fills
+                return att.attend(query, *kv, None, scaling)
         qpos = store.last_qpos  # (B, q), -1 for padding
         view = store.view()
         selector = self.stack.read_selector if self.routed else None
@@ -204,7 +211,7 @@ class KVCache(Cache):
             and view.dense
             and (view.pos.shape[2] == q_len or q_len == 1)
         )
-        qreal = qpos >= 0
+        qreal = qpos >= 0 if padded else None
 
         def mask_fn(start: int, stop: int) -> torch.Tensor:
             if q_len == 1 and sliding_window is None:  # one step: every stored token is in its past
@@ -213,7 +220,7 @@ class KVCache(Cache):
                 mask = att.read_mask(view.pos, view.valid, qpos[:, start:stop], sliding_window)
             if selector is not None:
                 mask = mask & selector.read_mask(layer, store, query[:, :, start:stop], qpos[:, start:stop])
-            if padded:  # padding queries read every stored token (their output is discarded)
+            if qreal is not None:  # padding queries read every stored token (their output is discarded)
                 mask = torch.where(qreal[:, None, start:stop, None], mask, view.valid[:, :, None, :])
             return mask
 
@@ -257,7 +264,7 @@ class KVCache(Cache):
             for offset, probs in blocks:
                 start = first + offset
                 stop = start + probs.shape[3]
-                if padded:
+                if qreal is not None:
                     probs = probs * qreal[:, None, None, start:stop, None]
                 for tech in observers:
                     tech.observe(layer, store, probs, qpos[:, start:stop])

@@ -106,11 +106,16 @@ class Rows:
 
     def __init__(self, bh: int, device: torch.device):
         self.bh, self.device = bh, device
-        self.lens = torch.zeros(bh, dtype=torch.long, device=device)
+        self._lens: torch.Tensor | None = None  # None while every row holds ``width``: made when read
         self.width = 0  # lens.max(), on the host
         self.uniform = True  # every row holds ``width`` tokens
         self.capacity = 0
-        self.fields: dict[str, torch.Tensor] = {}
+        self._fields: dict[str, torch.Tensor] = {}
+        # A field's values still to write: (name, first column, its value, the last append's values)
+        # for columns ``first ..< width`` that hold ``value, value + 1, ...`` in every row (the
+        # positions of tokens appended in order): written when the field is next read (:attr:`fields`).
+        self._run: tuple[str, int, int, torch.Tensor] | None = None
+        self._ones: torch.Tensor | None = None  # ``valid()`` of full rows: a slice of this, no launch
         self.changed_from: int | None = 0  # first column of the rectangle changed since :meth:`changes`
 
     def changes(self) -> int | None:
@@ -123,18 +128,55 @@ class Rows:
         self.changed_from = start if self.changed_from is None else min(self.changed_from, start)
 
     # --- reading ---------------------------------------------------------------------------
+    @property
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The fields ``(BH, capacity, *rest)`` by name, every value written."""
+        if self._run is not None:
+            self._write_run()
+        return self._fields
+
+    def _write_run(self) -> None:
+        """Write the pending run of consecutive values (one launch for one append, two for more)."""
+        assert self._run is not None
+        name, first, value, last = self._run
+        self._run = None
+        field = self._fields[name]
+        n = self.width - first
+        with torch.inference_mode():  # as the appends it stands for: a forward's fields are inference tensors
+            if n == last.shape[-1]:
+                field[:, first : self.width] = last
+            else:
+                field[:, first : self.width] = torch.arange(value, value + n, device=self.device).to(
+                    field.dtype
+                )
+
+    @property
+    def lens(self) -> torch.Tensor:
+        """``(BH,)`` live tokens per row (made from ``width`` when every row is full, once per change)."""
+        if self._lens is None:
+            self._lens = torch.full((self.bh,), self.width, dtype=torch.long, device=self.device)
+        return self._lens
+
+    @lens.setter
+    def lens(self, value: torch.Tensor) -> None:
+        self._lens = value
+
     def __contains__(self, name: str) -> bool:
-        return name in self.fields
+        return name in self._fields
 
     def get(self, name: str) -> torch.Tensor:
         """The padded rectangle of a field: ``(BH, width, *rest)``, a view (slots past a row's
         length read as zeros)."""
-        return self.fields[name][:, : self.width]
+        if self._run is not None and self._run[0] == name:
+            self._write_run()
+        return self._fields[name][:, : self.width]
 
     def valid(self) -> torch.Tensor:
         """``(BH, width)`` bool: the live slots."""
-        if self.uniform:
-            return torch.ones(self.bh, self.width, dtype=torch.bool, device=self.device)
+        if self.uniform:  # read-only: a slice of one tensor of ones, kept at the capacity
+            if self._ones is None or self._ones.shape[1] < self.width:
+                self._ones = torch.ones(self.bh, self.capacity, dtype=torch.bool, device=self.device)
+            return self._ones[:, : self.width]
         return valid_mask(self.lens, self.width)
 
     def size(self) -> int:
@@ -143,13 +185,13 @@ class Rows:
 
     def token_nbytes(self, names: list[str]) -> int:
         """Bytes of one token's ``names`` fields."""
-        return sum(self.fields[n][0, 0].numel() * self.fields[n].element_size() for n in names)
+        return sum(self._fields[n][0, 0].numel() * self._fields[n].element_size() for n in names)
 
     # --- writing ---------------------------------------------------------------------------
     def ensure(self, name: str, rest: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """Create field ``name`` (zeros for the tokens already stored) unless it exists."""
-        if name not in self.fields:
-            self.fields[name] = torch.zeros(self.bh, self.capacity, *rest, dtype=dtype, device=self.device)
+        if name not in self._fields:
+            self._fields[name] = torch.zeros(self.bh, self.capacity, *rest, dtype=dtype, device=self.device)
         return self.fields[name]
 
     def set(self, name: str, values: torch.Tensor) -> None:
@@ -161,11 +203,12 @@ class Rows:
         if need <= self.capacity:
             return
         cap = need + max(_MIN_GROWTH, need // 4)
-        for name, old in self.fields.items():
+        for name, old in self._fields.items():  # a pending run's columns are written later, to the new one
             new = old.new_zeros(self.bh, cap, *old.shape[2:])
             new[:, : self.width] = old[:, : self.width]
-            self.fields[name] = new
+            self._fields[name] = new
         self.capacity = cap
+        self._ones = None
 
     def _open(self, width: int) -> None:
         """Make room for ``width`` slots and zero the new span past the current width."""
@@ -173,24 +216,49 @@ class Rows:
         for field in self.fields.values():
             field[:, self.width : width] = 0
 
-    def append(self, new: dict[str, torch.Tensor]) -> None:
-        """Append ``q`` tokens to every row: ``new[name]`` ``(BH, q, *rest)``; fields not given get zeros."""
+    def append(self, new: dict[str, torch.Tensor], run: tuple[str, int] | None = None) -> None:
+        """Append ``q`` tokens to every row: ``new[name]`` ``(BH, q, *rest)`` (or ``(1, q, *rest)``,
+        the same for every row); fields not given get zeros.
+
+        ``run``: ``(name, value)`` when field ``name``'s new values are ``value, value + 1, ...`` in
+        every row (positions in order): full rows then write them when the field is next read, in
+        one launch for every append since (a decode step of a cache that no technique reads
+        positions of writes none)."""
         q = next(iter(new.values())).shape[1]
         for name, value in new.items():
-            self.ensure(name, tuple(value.shape[2:]), value.dtype)
+            if name not in self._fields:
+                self.ensure(name, tuple(value.shape[2:]), value.dtype)
         self._changed(self.width if self.uniform else 0)
+        later = run is not None and self.uniform and self._continues(run[0], run[1])
+        if self._run is not None and not later:
+            self._write_run()
         if self.uniform:
             self._reserve(self.width + q)
-            for name, field in self.fields.items():
+            for name, field in self._fields.items():
+                if later and name == run[0]:  # type: ignore[index]
+                    continue
                 field[:, self.width : self.width + q] = new.get(name, 0)
+            if later:
+                assert run is not None
+                if self._run is None:
+                    self._run = (run[0], self.width, run[1], new[run[0]])
+                else:
+                    self._run = (*self._run[:3], new[run[0]])
         else:
             self._open(self.width + q)
             cols = self.lens[:, None] + torch.arange(q, device=self.device)  # (BH, q)
             rows = torch.arange(self.bh, device=self.device)[:, None].expand_as(cols)
             for name, value in new.items():
                 self.fields[name][rows, cols] = value
-        self.lens = self.lens + q
+        self._lens = None if self.uniform else self.lens + q
         self.width += q
+
+    def _continues(self, name: str, value: int) -> bool:
+        """Appending ``value, value + 1, ...`` to field ``name`` continues its pending run (or starts one)."""
+        if self._run is None:
+            return True
+        pending, first, start, _ = self._run
+        return pending == name and start + self.width - first == value
 
     def append_ragged(self, new: dict[str, torch.Tensor], new_lens: torch.Tensor) -> None:
         """Append flat head-major tokens, ``new_lens`` ``(BH,)`` per row: ``new[name]`` ``(n, *rest)``."""
@@ -256,5 +324,7 @@ class Rows:
             new = field.new_empty(field.shape[0], cap, *field.shape[2:])
             plan.apply(field, new)
             self.fields[name] = new
+        if cap != self.capacity:
+            self._ones = None
         self.capacity = cap
         self.lens, self.width, self.uniform = plan.lens, plan.width, plan.least == plan.width

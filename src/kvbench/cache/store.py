@@ -35,6 +35,30 @@ from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.view import JoinedRows, PaddedView, decode_rows, padded_view
 
 S = TypeVar("S", bound=SideData)
+
+# The positions of the last unpadded chunk appended, shared by the layers of a step (they append
+# the same chunk at the same positions): key ``(device, seen before, q)`` -> ``(qpos (B, q), seen
+# after (B,))``. One entry, outside any cache, read-only to its readers.
+_STEP: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _step_positions(device: torch.device, seen: list[int], q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(qpos, seen after)`` of ``q`` new tokens of every sequence after ``seen`` (host counts)."""
+    key = (device, tuple(seen), q)
+    hit = _STEP.get(key)
+    if hit is None:
+        if len(seen) == 1:
+            qpos = torch.arange(seen[0], seen[0] + q, device=device).view(1, q)
+        elif len(set(seen)) == 1:  # every sequence at one position: one arange for the batch
+            qpos = torch.arange(seen[0], seen[0] + q, device=device).repeat(len(seen), 1)
+        else:
+            qpos = torch.tensor(seen, device=device)[:, None] + torch.arange(q, device=device)
+        hit = (qpos, torch.tensor([n + q for n in seen], device=device))
+        _STEP.clear()
+        _STEP[key] = hit
+    return hit
+
+
 Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
 
 
@@ -55,7 +79,7 @@ class LayerStore:
         self.dtype, self.device = dtype, device
         self._fp = FPSegment(batch * kv_heads, device)
         self._compressed: list[Segment] = []  # older tokens in other representations
-        self.seen = torch.zeros(batch, dtype=torch.long, device=device)
+        self._seen: torch.Tensor | None = None  # ``seen`` on the device, made from ``seen_host`` when read
         self.seen_host = [0] * batch  # ``seen`` on the host: decisions that need no device work
         self.protect_from: torch.Tensor | None = None  # (B,): positions >= this are never evicted
         self.protect_from_host: tuple[int, ...] | None = None  # the same, on the host
@@ -81,6 +105,24 @@ class LayerStore:
     def segments(self) -> list[Any]:
         return [*self._compressed, self._fp]
 
+    def next_positions(self, q: int, device: torch.device | None = None) -> torch.Tensor:
+        """``(B, q)`` positions of the next ``q`` unpadded tokens of every sequence (on ``device``,
+        else the store's): the tensor the layers of that step append with, made once for all."""
+        return _step_positions(device or self.device, self.seen_host, q)[0]
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """``(B,)`` on the device: the real tokens each sequence has fed."""
+        if self._seen is None:
+            self._seen = torch.tensor(self.seen_host, dtype=torch.long, device=self.device)
+        return self._seen
+
+    @seen.setter
+    def seen(self, value: torch.Tensor) -> None:
+        self._seen = value
+        self.seen_host = value.tolist()
+        self._seen_max = max(self.seen_host)
+
     @property
     def seen_max(self) -> int:
         return self._seen_max
@@ -102,16 +144,18 @@ class LayerStore:
         b, h, q, d = k.shape
         rows = self._fp.rows
         if real is None:
-            qpos = self.seen[:, None] + torch.arange(q, device=k.device)
+            qpos, self._seen = _step_positions(k.device, self.seen_host, q)
             self.last_qpos = qpos
+            at_one = len(set(self.seen_host)) == 1  # every row gets positions seen, seen + 1, ...
             rows.append(
                 {
                     "k": k.reshape(b * h, q, d),
                     "v": v.reshape(b * h, q, d),
-                    "pos": qpos.repeat_interleave(h, dim=0),
-                }
+                    # one sequence: its positions broadcast over its heads as they are written
+                    "pos": qpos if b == 1 else qpos.repeat_interleave(h, dim=0),
+                },
+                run=("pos", self.seen_host[0]) if at_one else None,  # written when read
             )
-            self.seen = self.seen + q
             self.seen_host = [n + q for n in self.seen_host]
             self._seen_max += q
             self.last_padded = False
@@ -129,8 +173,8 @@ class LayerStore:
                 },
                 keep.sum(-1),
             )
-            self.seen = self.seen + real.sum(-1)
-            self.seen_host = self.seen.tolist()  # the one synchronisation of a padded append
+            self._seen = self.seen + real.sum(-1)
+            self.seen_host = self._seen.tolist()  # the one synchronisation of a padded append
             self._seen_max = max(self.seen_host)
             self.last_padded = True
         self._view = None
@@ -253,6 +297,15 @@ class LayerStore:
         technique's step): a compressed cache holds no decoded copy between steps."""
         if self._view is not None:
             self._view.release()
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The keys and values ``(B, H, T, D)`` when the full-precision rows hold every token and
+        every head-row is full (views of the rows, no mask needed to read them), else None."""
+        rows = self._fp.rows
+        if self._compressed or not rows.uniform:
+            return None
+        shape = (self.batch, self.kv_heads, rows.width, self.head_dim)
+        return rows.get("k").view(shape), rows.get("v").view(shape)
 
     def decoded(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of head-rows ``lo .. hi - 1`` laid out as ``view()``'s, ``(hi - lo, T, D)``

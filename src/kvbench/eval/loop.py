@@ -72,8 +72,7 @@ def forward(
     """Feed ``ids`` (one sequence) at the cache's true positions; returns logits ``(k, V)`` fp32 of
     the last ``k = keep`` positions (None: all; 0: none), the only rows the lm head computes."""
     x = torch.as_tensor(ids, device=lm.device).view(1, -1)
-    start = cache.get_seq_length()
-    pos = torch.arange(start, start + x.shape[1], device=lm.device).view(1, -1)
+    pos = cache.stores[0].next_positions(x.shape[1], lm.device)  # the layers append at these, made once
     return _logits(lm, x, pos, cache, keep)[0]
 
 

@@ -259,21 +259,38 @@ def catalog() -> list[str]:
     ]
 
 
-def technique_config(technique: str | None, budget: float, overrides: Sequence[str] = ()) -> DictConfig:
-    """The resolved config of a cell with ``technique`` (``role/name``; None: the full cache) alone."""
-    over = [f"budget={budget}", "model=tiny_random", "dataset=pydoc", "device=cpu", *overrides]
+def tiny_knobs(technique: str) -> list[str]:
+    """Knobs sized for a tiny model (a few layers, head_dim 16), from the technique's YAML's
+    ``# tiny: k=v ...`` comment line, as overrides (``role.k=v``); none where it has no such line
+    (its defaults suit any model)."""
+    role, name = technique.split("/", 1)
+    for line in (CONF_DIR / role / f"{name}.yaml").read_text().splitlines():
+        if line.startswith("# tiny:"):
+            return [f"{role}.{kv}" for kv in line.removeprefix("# tiny:").split()]
+    return []
+
+
+def technique_config(technique: str | None, budget: float, tiny: bool = False) -> DictConfig:
+    """The resolved config of a cell with ``technique`` (``role/name``; None: the full cache) alone;
+    ``tiny``: with the knobs its YAML sizes for tiny models (:func:`tiny_knobs`). Needs the schema
+    registered (:func:`kvbench.config.register`)."""
+    over = [f"budget={budget}", "model=tiny_random", "dataset=pydoc", "device=cpu"]
     if technique is not None:
         role, name = technique.split("/", 1)
-        over = [f"{role}={name}", *over, *MODEL_OVERRIDES.get(technique, ())]
+        knobs = tiny_knobs(technique) if tiny else []
+        over = [f"{role}={name}", *over, *MODEL_OVERRIDES.get(technique, ()), *knobs]
     if GlobalHydra.instance().is_initialized():
         return compose("config", overrides=over)
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=over)
 
 
-def technique_stack(lm: LoadedModel, technique: str | None, budget: float = 0.5, seed: int = 0) -> Stack:
-    """The stack of ``technique`` alone at ``budget``, bound to ``lm`` (may fit a calibration)."""
-    stack = build_stack(technique_config(technique, budget))
+def technique_stack(
+    lm: LoadedModel, technique: str | None, budget: float = 0.5, tiny: bool = False, seed: int = 0
+) -> Stack:
+    """The stack of ``technique`` alone at ``budget``, bound to ``lm`` (may fit a calibration);
+    ``tiny``: see :func:`technique_config`."""
+    stack = build_stack(technique_config(technique, budget, tiny))
     stack.bind(BindContext.for_model(lm, seed))
     return stack
 

@@ -1,0 +1,146 @@
+"""What a decode step launches and writes, per layer, bounded per technique (issue 29).
+
+Counted by :mod:`kvbench.eval.stepcost` on a random Llama with Llama-3.1-8B's attention shapes
+(32/8 heads of 128) after a :data:`CONTEXT`-token prefill at budget 0.5: aten operations that are
+not views (each at least one launch on a GPU) and the bytes they write, while decoding only. Counts
+are deterministic, so they are bounded here; time ratios belong to ``scripts/bench_decode.py``.
+
+:data:`CEILINGS` holds each technique's count as measured when it was last cut (a little slack for
+the bytes' float sums): a change that launches or writes more fails here, naming the technique. A
+change that cuts them lowers its line. The targets of issue 29 (the full cache at most plain
+transformers' launches, every technique at most 1.5x; bytes that do not grow with the context) are
+printed by the benchmark; the full cache's launch target is asserted below.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvbench import config, models
+from kvbench.eval import stepcost
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTEXT = 512
+BUDGET = 0.5
+
+# technique (None: the full cache): (operations beyond plain transformers', MB written) per layer per
+# decode step at CONTEXT tokens, as measured on 2026-11-26 (issue 29; plain transformers: 45.5
+# operations and 4.47 MB). Operations are counted beyond transformers' own, so that a version of
+# transformers that launches more or less in the model itself moves both sides alike.
+CEILINGS: dict[str | None, tuple[float, float]] = {
+    None: (-0.25, 0.2),
+    "router/adaptive": (68.0, 0.49),
+    "router/base": (52.0, 0.48),
+    "router/eplb": (140.25, 2.65),
+    "router/hierarchical": (70.0, 0.57),
+    "router/pikv": (140.0, 1.04),
+    "router/topk_balanced": (161.0, 1.08),
+    "compressor/chunkkv": (70.25, 1.49),
+    "compressor/distillation": (84.75, 18.34),
+    "compressor/fastv": (32.0, 2.2),
+    "compressor/lora": (86.25, 19.58),
+    "compressor/lora_plus_plus": (128.25, 20.32),
+    "compressor/pikv": (106.5, 10.94),
+    "compressor/pruning": (54.75, 12.2),
+    "compressor/pyramid": (28.0, 16.62),
+    "compressor/pyramidkv": (30.75, 1.59),
+    "compressor/quantized": (30.0, 20.64),
+    "compressor/random": (14.75, 3.81),
+    "compressor/snapkv": (29.75, 4.17),
+    "compressor/svd": (32.75, 15.81),
+    "scheduler/adakv": (103.25, 5.06),
+    "scheduler/duo_attention": (18.25, 0.94),
+    "scheduler/flexgen": (57.25, 0.35),
+    "scheduler/h2o": (20.75, 3.93),
+    "scheduler/lru": (29.75, 4.02),
+    "scheduler/lru_plus": (47.75, 4.07),
+    "scheduler/quest": (11.75, 0.23),
+    "scheduler/streaming_llm": (13.25, 3.8),
+}
+
+
+@pytest.fixture(scope="module")
+def launch_model():
+    config.register()  # the schema config.yaml extends, for composing the techniques' cells
+    return models.load(stepcost.model_config(stepcost.LAUNCH_MODEL), "cpu")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, 256, (CONTEXT,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+@pytest.fixture(scope="module")
+def plain(launch_model, prompt):
+    model = stepcost.plain_model(launch_model)
+    return stepcost.decode_cost(stepcost.plain_run(launch_model, model, prompt), launch_model.num_layers)
+
+
+def test_counter_counts_launches_and_bytes_not_views():
+    x = torch.zeros(4, 8)
+    with stepcost.LaunchCounter() as c:
+        y = x.view(8, 4).t()  # views: no launch
+        z = y + 1  # one launch, 128 bytes
+        z[:, :2] = 0  # a slice is a view; the fill writes 2 x 8 floats
+        idx = torch.tensor([0, 3])
+        z.index_copy_(0, idx, torch.ones(2, 8))  # writes 2 rows of 8 floats, not all of z
+        float(z.sum())  # a host read
+    assert c.by_op["add"] == 1 and "view" not in c.by_op and "t" not in c.by_op
+    assert c.bytes >= 128 + 64 + 64 and c.bytes < 128 + 64 + 64 + 4 * 128
+    assert c.syncs == 1
+
+
+def test_full_cache_launches_no_more_than_plain_transformers(launch_model, prompt, plain):
+    stack = stepcost.technique_stack(launch_model, None, BUDGET)
+    mine = stepcost.decode_cost(stepcost.kvbench_run(launch_model, stack, prompt), launch_model.num_layers)
+    assert mine.ops <= plain.ops, (
+        f"full cache {mine.ops} launches per layer per step, transformers {plain.ops}"
+    )
+    assert mine.mb < 0.05 * plain.mb  # a token written in place, not the cache concatenated
+    assert mine.syncs <= plain.syncs  # the next token read on the host, as transformers' loop does
+
+
+@pytest.mark.parametrize("technique", [None, *stepcost.catalog()])
+def test_decode_step_launches_and_writes_within_its_ceiling(launch_model, prompt, plain, technique):
+    extra, mb = CEILINGS[technique]
+    stack = stepcost.technique_stack(launch_model, technique, BUDGET)
+    cost = stepcost.decode_cost(stepcost.kvbench_run(launch_model, stack, prompt), launch_model.num_layers)
+    name = technique or "full cache"
+    assert cost.ops - plain.ops <= extra, (
+        f"{name}: {cost.ops} launches per layer per decode step, {cost.ops - plain.ops} beyond plain "
+        f"transformers' {plain.ops}; ceiling {extra} beyond"
+    )
+    assert cost.mb <= mb, f"{name}: {cost.mb:.3f} MB written per layer per decode step, ceiling {mb}"
+
+
+def test_the_benchmark_runs_and_prints_both_parts():
+    """``scripts/bench_decode.py`` on a short context and one technique: both tables, with their targets."""
+    got = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_decode.py"),
+            "--only",
+            "scheduler/quest",
+            "--contexts",
+            "48,64",
+            "--host-context",
+            "32",
+            "--steps",
+            "2",
+            "--rounds",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    out = got.stdout
+    for line in ("transformers", "full cache", "scheduler/quest", "MB@48", "MB@64"):
+        assert line in out, out
+    assert "within their launch target" in out and "within their host-time target" in out, out
