@@ -176,17 +176,22 @@ def decode_cost(run: Run, layers: int, short: int = 4, long: int = 20) -> StepCo
     )
 
 
-def kvbench_run(lm: LoadedModel, stack: Stack, ids: list[int]) -> Run:
-    """Prefill ``ids`` through kvbench's cache with ``stack`` applied, then greedy steps (a needle
-    case's shape: the context compressed at the end of the prefill, then decoding)."""
+def counted(make: Callable[[], Callable[[], None]]) -> Run:
+    """A :data:`Run` of the step function ``make()`` prepares (its prefill outside the count)."""
 
     def run(steps: int, counter: LaunchCounter) -> None:
-        step = kvbench_stepper(lm, stack, ids)
+        step = make()
         with counter:
             for _ in range(steps):
                 step()
 
     return run
+
+
+def kvbench_run(lm: LoadedModel, stack: Stack, ids: list[int]) -> Run:
+    """Prefill ``ids`` through kvbench's cache with ``stack`` applied, then greedy steps (a needle
+    case's shape: the context compressed at the end of the prefill, then decoding)."""
+    return counted(lambda: kvbench_stepper(lm, stack, ids))
 
 
 def plain_model(lm: LoadedModel) -> Any:
@@ -200,14 +205,7 @@ def plain_model(lm: LoadedModel) -> Any:
 def plain_run(lm: LoadedModel, model: Any, ids: list[int]) -> Run:
     """The same work through plain transformers (``model``: :func:`plain_model`): ``DynamicCache``,
     SDPA, the last position's logits."""
-
-    def run(steps: int, counter: LaunchCounter) -> None:
-        step = plain_stepper(lm, model, ids)
-        with counter:
-            for _ in range(steps):
-                step()
-
-    return run
+    return counted(lambda: plain_stepper(lm, model, ids))
 
 
 def timed_steps(make: Callable[[], Callable[[], None]], steps: int, warm: int = 2) -> float:
