@@ -229,21 +229,18 @@ class Rows:
             if name not in self._fields:
                 self.ensure(name, tuple(value.shape[2:]), value.dtype)
         self._changed(self.width if self.uniform else 0)
-        later = run is not None and self.uniform and self._continues(run[0], run[1])
-        if self._run is not None and not later:
+        later = run if run is not None and self.uniform and self._continues(*run) else None
+        if self._run is not None and later is None:
             self._write_run()
         if self.uniform:
             self._reserve(self.width + q)
             for name, field in self._fields.items():
-                if later and name == run[0]:  # type: ignore[index]
-                    continue
-                field[:, self.width : self.width + q] = new.get(name, 0)
-            if later:
-                assert run is not None
-                if self._run is None:
-                    self._run = (run[0], self.width, run[1], new[run[0]])
-                else:
-                    self._run = (*self._run[:3], new[run[0]])
+                if later is None or name != later[0]:
+                    field[:, self.width : self.width + q] = new.get(name, 0)
+            if later is not None:
+                key, start = later
+                first, start = (self.width, start) if self._run is None else self._run[1:3]
+                self._run = (key, first, start, new[key])
         else:
             self._open(self.width + q)
             cols = self.lens[:, None] + torch.arange(q, device=self.device)  # (BH, q)

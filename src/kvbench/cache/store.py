@@ -29,35 +29,13 @@ from typing import Any, TypeVar
 import torch
 
 from kvbench.cache import ragged
+from kvbench.cache.positions import step_positions
 from kvbench.cache.rows import Rows
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
 from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.view import JoinedRows, PaddedView, decode_rows, padded_view
 
 S = TypeVar("S", bound=SideData)
-
-# The positions of the last unpadded chunk appended, shared by the layers of a step (they append
-# the same chunk at the same positions): key ``(device, seen before, q)`` -> ``(qpos (B, q), seen
-# after (B,))``. One entry, outside any cache, read-only to its readers.
-_STEP: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _step_positions(device: torch.device, seen: list[int], q: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(qpos, seen after)`` of ``q`` new tokens of every sequence after ``seen`` (host counts)."""
-    key = (device, tuple(seen), q)
-    hit = _STEP.get(key)
-    if hit is None:
-        if len(seen) == 1:
-            qpos = torch.arange(seen[0], seen[0] + q, device=device).view(1, q)
-        elif len(set(seen)) == 1:  # every sequence at one position: one arange for the batch
-            qpos = torch.arange(seen[0], seen[0] + q, device=device).repeat(len(seen), 1)
-        else:
-            qpos = torch.tensor(seen, device=device)[:, None] + torch.arange(q, device=device)
-        hit = (qpos, torch.tensor([n + q for n in seen], device=device))
-        _STEP.clear()
-        _STEP[key] = hit
-    return hit
-
 
 Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
 
@@ -108,7 +86,7 @@ class LayerStore:
     def next_positions(self, q: int, device: torch.device | None = None) -> torch.Tensor:
         """``(B, q)`` positions of the next ``q`` unpadded tokens of every sequence (on ``device``,
         else the store's): the tensor the layers of that step append with, made once for all."""
-        return _step_positions(device or self.device, self.seen_host, q)[0]
+        return step_positions(device or self.device, self.seen_host, q)[0]
 
     @property
     def seen(self) -> torch.Tensor:
@@ -144,7 +122,7 @@ class LayerStore:
         b, h, q, d = k.shape
         rows = self._fp.rows
         if real is None:
-            qpos, self._seen = _step_positions(k.device, self.seen_host, q)
+            qpos, self._seen = step_positions(k.device, self.seen_host, q)
             self.last_qpos = qpos
             at_one = len(set(self.seen_host)) == 1  # every row gets positions seen, seen + 1, ...
             rows.append(

@@ -10,7 +10,7 @@ Python around it. Both can be measured without a GPU:
   (:func:`decode_cost`). Deterministic: tests bound them per technique.
 - **Host time**, on a model whose arithmetic is negligible (:data:`HOST_MODEL`: eight thin layers,
   a short context, one thread): its step costs what the host spends per operation and per line of
-  Python, as a batch-1 step on a GPU does (:func:`host_tpot`). Time ratios belong to the benchmark
+  Python, as a batch-1 step on a GPU does (:func:`timed_steps`). Time ratios belong to the benchmark
   (``scripts/bench_decode.py``), not to tests.
 
 Both sides run the same greedy loop: the next token read on the host after each step (as
