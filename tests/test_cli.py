@@ -99,6 +99,33 @@ def test_record_identity_excludes_logging_and_paths(tmp_path):
     assert ids[0] == ids[1] and ids[0] != ids[2]
 
 
+def test_a_technique_version_past_one_is_part_of_the_cell_identity(monkeypatch):
+    """Version 1 leaves the ids of cells computed before versions existed; a bump gives new ones, in
+    single stacks and in a chain's stages alike."""
+    from hydra import compose, initialize_config_dir
+
+    from kvbench import config, run
+    from kvbench.compressors.svd import SVDCompressor
+    from kvbench.schedulers.h2o import H2OScheduler
+
+    config.register()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        one = compose("config", overrides=[*TINY, "scheduler=h2o"])
+        chain = compose("config", overrides=[*TINY, "compressor=chain", "compressor.stages=[chunkkv,svd]"])
+
+    def ids() -> tuple[dict, dict]:
+        return tuple(run.identity(x, config.validate(x), "sha") for x in (one, chain))  # type: ignore[return-value]
+
+    before = ids()
+    assert "version" not in before[0]["stack"]["scheduler"]
+    monkeypatch.setattr(H2OScheduler, "version", 2)
+    monkeypatch.setattr(SVDCompressor, "version", 3)
+    after = ids()
+    assert after[0]["stack"]["scheduler"] == {**before[0]["stack"]["scheduler"], "version": 2}
+    stages = after[1]["stack"]["compressor"]["stages"]
+    assert "version" not in stages[0] and stages[1]["version"] == 3
+
+
 def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path):
     """Hydra's own flags with a value (``--cfg job``) are not taken for overrides."""
     out = run_kvbench("--cfg", "job", *TINY, tmp=tmp_path)

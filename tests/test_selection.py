@@ -437,3 +437,18 @@ def test_window_scores_of_ragged_rows_in_position_order_equal_the_sorted_pool():
     store.set_state(sched.ring, ring)
     want = pool_scores(ring.sum(-1), view.pos, view.valid, 5)
     assert torch.equal(sched.window_scores(store), want)
+
+
+def test_an_eviction_breaks_ties_by_position_whatever_the_layout():
+    """The lowest scores leave, ties keeping the earlier position, in rows in position order or not:
+    the selection does not depend on where the cache put its tokens."""
+    from kvbench.select import lowest
+
+    scores = torch.tensor([[[3.0, 1.0, 1.0, 2.0, 1.0, float("inf")]]])
+    pos = torch.tensor([[[0, 1, 2, 3, 4, 5]]])
+    assert sorted(lowest(scores, None, 3)[0, 0].tolist()) == [1, 2, 4]
+    assert sorted(lowest(scores, None, 4)[0, 0].tolist()) == [2, 4]  # ties: the later positions leave
+    perm = torch.tensor([4, 0, 5, 2, 1, 3])  # the same tokens, another layout
+    shuffled, spos = scores[..., perm], pos[..., perm]
+    left = lowest(shuffled, spos.argsort(-1), 4)[0, 0]
+    assert sorted(spos[0, 0, left].tolist()) == [2, 4]

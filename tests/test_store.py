@@ -206,3 +206,47 @@ def test_queued_extends_join_on_read():
         longest = max(longest, len(seg.__dict__.get("_queued", [])))
     assert longest == JOIN_EVERY and seg.size == bh * 73
     assert torch.equal(seg.pos, torch.arange(73).repeat(bh))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_drop_moves_the_last_tokens_into_the_freed_slots(seed):
+    """A drop keeps exactly the other tokens of each row, each with its fields side by side, writes
+    only the freed slots, and sort_by puts the rows back in position order as a keep would leave them."""
+    from kvbench.cache.rows import Rows
+
+    gen = torch.Generator().manual_seed(seed)
+    bh, w, e = 3, 24, 1 + seed % 4
+    rows = Rows(bh, torch.device("cpu"))
+    rows.append({"k": torch.randn(bh, w, 2, generator=gen), "pos": torch.arange(w).expand(bh, w)})
+    before = {name: rows.get(name).clone() for name in rows.fields}
+    cols = torch.stack([torch.randperm(w, generator=gen)[:e] for _ in range(bh)])
+    if seed == 5:
+        cols[0] = torch.arange(w - e, w)  # the last slots themselves leave
+    keep = torch.ones(bh, w, dtype=torch.bool).scatter_(1, cols, False)
+    assert rows.lens.tolist() == [w] * bh  # lengths read before: made again after
+    rows.drop(cols)
+    assert rows.width == w - e and rows.uniform and not rows.ordered and rows.lens.tolist() == [w - e] * bh
+    for r in range(bh):
+        got = {int(p): k for p, k in zip(rows.get("pos")[r], rows.get("k")[r])}
+        assert sorted(got) == before["pos"][r][keep[r]].tolist()
+        for p, k in got.items():
+            assert torch.equal(k, before["k"][r, p])
+        stayed = [c for c in range(w - e) if keep[r, c]]  # slots not freed keep their token
+        assert rows.get("pos")[r, stayed].tolist() == stayed
+    rows.sort_by("pos")
+    assert rows.ordered
+    for r in range(bh):
+        assert torch.equal(rows.get("k")[r], before["k"][r][keep[r]])
+
+
+def test_a_store_puts_dropped_rows_back_in_order_for_a_reader_of_the_oldest():
+    """After a drop the rows are out of position order; ``fp_view`` (what a representation's
+    ``move_out`` masks align with, the oldest first) puts them back."""
+    store = LayerStore(1, 2, 4, torch.float32, torch.device("cpu"))
+    store.append(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4))
+    assert store.can_drop(8) and not store.can_drop(7)  # a quarter at most
+    store.drop(torch.tensor([[[2], [5]]]))
+    assert not store.in_position_order()
+    assert store.view().pos[0, 0].tolist() == [0, 1, 9, 3, 4, 5, 6, 7, 8]
+    assert store.fp_view("pos").tolist() == [[0, 1, 3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, 6, 7, 8, 9]]
+    assert store.in_position_order()

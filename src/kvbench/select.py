@@ -62,6 +62,10 @@ def evict_by_score(
     view = store.view()
     kept = kept_host(store, budget, capacity)
     scores = score().masked_fill(budget.protected_view(store), float("inf"))
+    if kept is not None and store.can_drop(kept[0]):  # a few leave: into their slots go the last
+        # tokens (O(evicted) writes)
+        store.drop(lowest(scores, None if store.in_position_order() else store.by_position(), kept[0]))
+        return
     if kept is not None:  # exactly ``kept`` per head-row, known on the host: no count to take
         store.keep(keep_top(scores, None, kept[0], protected_fit=True), kept)
         return
@@ -69,6 +73,17 @@ def evict_by_score(
     if not view.dense and not bool((view.valid.sum(-1) > cap[:, None]).any()):
         return
     store.keep(keep_top(scores, None if view.dense else view.valid, cap))
+
+
+def lowest(scores: torch.Tensor, by_pos: torch.Tensor | None, kept: int) -> torch.Tensor:
+    """``(B, H, T - kept)`` columns of all but the ``kept`` best ``scores`` ``(B, H, T)`` per head-row,
+    ties keeping the earlier position (as :func:`keep_top` keeps the earlier slot of rows in position
+    order), so a selection does not depend on where the cache put its tokens. ``by_pos``: the columns
+    in position order (:meth:`LayerStore.by_position`), or None when positions increase along ``T``."""
+    if by_pos is None:
+        return scores.argsort(dim=-1, descending=True, stable=True)[..., kept:]
+    rank = torch.gather(scores, -1, by_pos).argsort(dim=-1, descending=True, stable=True)
+    return torch.gather(by_pos, -1, rank[..., kept:])
 
 
 def kept_host(store: LayerStore, budget: Budget, capacity: Callable[[int], int]) -> list[int] | None:
@@ -170,8 +185,10 @@ class ObservationWindow:
         """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV)."""
         view = store.view()
         score = store.state(self.ring).sum(-1)
-        if not store.in_position_order() or self.pool <= 1:
-            return pool_scores(score, view.pos, view.valid, self.pool)
+        if self.pool <= 1:
+            return score
+        if not store.in_position_order():
+            return pool_scores(score, view.pos, view.valid, self.pool, store.by_position(), view.dense)
         if view.dense:  # every slot a token, in position order
             return pool_sorted(score, self.pool)
         # In position order, each row's tokens first: its padding pools as -inf, reads as 0
@@ -179,15 +196,26 @@ class ObservationWindow:
         return pool_sorted(score.masked_fill(padding, float("-inf")), self.pool).masked_fill(padding, 0.0)
 
 
-def pool_scores(score: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, kernel: int) -> torch.Tensor:
-    """Max-pool scores over ``kernel`` neighbouring stored tokens in position order (odd kernel)."""
+def pool_scores(
+    score: torch.Tensor,
+    pos: torch.Tensor,
+    valid: torch.Tensor,
+    kernel: int,
+    order: torch.Tensor | None = None,
+    dense: bool = False,
+) -> torch.Tensor:
+    """Max-pool scores over ``kernel`` neighbouring stored tokens in position order (odd kernel);
+    ``order``: the columns in position order, padding last, when known (:meth:`LayerStore.by_position`);
+    ``dense``: every slot is a token (``valid`` all True)."""
     if kernel <= 1:
         return score
-    key = torch.where(valid, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max))
-    order = key.argsort(-1)
-    s = torch.gather(score, -1, order).masked_fill(~torch.gather(valid, -1, order), float("-inf"))
+    if order is None:
+        order = torch.where(valid, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max)).argsort(-1)
+    s = torch.gather(score, -1, order)
+    if not dense:
+        s = s.masked_fill(~torch.gather(valid, -1, order), float("-inf"))
     out = torch.empty_like(score).scatter_(-1, order, pool_sorted(s, kernel))
-    return out.masked_fill(~valid, 0.0)
+    return out if dense else out.masked_fill(~valid, 0.0)
 
 
 def pool_sorted(score: torch.Tensor, kernel: int) -> torch.Tensor:

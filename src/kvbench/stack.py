@@ -221,14 +221,26 @@ def build_stack(cfg: DictConfig) -> Stack:
     return stack
 
 
+def _versioned(knobs: dict[str, Any], tech: Any) -> dict[str, Any]:
+    """A technique's knobs with its :attr:`Technique.version` once bumped past 1 (version 1 is left
+    out, so the ids of cells computed before versions existed do not move)."""
+    version = getattr(tech, "version", 1)
+    return knobs if version == 1 else {**knobs, "version": version}
+
+
 def stack_identity(cfg: DictConfig, stack: Stack) -> dict[str, Any]:
-    """What of the stack can change a number: each technique's resolved knobs, and the budget if used."""
+    """What of the stack can change a number: each technique's resolved knobs and version, and the
+    budget if used."""
     ident: dict[str, Any] = {}
     for role in ROLES:
         node = cfg.get(role)
         ident[role] = OmegaConf.to_container(node, resolve=True) if node is not None else None
         if role == "compressor" and stack.chained:
-            ident[role]["stages"] = stack.resolved_stages  # a chain: its stages' full knobs
+            ident[role]["stages"] = [
+                _versioned(stage, tech) for stage, tech in zip(stack.resolved_stages, stack.compressors)
+            ]  # a chain: its stages' full knobs
+        elif ident[role] is not None:
+            ident[role] = _versioned(ident[role], getattr(stack, role))
     if stack.order:
         ident["budget"] = {k: cfg[k] for k in ("budget", "budget_tokens", "sinks", "window")}
     return ident

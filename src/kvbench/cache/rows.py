@@ -116,6 +116,10 @@ class Rows:
         # positions of tokens appended in order): written when the field is next read (:attr:`fields`).
         self._run: tuple[str, int, int, torch.Tensor] | None = None
         self._ones: torch.Tensor | None = None  # ``valid()`` of full rows: a slice of this, no launch
+        self._starts: torch.Tensor | None = None  # ``(BH, 1)`` each row's first flat slot, at the capacity
+        # Positions increase along each row (arrival order): appends, keeps and moves preserve it;
+        # :meth:`drop` (a token into a freed slot) ends it, :meth:`sort_by` restores it.
+        self.ordered = True
         self.changed_from: int | None = 0  # first column of the rectangle changed since :meth:`changes`
 
     def changes(self) -> int | None:
@@ -208,7 +212,7 @@ class Rows:
             new[:, : self.width] = old[:, : self.width]
             self._fields[name] = new
         self.capacity = cap
-        self._ones = None
+        self._ones = self._starts = None
 
     def _open(self, width: int) -> None:
         """Make room for ``width`` slots and zero the new span past the current width."""
@@ -322,6 +326,55 @@ class Rows:
             plan.apply(field, new)
             self.fields[name] = new
         if cap != self.capacity:
-            self._ones = None
+            self._ones = self._starts = None
         self.capacity = cap
         self.lens, self.width, self.uniform = plan.lens, plan.width, plan.least == plan.width
+
+    def drop(self, cols: torch.Tensor) -> None:
+        """Evict the slots ``cols`` ``(BH, e)`` (distinct columns of each row) from full rows, in
+        O(e) writes: each freed slot below the new width takes one of the last ``e`` slots' live
+        tokens, every field alike, in place. Rows are no longer in position order (:attr:`ordered`);
+        attention reads positions beside each slot, so its order does not matter there.
+
+        A decode step's eviction (one token in, one out) writes one slot per field and row instead
+        of rewriting the kept rows."""
+        assert self.uniform, "drop: rows of different lengths compact (keep)"
+        bh, e = cols.shape
+        width = self.width - e
+        if self._starts is None:
+            self._starts = torch.arange(bh, device=self.device)[:, None] * self.capacity
+        if e == 1:  # the last slot's token moves into the freed one (onto itself if that is the last)
+            dst = self._starts + cols
+            src = self._starts + width
+        else:  # holes below ``width`` first, paired with the last slots that stay, in order
+            holes = cols.sort(-1).values
+            leaves = torch.zeros(bh, e, dtype=torch.int8, device=self.device)
+            leaves.scatter_add_(1, (holes - width).clamp(min=0), (holes >= width).to(torch.int8))
+            stay = torch.argsort(leaves, dim=-1, stable=True)  # the last slots that stay, first
+            # pairs past the holes join a leaving slot to a leaving slot: both past the new width
+            dst, src = self._starts + holes, self._starts + width + stay
+        dst, src = dst.view(-1), src.view(-1)
+        with torch.inference_mode():  # in place, as appends: a forward's fields are inference tensors
+            for field in self.fields.values():
+                flat = field.view(bh * self.capacity, *field.shape[2:])
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+        self.width, self._lens = width, None  # every row still full: lengths made when read
+        self.ordered = False
+        self._changed(0)
+
+    def sort_by(self, name: str) -> None:
+        """Put each row's live tokens back in the order of field ``name`` (positions), every field
+        alike: one rewrite of the rows, for a reader that needs arrival order after :meth:`drop`."""
+        if self.ordered:
+            return
+        key = self.get(name)
+        if not self.uniform:
+            key = key.masked_fill(~self.valid(), torch.iinfo(key.dtype).max)  # padding stays last
+        order = key.argsort(dim=-1, stable=True)
+        with torch.inference_mode():
+            for field in self.fields.values():
+                rect = field[:, : self.width]
+                idx = order.view(*order.shape, *([1] * (field.dim() - 2))).expand_as(rect)
+                field[:, : self.width] = torch.gather(rect, 1, idx)
+        self.ordered = True
+        self._changed(0)

@@ -67,6 +67,7 @@ class LayerStore:
         self._seen_max = 0
         self._view: PaddedView | None = None
         self._joined: JoinedRows | None = None  # the view's positions when several segments hold tokens
+        self._by_pos: tuple[PaddedView, torch.Tensor] | None = None  # a view and its position order
         self.edits = 0  # changes to stored tokens other than appends (evictions, moves): see ``edits``
         self.copies: dict[str, Any] = {}  # techniques' copies elsewhere (FlexGen's tier): resident bytes
 
@@ -248,12 +249,36 @@ class LayerStore:
         self.edits += 1
         self._view = None
 
+    def can_drop(self, kept: int) -> bool:
+        """:meth:`drop` applies: the full-precision rows hold every token, each head-row the same
+        number, and a few of them leave (at most a quarter; more compact as cheaply, in order)."""
+        rows = self._fp.rows
+        return not self._compressed and rows.uniform and 4 * (rows.width - kept) <= rows.width
+
+    def drop(self, cols: torch.Tensor) -> None:
+        """Evict the tokens at columns ``cols`` ``(B, H, e)`` of ``view()`` (distinct per head-row;
+        see :meth:`can_drop`): the last tokens move into the freed slots, O(e) writes
+        (:meth:`Rows.drop`); the rows are then out of position order until a reader needs it."""
+        self._fp.rows.drop(cols.reshape(self.batch * self.kv_heads, -1))
+        self.edits += 1
+        self._view = None
+
+    def _in_order(self) -> None:
+        """Put the full-precision rows back in position order if a :meth:`drop` left them out of it."""
+        if not self._fp.rows.ordered:
+            self._fp.rows.sort_by("pos")
+            self.edits += 1
+            self._view = None
+
     # --- reading --------------------------------------------------------------------------
     def fp_view(self, name: str = "pos") -> torch.Tensor:
-        """A field of the full-precision rows ``(B * H, W, ...)``; ``move_out`` masks are aligned with it."""
+        """A field of the full-precision rows ``(B * H, W, ...)``, in position order (the oldest
+        first); ``move_out`` masks are aligned with it."""
+        self._in_order()
         return self._fp.rows.get(name)
 
     def fp_valid(self) -> torch.Tensor:
+        self._in_order()
         return self._fp.rows.valid()
 
     def view(self) -> PaddedView:
@@ -270,9 +295,22 @@ class LayerStore:
             )
         return self._view
 
+    def by_position(self) -> torch.Tensor:
+        """``(B, H, T)`` the columns of ``view()`` in position order per head-row, padding last: made
+        once per view, for every reader of this step (pooling neighbours, ties broken by position)."""
+        view = self.view()
+        if self._by_pos is None or self._by_pos[0] is not view:
+            pos = view.pos
+            if not view.dense:
+                pos = pos.masked_fill(~view.valid, torch.iinfo(pos.dtype).max)
+            self._by_pos = view, pos.argsort(dim=-1, stable=True)
+        return self._by_pos[1]
+
     def release(self) -> None:
         """Drop the keys and values a view decoded (the end of a forward's attention, of a
-        technique's step): a compressed cache holds no decoded copy between steps."""
+        technique's step): a compressed cache holds no decoded copy between steps, nor a position
+        order."""
+        self._by_pos = None
         if self._view is not None:
             self._view.release()
 
@@ -411,8 +449,9 @@ class LayerStore:
         return (self.device, self.batch, self.kv_heads, self._seen_max, qpos.shape[1], self.protect_from_host)
 
     def in_position_order(self) -> bool:
-        """Positions increase along each row of ``view()``: the full-precision rows alone (arrival order)."""
-        return len(self.segments) == 1
+        """Positions increase along each row of ``view()``: the full-precision rows alone, in arrival
+        order (no :meth:`drop` since they were last put in order)."""
+        return not self._compressed and self._fp.rows.ordered
 
     # --- accounting -----------------------------------------------------------------------
     def nbytes(self) -> int:

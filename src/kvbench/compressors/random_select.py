@@ -29,6 +29,7 @@ class RandomCompressor(Compressor):
     """
 
     name: str = "random"
+    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
     seed: int = 0
     flags = Flags(evicts_tokens=True)
 

@@ -31,12 +31,13 @@ def used(probs: torch.Tensor, qpos: torch.Tensor, tau: float) -> torch.Tensor:
     return (probs.amax(2) >= tau) & (qpos >= 0)[:, None, :, None]
 
 
-def ranked(primary: torch.Tensor, secondary: torch.Tensor) -> torch.Tensor:
-    """Rank of each token by ``(primary, secondary)``, both ascending: ``(B, H, T)`` float.
+def ranked(primary: torch.Tensor, by_second: torch.Tensor) -> torch.Tensor:
+    """Rank of each token by ``(primary, secondary)``, both ascending: ``(B, H, T)`` float, where
+    ``by_second`` holds the columns in ascending order of the secondary key (positions:
+    :meth:`LayerStore.by_position`).
 
     Ties of the primary key (tokens last used by the same query) go to the more recent arrival.
     """
-    by_second = secondary.argsort(dim=-1, stable=True)
     order = by_second.gather(-1, primary.gather(-1, by_second).argsort(dim=-1, stable=True))
     rank = torch.empty_like(order)
     rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
@@ -52,6 +53,7 @@ class LRUScheduler(Scheduler):
     """
 
     name: str = "lru"
+    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
     LAST = TokenState("lru")  # last position at which the token was used
@@ -76,4 +78,4 @@ class LRUScheduler(Scheduler):
 
     def scores(self, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` eviction scores: rank by last use, then by arrival."""
-        return ranked(self.last_used(store), store.view().pos)
+        return ranked(self.last_used(store), store.by_position())

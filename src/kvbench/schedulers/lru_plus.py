@@ -39,6 +39,7 @@ class LRUPlusScheduler(Scheduler):
     """
 
     name: str = "lru_plus"
+    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
     decay: float = 0.9
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
@@ -77,4 +78,4 @@ class LRUPlusScheduler(Scheduler):
 
     def scores(self, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` eviction scores: rank by decayed use, then by arrival."""
-        return ranked(self.log_scores(store), store.view().pos)
+        return ranked(self.log_scores(store), store.by_position())

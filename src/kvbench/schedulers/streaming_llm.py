@@ -21,6 +21,7 @@ class StreamingLLMScheduler(Scheduler):
     """
 
     name: str = "streaming_llm"
+    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
     position_mode: str = "original"
     flags = Flags(evicts_tokens=True)
 
