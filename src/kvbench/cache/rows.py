@@ -117,6 +117,7 @@ class Rows:
         self._run: tuple[str, int, int, torch.Tensor] | None = None
         self._ones: torch.Tensor | None = None  # ``valid()`` of full rows: a slice of this, no launch
         self._starts: torch.Tensor | None = None  # ``(BH, 1)`` each row's first flat slot, at the capacity
+        self._heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # field -> (it, its 4-d view)
         # Positions increase along each row (arrival order): appends, keeps and moves preserve it;
         # :meth:`drop` (a token into a freed slot) ends it, :meth:`sort_by` restores it.
         self.ordered = True
@@ -168,6 +169,18 @@ class Rows:
     def __contains__(self, name: str) -> bool:
         return name in self._fields
 
+    def heads(self, name: str, batch: int) -> torch.Tensor:
+        """Field ``name`` of full rows as ``(batch, BH / batch, width, *rest)``: a view, its 4-d form
+        kept per field tensor, so a decode step slices it once."""
+        if self._run is not None and self._run[0] == name:
+            self._write_run()
+        field = self._fields[name]
+        held = self._heads.get(name)
+        if held is None or held[0] is not field:
+            held = field, field.view(batch, self.bh // batch, *field.shape[1:])
+            self._heads[name] = held
+        return held[1][:, :, : self.width]
+
     def get(self, name: str) -> torch.Tensor:
         """The padded rectangle of a field: ``(BH, width, *rest)``, a view (slots past a row's
         length read as zeros)."""
@@ -213,6 +226,7 @@ class Rows:
             self._fields[name] = new
         self.capacity = cap
         self._ones = self._starts = None
+        self._heads.clear()
 
     def _open(self, width: int) -> None:
         """Make room for ``width`` slots and zero the new span past the current width."""
@@ -229,6 +243,26 @@ class Rows:
         one launch for every append since (a decode step of a cache that no technique reads
         positions of writes none)."""
         q = next(iter(new.values())).shape[1]
+        fields, pending, width = self._fields, self._run, self.width
+        if (  # a decode step's append: every field given, the positions continuing the pending run
+            self.uniform
+            and pending is not None
+            and run is not None
+            and pending[0] == run[0]
+            and pending[2] + width - pending[1] == run[1]
+            and new.keys() == fields.keys()
+        ):
+            if width + q > self.capacity:
+                self._reserve(width + q)
+                fields = self._fields
+            for name, value in new.items():
+                if name != run[0]:
+                    fields[name][:, width : width + q] = value
+            self._run = (run[0], pending[1], pending[2], new[run[0]])
+            if self.changed_from is None or self.changed_from > width:
+                self.changed_from = width
+            self._lens, self.width = None, width + q
+            return
         for name, value in new.items():
             if name not in self._fields:
                 self.ensure(name, tuple(value.shape[2:]), value.dtype)
@@ -325,6 +359,7 @@ class Rows:
             new = field.new_empty(field.shape[0], cap, *field.shape[2:])
             plan.apply(field, new)
             self.fields[name] = new
+        self._heads.clear()  # views of the tensors replaced
         if cap != self.capacity:
             self._ones = self._starts = None
         self.capacity = cap

@@ -125,7 +125,7 @@ class LayerStore:
         if real is None:
             qpos, self._seen = step_positions(k.device, self.seen_host, q)
             self.last_qpos = qpos
-            at_one = len(set(self.seen_host)) == 1  # every row gets positions seen, seen + 1, ...
+            at_one = b == 1 or len(set(self.seen_host)) == 1  # every row gets positions seen, seen + 1, ...
             rows.append(
                 {
                     "k": k.reshape(b * h, q, d),
@@ -135,7 +135,7 @@ class LayerStore:
                 },
                 run=("pos", self.seen_host[0]) if at_one else None,  # written when read
             )
-            self.seen_host = [n + q for n in self.seen_host]
+            self.seen_host = [self.seen_host[0] + q] if b == 1 else [n + q for n in self.seen_host]
             self._seen_max += q
             self.last_padded = False
         else:
@@ -320,8 +320,7 @@ class LayerStore:
         rows = self._fp.rows
         if self._compressed or not rows.uniform:
             return None
-        shape = (self.batch, self.kv_heads, rows.width, self.head_dim)
-        return rows.get("k").view(shape), rows.get("v").view(shape)
+        return rows.heads("k", self.batch), rows.heads("v", self.batch)
 
     def decoded(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of head-rows ``lo .. hi - 1`` laid out as ``view()``'s, ``(hi - lo, T, D)``
