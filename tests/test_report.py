@@ -90,8 +90,11 @@ def _records() -> list[dict]:
             compression_mean=1.0,
             kv_mem_mb_peak=6.0,
             kv_hit=1.0,
+            decode_attn_ms=0.5124,
         ),
-        _record("5100000000000002", "none", "quantized", "none", tpot_s=0.0455, ttft_s=0.8123),
+        _record(
+            "5100000000000002", "none", "quantized", "none", tpot_s=0.0455, ttft_s=0.8123, decode_attn_ms=1.25
+        ),
         _record(
             "5100000000000001",
             "none",
@@ -102,8 +105,11 @@ def _records() -> list[dict]:
             compression_mean=None,
             compression_prefill=2.0,
             kv_mem_mb_prefill=4.1 * 1.23 / 2.0,
+            decode_attn_ms=0.75,
         ),
-        _record("d000000000000001", "none", "quantized", "h2o", compression_mean=7.456),
+        _record(
+            "d000000000000001", "none", "quantized", "h2o", compression_mean=7.456
+        ),  # before decode_attn_ms
         _record(
             "7000000000000001",
             "base",
@@ -152,9 +158,9 @@ def _seed_records() -> list[dict]:
     """A baseline, quantized over three run seeds, random over two technique seeds, svd once."""
     return [
         _full_cache(),
-        _seeded("9000000000000000", "quantized", 0, 12.0, 1.0),
-        _seeded("9000000000000001", "quantized", 1, 12.6, 4.0, ttft_s=0.9),
-        _seeded("9000000000000002", "quantized", 2, 12.3, 2.5, ttft_s=1.0),
+        _seeded("9000000000000000", "quantized", 0, 12.0, 1.0, decode_attn_ms=1.0),
+        _seeded("9000000000000001", "quantized", 1, 12.6, 4.0, ttft_s=0.9, decode_attn_ms=1.5),
+        _seeded("9000000000000002", "quantized", 2, 12.3, 2.5, ttft_s=1.0, decode_attn_ms=2.0),
         _seeded("a000000000000000", "random", 0, 13.0, 9.0, compression_mean=3.95),
         _seeded("a000000000000001", "random", 1, 14.0, 17.0, compression_mean=3.85),
         _seeded("c000000000000000", "svd", 0, 12.2, 2.0),
@@ -167,9 +173,10 @@ def test_seeds_show_as_mean_and_range_with_n(tmp_path: Path) -> None:
     rows = {row[1]: row for row in map(format_row, merge_seeds(_seed_records()))}
     # quantized: the mean of 1.0, 4.0 and 2.5 over 3 seeds and their range; TTFT averaged too
     assert rows["quantized"][3:7] == ["12.30", "+2.50 (range 1.00, 4.00)", "3.90×", "0.900"]
-    assert rows["quantized"][10] == "3×4"  # n: seeds x examples
+    assert rows["quantized"][8] == "1.500"  # decode attention: the mean over the seeds
+    assert rows["quantized"][11] == "3×4"  # n: seeds x examples
     assert rows["random"][4:6] == ["+13.00 (range 9.00, 17.00)", "3.90×"]  # 3.95 and 3.85
-    assert rows["svd"][4] == "+2.00 [0.00, 9.00]" and rows["svd"][10] == "4"  # one seed: over examples
+    assert rows["svd"][4] == "+2.00 [0.00, 9.00]" and rows["svd"][11] == "4"  # one seed: over examples
     assert "mean over the seeds and their range" in text
     for cell in ("9000000000000000", "9000000000000001", "9000000000000002", "a000000000000001"):
         assert f"`{cell}`: `python -m kvbench " in text  # each seed's own command
@@ -182,17 +189,31 @@ def test_row_of_an_unmeasured_record_is_dashes_not_zeros() -> None:
     )
     record = _record("c", "none", "quantized", "none", **empty)
     record["device"] = None
-    assert format_row(record) == [DASH, "quantized", DASH] + [DASH] * 9
+    assert format_row(record) == [DASH, "quantized", DASH] + [DASH] * 10
     record["metrics"] = None
-    assert format_row(record)[3:] == [DASH] * 9
+    assert format_row(record)[3:] == [DASH] * 10
     assert "| 0" not in render_table([record])
 
 
 def test_row_formats() -> None:
-    row = format_row(_record("c", "base", "quantized", "h2o", tpot_s=0.0455, kv_mem_mb_peak=0.004))
+    row = format_row(
+        _record("c", "base", "quantized", "h2o", tpot_s=0.0455, decode_attn_ms=0.12345, kv_mem_mb_peak=0.004)
+    )
     assert row == ["base", "quantized", "h2o", "12.35", "+3.10 [2.00, 4.20]", "3.90×"] + [
-        "0.800", "45.5", "0.00", "0.930", "4", "cpu",
+        "0.800", "45.5", "0.123", "0.00", "0.930", "4", "cpu",
     ]  # fmt: skip
+
+
+def test_decode_attention_sits_beside_tpot_and_records_from_before_it_show_a_dash() -> None:
+    new = _record("a", "none", "quantized", "none", decode_attn_ms=0.5)
+    old = _record("b", "none", "none", "h2o")  # written before decode_attn_ms existed
+    assert "decode_attn_ms" not in old["metrics"]
+    header, _, *rows = render_table([new, old]).splitlines()
+    names = [c.strip() for c in header.strip("|").split("|")]
+    assert names[names.index("TPOT (ms)") + 1] == "Attn (ms/layer)"
+    cells = {r.split("|")[2].strip(): [c.strip() for c in r.strip("|").split("|")] for r in rows}
+    assert cells["quantized"][names.index("Attn (ms/layer)")] == "0.500"
+    assert cells["—"][names.index("Attn (ms/layer)")] == DASH
 
 
 @pytest.mark.parametrize(
@@ -279,7 +300,9 @@ def test_allocation_sweeps_get_rankkvs_table() -> None:
     text = render_report(records, "rk")
     table = text.split("### Layer allocation (RankKV's table)\n\n", 1)[1]
     lines = table.splitlines()
-    assert lines[0].startswith("| Method        | Allocation | Budget | perplexity | TTFT (s) | TPOT (ms) |")
+    assert lines[0].startswith(
+        "| Method        | Allocation | Budget | perplexity | TTFT (s) | TPOT (ms) | Attn (ms/layer) |"
+    )
     assert [line.split("|")[2].strip() for line in lines[2:5]] == ["uniform", "uniform", "rankkv"]
     assert [line.split("|")[3].strip() for line in lines[2:5]] == ["0.1", "0.2", "0.2"]
     assert "| scheduler/h2o | uniform    | 0.1    |      12.35 |    0.800 |      40.0 |" in table

@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 import kvbench
 from kvbench import baseline as baselines
 from kvbench import cellstate, config, limits, models, results
+from kvbench.cache import timing
 from kvbench.eval import loop, measure, protocol
 from kvbench.kernels import dispatch
 from kvbench.roles import BindContext
@@ -228,13 +229,15 @@ def _evaluate(cfg, lm, stack, data, ident, record) -> None:
     base = baselines.get(cfg, lm, data, ident) if stack.order else None  # once per model x dataset
     measure.reset_peak(lm.devices)
     t0 = time.perf_counter()
-    result = protocol.get(cfg.dataset.task).evaluate(lm, stack, data, cfg.dataset, base)
+    with timing.cell() as attn:  # the decode attention of sampled steps, beside TPOT
+        result = protocol.get(cfg.dataset.task).evaluate(lm, stack, data, cfg.dataset, base)
     if result.per_layer_bytes:
         record["per_layer_bytes"] = result.per_layer_bytes
     record["examples"] = result.examples
     if not stack.order and baselines.lookup(ident) is None:
         baselines.store(ident, result.baseline)  # the full-cache cell is the baseline: reuse it
     metrics = result.metrics.as_dict()
+    metrics.update(attn.metrics())  # decode_attn_ms, decode_attn_steps
     metrics["peak_memory_mb"] = measure.peak_mb(lm.devices)
     metrics["memory"] = measure.memory(lm.devices, lm.weight_bytes)
     metrics["techniques"] = stack.metrics()

@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbench.cache import attention as att
 from kvbench.cache import held, partials
 from kvbench.cache.store import LayerStore
+from kvbench.cache.timing import AttnTimer
 from kvbench.kernels import dispatch
 
 ATTN_NAME = "kvbench"
@@ -123,6 +124,7 @@ class KVCache(Cache):
         # No technique acts inside attention (none reads scores or queries, selects reads or places
         # tiers): a decode step over one full segment is then plain SDPA (see ``attend``).
         self.bare = not (stack.observers or stack.query_observers or stack.read_selector or stack.placer)
+        self.timer: AttnTimer | None = None  # set for a sampled decode step only (kvbench.cache.timing)
 
     # --- transformers interface -------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -160,10 +162,14 @@ class KVCache(Cache):
         Under inference mode, as the forward itself: the store's tensors are inference tensors,
         updated in place.
         """
+        timer = self.timer
         with torch.inference_mode():
             for i, store in enumerate(self.stores):
+                mark = None if timer is None else timer.start(store.device)
                 self.stack.apply(i, store)
                 store.release()
+                if timer is not None:
+                    timer.stop(store.device, mark)
         self.routed = True
         _ACTIVE.set(None)  # the next forward's update sets it again; a finished cache is not kept
 
@@ -399,7 +405,11 @@ def kvbench_attention(
         raise RuntimeError("kvbench attention needs a kvbench KVCache as the model's cache")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    timer = cache.timer
+    mark = None if timer is None else timer.start(query.device)
     out = cache.attend(module.layer_idx, query, scaling, sliding_window)
+    if timer is not None:
+        timer.stop(query.device, mark)
     return out.transpose(1, 2).contiguous(), None
 
 

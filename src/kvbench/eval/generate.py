@@ -144,7 +144,7 @@ def _batch(lm, stack, group, b, start, query_aware, after_prefill) -> list[Gener
         real[active] = True
         ids = torch.tensor([[t[-1]] for t in tokens])
         times: list[float] = []
-        logits = loop.step_batch(lm, cache, ids, real, times)
+        logits = loop.step_batch(lm, cache, ids, real, times, decode=True)
         for r in active:
             tokens[r].append(int(logits[r, -1].argmax()))
             steps[r].append(times[0])

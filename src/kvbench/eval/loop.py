@@ -7,11 +7,13 @@ compressed cache refuses, and it cannot apply the stack between steps.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from kvbench import limits
+from kvbench.cache import timing
 from kvbench.cache.engine import KVCache
 from kvbench.eval import measure
 from kvbench.models import LoadedModel
@@ -96,20 +98,39 @@ def forward_batch(
         cache.real = None
 
 
+@contextmanager
+def _timed(lm: LoadedModel, cache: KVCache, times: list[float], decode: bool) -> Iterator[None]:
+    """The step's timed region, appended to ``times``; a ``decode`` step that the cell's attention
+    timer samples (:func:`timing.sampled`) carries the timer on ``cache`` while it runs."""
+    cache.timer = timing.sampled(len(cache.stores)) if decode else None
+    try:
+        with measure.timed(lm.devices, times):
+            yield
+    finally:
+        cache.timer = None
+
+
 def step(
-    lm: LoadedModel, cache: KVCache, ids, times: list[float] | None = None, keep: int | None = None
+    lm: LoadedModel,
+    cache: KVCache,
+    ids,
+    times: list[float] | None = None,
+    keep: int | None = None,
+    decode: bool = False,
 ) -> torch.Tensor:
     """One forward chunk followed by the stack (compressor, scheduler, router writes); optionally timed.
 
     ``keep``: the logits of the last ``keep`` positions only (None: every position; 0: none).
-    The cell's deadline (``timeout_s``) is checked before the chunk, outside any timed region.
+    ``decode``: a timed decode step, which the cell's attention timer may sample
+    (:mod:`kvbench.cache.timing`). The cell's deadline (``timeout_s``) is checked before the chunk,
+    outside any timed region.
     """
     limits.check()
     if times is None:
         logits = forward(lm, cache, ids, keep)
         cache.after_forward()
         return logits
-    with measure.timed(lm.devices, times):
+    with _timed(lm, cache, times, decode):
         logits = forward(lm, cache, ids, keep)
         cache.after_forward()
     return logits
@@ -122,10 +143,11 @@ def step_batch(
     real: torch.Tensor,
     times: list[float],
     keep: int | None = None,
+    decode: bool = False,
 ) -> torch.Tensor:
     """:func:`step` for a padded batch (see :func:`forward_batch`); always timed into ``times``."""
     limits.check()
-    with measure.timed(lm.devices, times):
+    with _timed(lm, cache, times, decode):
         logits = forward_batch(lm, cache, ids, real, keep)
         cache.after_forward()
     return logits
@@ -139,10 +161,10 @@ def greedy(
     times: list[float],
     done: Callable[[list[int]], bool] | None = None,
 ) -> list[int]:
-    """Greedy decoding from ``first_logits``; each step timed into ``times``; stops at EOS, after
-    ``max_new`` tokens, or once ``done(tokens)``."""
+    """Greedy decoding from ``first_logits``; each step timed into ``times`` (and sampled by the
+    cell's attention timer); stops at EOS, after ``max_new`` tokens, or once ``done(tokens)``."""
     tokens = [int(first_logits.argmax())]
     while len(tokens) < max_new and tokens[-1] != lm.codec.eos_id and not (done and done(tokens)):
-        logits = step(lm, cache, [tokens[-1]], times)
+        logits = step(lm, cache, [tokens[-1]], times, decode=True)
         tokens.append(int(logits[-1].argmax()))
     return tokens

@@ -240,7 +240,8 @@ def _greedy_rows(
         real = torch.zeros(len(tokens), 1, dtype=torch.bool)
         real[active] = True
         times: list[float] = []
-        logits = loop.step_batch(lm, cache, torch.tensor([[t[-1]] for t in tokens]), real, times)
+        ids = torch.tensor([[t[-1]] for t in tokens])
+        logits = loop.step_batch(lm, cache, ids, real, times, decode=True)
         for r in active:
             tokens[r].append(int(logits[r, -1].argmax()))
             tpot[r].append(times[0])

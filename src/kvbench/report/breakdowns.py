@@ -85,7 +85,7 @@ def breakdown_table(records: Sequence[dict], names: Sequence[str], cells: Cells)
         refused = "accuracy_drop" in (r.get("_refused") or {})
         base = full[0] if len(full) == 1 and r is not full[0] and not refused else None
         row = format_row(r)
-        body.append([*row[:3], row[5], row[8], *cells(r if not refused else _without_drops(r), base)])
+        body.append([*row[:3], row[5], row[9], *cells(r if not refused else _without_drops(r), base)])
     return with_settings([*_LEAD, *names], body, "lllrr" + "r" * len(names), rows)
 
 

@@ -59,10 +59,13 @@ def render_group(records: Sequence[dict]) -> str:
 
 
 def drop_legend(records: Sequence[dict]) -> str:
-    """How to read the accuracy drop and n, including the seeds' form when some setting has several."""
+    """How to read the accuracy drop, the decode attention and n, including the seeds' form when
+    some setting has several."""
     legend = (
         "Accuracy-Drop: the cell's drop against the full cache on the same examples, with its 95 % "
-        "paired bootstrap interval over the examples `[low, high]`; n: examples."
+        "paired bootstrap interval over the examples `[low, high]`; n: examples. Attn: of a decode "
+        "step, the cache's attention and the stack's work after the forward, in ms per layer, the "
+        "mean over sampled steps (beside TPOT, the whole step's); a dash where it was not measured."
     )
     if any(r.get("_seeds") for r in merge_seeds(records)):
         legend += (

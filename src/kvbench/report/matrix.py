@@ -49,7 +49,7 @@ def _label_roles(label: str) -> dict[str, str]:
 
 def _status_row(label: str, status: str) -> list[str]:
     roles = _label_roles(label)
-    return [roles.get(r, DASH) for r in ROLES] + [status] + [DASH] * 8
+    return [roles.get(r, DASH) for r in ROLES] + [status] + [DASH] * 9
 
 
 def _settings(label: str) -> str:

@@ -18,8 +18,9 @@ DASH = "—"
 REFUSED = "refused"  # a number the sanity checks refuse (the report says why)
 ROLES = ("router", "compressor", "scheduler")
 PERCENT_SCORES = frozenset({"needle_accuracy"})
+ATTN = "Attn (ms/layer)"  # decode_attn_ms: a decode step's attention and stack work, per layer
 # Column alignment: l(eft) for names, r(ight) for numbers.
-_ALIGN = "lllrrrrrrrrl"
+_ALIGN = "lllrrrrrrrrrl"
 
 
 def _first(records: Sequence[dict], *keys: str) -> Any:
@@ -122,7 +123,9 @@ def format_row(record: dict) -> list[str]:
         record: A result record.
 
     Returns:
-        Twelve strings: roles, score, drop, compression, TTFT, TPOT, KV memory, KV hit, n, device.
+        Thirteen strings: roles, score, drop, compression, TTFT, TPOT, decode attention per layer
+        (``decode_attn_ms``; a dash for records from before it was measured), KV memory, KV hit, n,
+        device.
         A record merged over seeds (:func:`merge_seeds`) shows means, the drop's range over the
         seeds instead of its interval over examples, and n as ``seeds×examples``.
     """
@@ -145,6 +148,7 @@ def format_row(record: dict) -> list[str]:
         REFUSED if "compression" in refused else _fixed(compression, 2, suffix="×"),
         _fixed(metrics.get("ttft_s"), 3),
         _fixed(metrics.get("tpot_s"), 1, scale=1000.0),
+        _fixed(metrics.get("decode_attn_ms"), 3),
         _fixed(metrics.get("kv_mem_mb_peak"), 2),
         _fixed(metrics.get("kv_hit"), 3),
         _n(record),
@@ -162,7 +166,7 @@ def table_header(score_name: str | None, drop_name: str | None) -> list[str]:
     drop = f"Accuracy-Drop ({drop_name})" if drop_name else "Accuracy-Drop"
     score = score_name or "Score"
     names = ["Router", "Compressor", "Scheduler", score, drop, "Compression ×", "TTFT (s)", "TPOT (ms)"]
-    return names + ["KV Mem (MB)", "KV Hit", "n", "device"]
+    return names + [ATTN, "KV Mem (MB)", "KV Hit", "n", "device"]
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> str:
