@@ -90,9 +90,12 @@ def test_counter_counts_launches_and_bytes_not_views():
         idx = torch.tensor([0, 3])
         z.index_copy_(0, idx, torch.ones(2, 8))  # writes 2 rows of 8 floats, not all of z
         float(z.sum())  # a host read
+        z[0].tolist()  # a host read without an aten operation
+        (z > 0).nonzero(as_tuple=True)  # its count read on the host
     assert c.by_op["add"] == 1 and "view" not in c.by_op and "t" not in c.by_op
-    assert c.bytes >= 128 + 64 + 64 and c.bytes < 128 + 64 + 64 + 4 * 128
-    assert c.syncs == 1
+    assert c.bytes >= 128 + 64 + 64 and c.bytes < 128 + 64 + 64 + 4 * 128 + 32 * 8 * 2 + 32
+    assert c.syncs == 3
+    assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # restored on exit
 
 
 def test_full_cache_launches_no_more_than_plain_transformers(launch_model, prompt, plain):

@@ -127,6 +127,12 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
     return torch.einsum("bhgqd,bhtd->bhgqt", grouped, key.float()).mul_(scaling)
 
 
+def decode_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``(B, H, g, 1, T)`` fp32 probabilities of one decode step's grouped queries over every key
+    ``(B, H, T, D)`` (no mask: every stored token is in the past of the step's query)."""
+    return torch.softmax(_logits(query, key, scaling), dim=-1)
+
+
 def probs_blocks(
     query: torch.Tensor, key: torch.Tensor, mask_fn, scaling: float, bias=None, causal_past=None
 ):

@@ -205,8 +205,12 @@ class KVCache(Cache):
             if kv is not None:  # one decode step over full-precision rows that every head fills
                 return att.attend(query, *kv, None, scaling)
         qpos = store.last_qpos  # (B, q), -1 for padding
-        view = store.view()
         selector = self.stack.read_selector if self.routed else None
+        if q_len == 1 and sliding_window is None and self.real is None and self.probe is None:
+            observed = self._observed_step(layer, store, query, scaling, selector)
+            if observed is not None:
+                return observed
+        view = store.view()
         padded = self.real is not None and not bool(self.real.all())
         # Plain causal attention needs no mask: a prefill with no past, or one decode step over
         # an unwindowed cache where every stored token is real (all are in the past).
@@ -276,6 +280,31 @@ class KVCache(Cache):
                     tech.observe(layer, store, probs, qpos[:, start:stop])
         if self.probe is not None and self.shadow is not None and self.shadow[layer] is not None:
             self._probe_hit(layer, store, query, qpos, mask_fn, scaling, sliding_window)
+        store.release()
+        return out
+
+    def _observed_step(
+        self, layer: int, store: LayerStore, query: torch.Tensor, scaling: float, selector
+    ) -> torch.Tensor | None:
+        """One unpadded decode step over full-precision rows that every head fills, whose only
+        technique inside attention observes the probabilities: they are computed once, and the
+        output is read from them (probabilities times values, as an eager reference implementation
+        does), not computed a second time by SDPA. None where the step is not such a step."""
+        if selector is not None or self.stack.query_observers or self.stack.placer is not None:
+            return None
+        observers = self.stack.observers
+        if not observers or min(t.observed_from(layer, 1, False) for t in observers) >= 1:
+            return None  # nobody reads this step's probabilities
+        kv = store.dense_kv()
+        if kv is None:
+            return None
+        keys, values = kv  # (B, H, T, D)
+        probs = att.decode_probs(query, keys, scaling)  # (B, H, g, 1, T) fp32
+        b, hq, _, d = query.shape
+        out = torch.einsum("bhgqt,bhtd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, 1, d)
+        qpos = store.last_qpos
+        for tech in observers:
+            tech.observe(layer, store, probs, qpos)
         store.release()
         return out
 

@@ -74,6 +74,7 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
     """
 
     name: str = "chunkkv"
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     chunk_size: int = 10
     reuse_layers: int = 1
     obs_window: int = 16

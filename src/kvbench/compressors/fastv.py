@@ -35,6 +35,7 @@ class FastVCompressor(Compressor):
     """
 
     name: str = "fastv"
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     layer: int = 2
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 

@@ -54,7 +54,7 @@ class PiKVCompressor(Allocated, Compressor):
     """
 
     name: str = "pikv"
-    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     key_bits: int = 2
     value_bits: int = 2
     guard: float = 0.5

@@ -19,7 +19,7 @@ class PyramidKVCompressor(SnapKVCompressor):
     """SnapKV with PyramidKV's arithmetic layer schedule; any other allocation is refused."""
 
     name: str = "pyramidkv"
-    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     allocation: str = "pyramid"
 
     def check_knobs(self) -> None:

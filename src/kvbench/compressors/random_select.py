@@ -29,7 +29,7 @@ class RandomCompressor(Compressor):
     """
 
     name: str = "random"
-    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     seed: int = 0
     flags = Flags(evicts_tokens=True)
 

@@ -38,7 +38,7 @@ class SnapKVCompressor(Allocated, ObservationWindow, Compressor):
     """
 
     name: str = "snapkv"
-    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     obs_window: int = 16
     pool: int = 7
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)

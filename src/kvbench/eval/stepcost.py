@@ -89,7 +89,7 @@ HOST_MODEL: dict = {
 MODEL_OVERRIDES: dict[str, tuple[str, ...]] = {"compressor/fastv": ("compressor.layer=1",)}
 
 # Operations that read a device value on the host: a synchronisation on a GPU.
-SYNCS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "equal", "item"})
+SYNCS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "nonzero_numpy", "equal", "item"})
 # In-place operations that write only what their index names, not the whole tensor they return.
 _INDEXED = frozenset(
     {"index_put_", "index_copy_", "index_add_", "scatter_", "scatter_add_", "scatter_reduce_"}
@@ -134,6 +134,22 @@ class LaunchCounter(TorchDispatchMode):
         self.bytes = 0
         self.syncs = 0
         self.by_op: dict[str, int] = {}
+
+    def __enter__(self):
+        # ``Tensor.tolist`` reads a device value without an aten operation: counted here
+        self._tolist = torch.Tensor.tolist
+        counter, tolist = self, self._tolist
+
+        def counted_tolist(x):
+            counter.syncs += counter.on
+            return tolist(x)
+
+        torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -26,7 +26,7 @@ class H2OScheduler(Allocated, Scheduler):
     """
 
     name: str = "h2o"
-    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:

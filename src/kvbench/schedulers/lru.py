@@ -53,7 +53,7 @@ class LRUScheduler(Scheduler):
     """
 
     name: str = "lru"
-    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
     LAST = TokenState("lru")  # last position at which the token was used

@@ -39,7 +39,7 @@ class LRUPlusScheduler(Scheduler):
     """
 
     name: str = "lru_plus"
-    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     decay: float = 0.9
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)

@@ -21,7 +21,7 @@ class StreamingLLMScheduler(Scheduler):
     """
 
     name: str = "streaming_llm"
-    version = 2  # 2: an eviction moves the last tokens into the freed slots (CHANGELOG.md)
+    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     position_mode: str = "original"
     flags = Flags(evicts_tokens=True)
 
