@@ -129,10 +129,69 @@ def _quantize(
 def dequantize(
     codes: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``codes * step + zero`` in float32 (one buffer, updated in place), then ``dtype``; ``zero``
-    and ``step`` broadcast over ``codes``."""
-    out = codes.float().mul_(step).add_(zero)
-    return out if dtype == torch.float32 else out.to(dtype)
+    """``codes * step + zero`` in float32 (products, then sums updated in place), then ``dtype``;
+    ``zero`` and ``step`` broadcast over ``codes``. The codes are cast as they are multiplied, not
+    copied to float32 first."""
+    return _dequantized(codes, step.float(), zero, dtype)
+
+
+def _dequantized(
+    codes: torch.Tensor,
+    step: torch.Tensor,
+    zero: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``codes * step + zero``, float32 ``step`` and ``zero`` of any float type broadcast over
+    ``codes``: float32 products and sums, then ``dtype``; written into ``out`` (of ``dtype``,
+    ``codes``' shape, any strides) when given, the float32 sums rounded as they are written."""
+    if out is None:
+        x = torch.mul(codes, step).add_(zero)
+        return x if dtype == torch.float32 else x.to(dtype)
+    if out.dtype == torch.float32:
+        torch.mul(codes, step, out=out)
+        return out.add_(zero)
+    return torch.add(torch.mul(codes, step), zero, out=out)
+
+
+@functools.lru_cache(maxsize=16)
+def _places(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the ``8 // bits`` codes of a byte (2 and 4 bits): masks ``(2**bits - 1) << bits * i``
+    (uint8) keeping each where it sits, and weights ``2**-(bits * i)`` (float32) turning what a mask
+    keeps back into its code."""
+    i = torch.arange(8 // bits, dtype=torch.int32)
+    masks = (((1 << bits) - 1) << (bits * i)).to(torch.uint8)
+    return masks.to(device), torch.exp2(-(bits * i).float()).to(device)
+
+
+def placed_codes(packed: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`unpack`'s codes for arithmetic, with as few bytes written as can be: ``(..., P * 8 //
+    bits)`` and weights ``(8 // bits,)`` float32 for the codes of each byte, or None.
+
+    At 2 and 4 bits (one masking pass, one byte per code, no shift and no wider integer) code ``i``
+    of a byte stays where it sits, as ``code * 2**(bits * i)``: the weights ``2**-(bits * i)`` folded
+    into its step give exactly ``code * step`` (scaling by a power of two is exact, the product is
+    the same real number and rounds alike). At 8 bits the packed bytes are the codes (no pass); at
+    3 bits they are unpacked (:func:`unpack_codes`)."""
+    if bits == 8:
+        return packed, None
+    if bits == 3:
+        return unpack_codes(packed, bits), None
+    masks, weights = _places(bits, packed.device)
+    codes = packed[..., None] & masks
+    return codes.view(*packed.shape[:-1], packed.shape[-1] * masks.numel()), weights
+
+
+def dequantize_rows(packed: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
+    """Rows of codes packed along them ``(N, P)``, one ``zero`` and ``step`` ``(N, 1)`` each: float32
+    ``(N, P * 8 // bits)``, :func:`dequantize` of the unpacked codes (:func:`placed_codes`: no wider
+    integer, each code's weight folded into its row's step)."""
+    codes, weights = placed_codes(packed, bits)
+    if weights is None:
+        return dequantize(codes, zero, step, torch.float32)
+    shape = (*packed.shape, weights.numel())  # rows, bytes, codes of a byte
+    x = _dequantized(codes.view(shape), step[..., None] * weights, zero[..., None], torch.float32)
+    return x.view(codes.shape)
 
 
 # --- KIVI's layout (arXiv:2402.02750): the torch path, and the reference of kvbench.kernels.kivi -
@@ -182,19 +241,33 @@ def dequantize_keys(
     dtype: torch.dtype,
     per_group: int | None = None,
     group_ids: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_keys` for ``(N, P)`` packed codes: ``(N, D)`` of ``dtype``.
+    """Inverse of :func:`quantize_keys` for ``(N, P)`` packed codes: ``(N, D)`` of ``dtype``, or
+    written into ``out`` (``(..., D)`` of ``dtype`` over the ``N`` tokens in order, any strides:
+    ``(rows, n, D)`` slots of a decoded layer, ``n`` a multiple of ``per_group``).
 
     The token groups are ``per_group`` tokens each (parameters broadcast over each), or given by
-    ``group_ids`` ``(N,)`` where an eviction left groups of different sizes.
+    ``group_ids`` ``(N,)`` where an eviction left groups of different sizes (parameters gathered per
+    token).
     """
     d = zero.shape[-1]
-    codes = unpack_codes(packed, bits)
-    if per_group is not None:
-        shape = (-1, per_group, d)
-        return dequantize(codes.view(shape), zero[:, None], step[:, None], dtype).view(-1, d)
-    assert group_ids is not None, "dequantize_keys: give per_group or group_ids"
-    return dequantize(codes, zero[group_ids], step[group_ids], dtype)
+    codes, weights = placed_codes(packed, bits)
+    if weights is None:
+        step = step.float()
+    else:  # each channel's step times its code's weight (float32)
+        step = (step.view(step.shape[0], d // weights.numel(), weights.numel()) * weights).view(step.shape)
+    if per_group is None:
+        assert group_ids is not None, "dequantize_keys: give per_group or group_ids"
+        shape: tuple[int, ...] = (-1, d) if out is None else tuple(out.shape)
+        zero, step, dest = zero[group_ids].view(shape), step[group_ids].view(shape), out
+    else:
+        dest = None if out is None else out.unflatten(-2, (-1, per_group))  # (..., groups, per_group, D)
+        shape = (-1, per_group, d) if dest is None else tuple(dest.shape)
+        params = (*shape[:-2], 1, d)
+        zero, step = zero.view(params), step.view(params)
+    x = _dequantized(codes.view(shape), step, zero, dtype, dest)
+    return x.view(-1, d) if out is None else out
 
 
 def dequantize_values(
@@ -205,13 +278,26 @@ def dequantize_values(
     head_dim: int,
     group: int,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Inverse of :func:`quantize_values` for ``(N, P)`` packed codes: ``(N, head_dim)`` of ``dtype``."""
+    """Inverse of :func:`quantize_values` for ``(N, P)`` packed codes: ``(N, head_dim)`` of ``dtype``,
+    or written into ``out`` (``(..., head_dim)`` of ``dtype`` over the ``N`` tokens in order, any
+    strides)."""
     d, ngv = head_dim, zero.shape[1]
-    codes = unpack_codes(packed, bits)[:, :d]
-    if ngv * group == d:  # the channel groups tile head_dim: parameters broadcast over each group
-        shape = (-1, ngv, group)
-        return dequantize(codes.view(shape), zero[..., None], step[..., None], dtype).view(-1, d)
+    tokens = (-1,) if out is None else tuple(out.shape[:-1])
+    codes, weights = placed_codes(packed, bits)
+    per = 1 if weights is None else weights.numel()
+    if ngv * group == d and group % per == 0:  # channel groups tile head_dim, in whole bytes
+        shape = (*tokens, ngv, group // per, per)  # a group's codes byte by byte
+        # float32 steps per (token, group, code of a byte), each code's weight folded in
+        step = step.float()[..., None] if weights is None else step[..., None] * weights
+        dest = None if out is None else out.view(shape)
+        params = (*tokens, ngv, 1)
+        x = _dequantized(codes.view(shape), step.view(*params, per), zero.view(*params, 1), dtype, dest)
+        return x.view(-1, d) if out is None else out
+    codes = unpack_codes(packed, bits)
     zeros = zero.repeat_interleave(group, dim=1)[:, :d]
-    steps = step.repeat_interleave(group, dim=1)[:, :d]
-    return dequantize(codes, zeros, steps, dtype)
+    steps = step.float().repeat_interleave(group, dim=1)[:, :d]
+    shape = (*tokens, d)
+    x = _dequantized(codes.view(shape), steps.view(shape), zeros.view(shape), dtype, out)
+    return x.view(-1, d) if out is None else out

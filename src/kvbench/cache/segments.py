@@ -60,6 +60,27 @@ class Segment:
         """Keys and values of every token, flat ``(N, D)`` in ``dtype``."""
         raise NotImplementedError
 
+    ZEROED = False  # whether read_into's slots must hold zeros (it writes some of their channels)
+
+    def writes_into(self) -> tuple[bool, bool]:
+        """Whether :meth:`read_into` decodes the keys, the values straight into slots it is given,
+        without a decoded copy of its own (a decoded layer is then one buffer, not a concatenation
+        of decoded parts: :func:`kvbench.cache.view.decode_rows`)."""
+        return False, False
+
+    def read_into(
+        self, k: torch.Tensor | None, v: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`read`, the keys decoded into ``k`` and the values into ``v`` where given: ``(BH, n,
+        D)`` slots of ``dtype`` (each head-row's ``n`` tokens in order, any strides), returned in
+        place of the flat ``(N, D)``. Given for the fields of :meth:`writes_into` (elsewhere, copied)."""
+        keys, values = self.read(dtype)
+        if k is not None:
+            keys = k.copy_(keys.view(k.shape))
+        if v is not None:
+            values = v.copy_(values.view(v.shape))
+        return keys, values
+
     def layout(self) -> tuple[Any, ...]:
         """Segments of one type and layout merge into one (see :meth:`LayerStore.move_out`)."""
         return ()

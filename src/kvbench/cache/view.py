@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvbench.cache.segments import FPSegment
+from kvbench.cache.segments import KV, FPSegment
 
 
 @dataclass
@@ -136,26 +136,75 @@ class JoinedRows:
 def decode_rows(segs: list[Any], lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of head-rows ``lo .. hi - 1`` of ``segs`` side by side, ``(hi - lo, T, D)`` in
     ``dtype``: the full-precision rows as stored, every representation decoded now through
-    :meth:`Segment.head_rows` and placed in its rows' slots."""
-    keys, values = [], []
-    for seg in segs:
-        rows = seg.rows
-        if isinstance(seg, FPSegment):  # its rows are the stored data
-            k, v = rows.get("k")[lo:hi], rows.get("v")[lo:hi]
+    :meth:`Segment.head_rows` and placed in its rows' slots.
+
+    A field (keys, values) that a representation decodes straight into its slots
+    (:meth:`Segment.writes_into`) goes into one buffer (both fields' in one allocation), each
+    segment's part written there once: no decoded copy of the part and no concatenation; the
+    full-precision rows' keys and values are copied in by one ``stack``. Another field is joined by
+    one ``cat``."""
+    if len(segs) == 1 and isinstance(segs[0], FPSegment):  # its rows are the stored data
+        rows = segs[0].rows
+        return rows.get("k")[lo:hi], rows.get("v")[lo:hi]
+    parts = [None if isinstance(seg, FPSegment) else seg.head_rows(lo, hi) for seg in segs]
+    sized = "k" in segs[-1].rows  # the full-precision rows name the head size of a buffer
+    into = [
+        part.writes_into() if sized and part is not None and seg.rows.uniform else (False, False)
+        for seg, part in zip(segs, parts)
+    ]
+    zeroed = any(part is not None and any(w) and part.ZEROED for part, w in zip(parts, into))
+    block, bufs = _buffers(segs, hi - lo, dtype, [any(w[i] for w in into) for i in range(len(KV))], zeroed)
+    pieces: list[list[torch.Tensor]] = [[] for _ in KV]  # a field's parts to join, without a buffer
+    start = 0
+    for seg, part, writes in zip(segs, parts, into):
+        rows, end = seg.rows, start + seg.rows.width
+        dest = [None if b is None else b[:, start:end] for b in bufs]
+        if part is None:  # the full-precision rows, laid out as stored: both fields copied at once
+            kv = [rows.get(name)[lo:hi] for name in KV]
+            if block is not None and len(block) == len(KV):
+                torch.stack(kv, out=block[:, :, start:end])
+                kv = dest
         else:
-            k, v = (_laid_out(x, rows, lo, hi) for x in seg.head_rows(lo, hi).read(dtype))
-        keys.append(k)
-        values.append(v)
-    if len(keys) == 1:
-        return keys[0], values[0]
-    return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+            kv = list(part.read_into(*(d if w else None for d, w in zip(dest, writes)), dtype))
+            kv = [x if x is d else _laid_out(x, rows, lo, hi, d) for x, d in zip(kv, dest)]
+        for x, d, piece in zip(kv, dest, pieces):
+            if d is None:
+                piece.append(x)
+            elif x is not d:
+                d.copy_(x)
+        start = end
+    keys, values = (
+        b if b is not None else p[0] if len(p) == 1 else torch.cat(p, dim=1) for b, p in zip(bufs, pieces)
+    )
+    return keys, values
 
 
-def _laid_out(flat: torch.Tensor, rows: Any, lo: int, hi: int) -> torch.Tensor:
-    """Flat head-major tokens of rows ``lo .. hi - 1`` in their slots ``(hi - lo, width, ...)``."""
+def _buffers(
+    segs: list[Any], n: int, dtype: torch.dtype, wanted: list[bool], zeroed: bool
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """One block of ``(n, T, D)`` rectangles, one per ``wanted`` field, for the slots of ``n``
+    head-rows of every segment (``D``: the full-precision rows' head size), which each segment's
+    part fills: uninitialized, or zeros (``zeroed``: for a part that writes some channels only,
+    :attr:`Segment.ZEROED`); and each field's rectangle (None where not wanted)."""
+    if not any(wanted):
+        return None, [None] * len(wanted)
+    fp = segs[-1].rows
+    width = sum(seg.rows.width for seg in segs)
+    make = torch.zeros if zeroed else torch.empty
+    block = make(sum(wanted), n, width, fp.get("k").shape[-1], dtype=dtype, device=fp.device)
+    rects = iter(block)
+    return block, [next(rects) if w else None for w in wanted]
+
+
+def _laid_out(
+    flat: torch.Tensor, rows: Any, lo: int, hi: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Flat head-major tokens of rows ``lo .. hi - 1`` in their slots ``(hi - lo, width, ...)``, into
+    ``out`` when given (then ``out``, or a view to join when not)."""
     if rows.uniform:
-        return flat.view(hi - lo, rows.width, *flat.shape[1:])
-    out = flat.new_zeros(hi - lo, rows.width, *flat.shape[1:])
+        x = flat.view(hi - lo, rows.width, *flat.shape[1:])
+        return x if out is None else out.copy_(x)
+    out = flat.new_zeros(hi - lo, rows.width, *flat.shape[1:]) if out is None else out.zero_()
     out[rows.valid()[lo:hi]] = flat
     return out
 

@@ -20,8 +20,10 @@ def _nearest(x: torch.Tensor, c: torch.Tensor, cvalid: torch.Tensor) -> torch.Te
     block = max(1, _BLOCK_ELEMS // max(1, r * c.shape[1]))
     out = []
     for s in range(0, n, block):
-        # csq - 2·(x·c), in place: (-2·p) + csq is the same float as csq - 2·p
-        dist = torch.einsum("rnd,rmd->rnm", x[:, s : s + block], c).mul_(-2).add_(csq)
+        # csq - 2·(x·c) in one pass, in place: ``-2·p`` is exact, so ``csq + (-2)·p`` is one rounding
+        # of the same sum, fused or not, the float that ``p·(-2) + csq`` gives
+        dist = torch.einsum("rnd,rmd->rnm", x[:, s : s + block], c)
+        torch.add(csq, dist, alpha=-2, out=dist)
         out.append(dist.argmin(-1))
     return torch.cat(out, dim=1) if out else torch.zeros(r, 0, dtype=torch.long, device=x.device)
 

@@ -168,10 +168,9 @@ class LatentSegment(RowCounts, Segment):
             return as_float(self.klat), as_float(self.vlat)
         assert self.kzero is not None and self.kstep is not None
         assert self.vzero is not None and self.vstep is not None
-        kc, vc = quant.unpack_codes(self.klat, self.bits), quant.unpack_codes(self.vlat, self.bits)
         return (
-            quant.dequantize(kc, self.kzero, self.kstep, torch.float32),
-            quant.dequantize(vc, self.vzero, self.vstep, torch.float32),
+            quant.dequantize_rows(self.klat, self.kzero, self.kstep, self.bits),
+            quant.dequantize_rows(self.vlat, self.vzero, self.vstep, self.bits),
         )
 
     def head_rows(self, lo: int, hi: int) -> Segment:

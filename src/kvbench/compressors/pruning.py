@@ -57,29 +57,47 @@ class PrunedSegment(RowCounts, Segment):
     v: torch.Tensor = None  # type: ignore[assignment]
     channels: torch.Tensor = None  # type: ignore[assignment]
 
+    ZEROED = True  # full keys are the kept channels scattered into zeros
+
     def data_fields(self) -> dict[str, torch.Tensor]:
         return {"kp": self.kp, "v": self.v}
 
-    def keys(self, k: torch.Tensor, prune: bool) -> torch.Tensor:
+    def keys(self, k: torch.Tensor, prune: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         """The kept channels of full keys ``k`` ``(N, D)`` (``prune``), or full keys (zeros in the
         pruned channels) from kept ones ``(N, d_keep)``: by each head-row's channels, broadcast over
         its tokens when every head-row holds the same number (no per-token index), else indexed per
-        token."""
+        token. Full keys go into ``out`` when given: ``(BH, n, D)`` slots of zeros (any strides),
+        returned."""
         n, channels = self.row_count(), self.channels.long()
         if n is None:
             index = channels[segment_ids(self.lens)]
             if prune:
                 return torch.gather(k, 1, index)
-            return k.new_zeros(k.shape[0], self.head_dim).scatter_(1, index, k)
+            full = k.new_zeros(k.shape[0], self.head_dim).scatter_(1, index, k)
+            return full if out is None else out.copy_(full.view(out.shape))
         bh = self.lens.numel()
         index = channels[:, None, :].expand(bh, n, channels.shape[1])
         rows = k.view(bh, n, k.shape[-1])
         if prune:
             return torch.gather(rows, 2, index).view(-1, channels.shape[1])
+        if out is not None:
+            return out.scatter_(2, index, rows)
         return k.new_zeros(bh, n, self.head_dim).scatter_(2, index, rows).view(-1, self.head_dim)
 
+    def writes_into(self) -> tuple[bool, bool]:
+        """Keys are scattered straight into the slots given (zeros: :attr:`Segment.ZEROED`); values
+        are stored as read, joined by a ``cat``."""
+        return True, False
+
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys(self.kp.to(dtype), prune=False), self.v.to(dtype)
+        return self.read_into(None, None, dtype)
+
+    def read_into(
+        self, k: torch.Tensor | None, v: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = self.keys(self.kp.to(dtype), prune=False, out=k)
+        values = self.v.to(dtype)
+        return keys, (values if v is None else v.copy_(values.view(v.shape)))
 
     def head_rows(self, lo: int, hi: int) -> Segment:
         part = super().head_rows(lo, hi)

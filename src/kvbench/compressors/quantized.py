@@ -69,15 +69,34 @@ class QuantSegment(GroupedSegment):
     def layout(self) -> tuple[int, int]:
         return (self.key_bits, self.value_bits)
 
+    def writes_into(self) -> tuple[bool, bool]:
+        """On the torch path, keys and values are dequantized straight into the slots given."""
+        torch_path = _ops() is quant
+        return torch_path, torch_path
+
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.read_into(None, None, dtype)
+
+    def read_into(
+        self, k: torch.Tensor | None, v: torch.Tensor | None, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         ops = _ops()
         per_group = self.full_groups()
         gid = self.group_ids() if per_group is None else None
-        k = ops.dequantize_keys(self.kcodes, self.kzero, self.kstep, self.key_bits, dtype, per_group, gid)
-        v = ops.dequantize_values(
-            self.vcodes, self.vzero, self.vstep, self.value_bits, self.head_dim, self.group_size, dtype
+        keys = ops.dequantize_keys(
+            self.kcodes, self.kzero, self.kstep, self.key_bits, dtype, per_group, gid, **_into(k)
         )
-        return k, v
+        values = ops.dequantize_values(
+            self.vcodes, self.vzero, self.vstep, self.value_bits, self.head_dim, self.group_size, dtype,
+            **_into(v),
+        )  # fmt: skip
+        return keys, values
+
+
+def _into(out: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The ``out`` argument of :mod:`kvbench.cache.quant`'s dequantizers, where there is one (the
+    Triton path's take none: :meth:`QuantSegment.writes_into` gives them no slots)."""
+    return {} if out is None else {"out": out}
 
 
 @dataclass
