@@ -106,11 +106,11 @@ def test_a_technique_version_past_one_is_part_of_the_cell_identity(monkeypatch):
 
     from kvbench import config, run
     from kvbench.compressors.svd import SVDCompressor
-    from kvbench.schedulers.h2o import H2OScheduler
+    from kvbench.schedulers.quest import QuestScheduler
 
     config.register()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        one = compose("config", overrides=[*TINY, "scheduler=h2o"])
+        one = compose("config", overrides=[*TINY, "scheduler=quest"])
         chain = compose("config", overrides=[*TINY, "compressor=chain", "compressor.stages=[chunkkv,svd]"])
 
     def ids() -> tuple[dict, dict]:
@@ -118,12 +118,12 @@ def test_a_technique_version_past_one_is_part_of_the_cell_identity(monkeypatch):
 
     before = ids()
     assert "version" not in before[0]["stack"]["scheduler"]
-    monkeypatch.setattr(H2OScheduler, "version", 2)
+    monkeypatch.setattr(QuestScheduler, "version", 2)
     monkeypatch.setattr(SVDCompressor, "version", 3)
     after = ids()
     assert after[0]["stack"]["scheduler"] == {**before[0]["stack"]["scheduler"], "version": 2}
     stages = after[1]["stack"]["compressor"]["stages"]
-    assert "version" not in stages[0] and stages[1]["version"] == 3
+    assert stages[0]["version"] == 2 and stages[1]["version"] == 3  # chunkkv at 2 on its own
 
 
 def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path):
