@@ -172,8 +172,7 @@ class Rows:
     def heads(self, name: str, batch: int) -> torch.Tensor:
         """Field ``name`` of full rows as ``(batch, BH / batch, width, *rest)``: a view, its 4-d form
         kept per field tensor, so a decode step slices it once."""
-        if self._run is not None and self._run[0] == name:
-            self._write_run()
+        self._flush(name)
         field = self._fields[name]
         held = self._heads.get(name)
         if held is None or held[0] is not field:
@@ -184,9 +183,13 @@ class Rows:
     def get(self, name: str) -> torch.Tensor:
         """The padded rectangle of a field: ``(BH, width, *rest)``, a view (slots past a row's
         length read as zeros)."""
+        self._flush(name)
+        return self._fields[name][:, : self.width]
+
+    def _flush(self, name: str) -> None:
+        """Write the pending run if it is field ``name``'s (a reader of that field needs it)."""
         if self._run is not None and self._run[0] == name:
             self._write_run()
-        return self._fields[name][:, : self.width]
 
     def valid(self) -> torch.Tensor:
         """``(BH, width)`` bool: the live slots."""
