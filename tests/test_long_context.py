@@ -289,7 +289,12 @@ def test_attention_decodes_a_compressed_cache_a_block_of_head_rows_at_a_time(wid
         with Allocations() as seen:
             outs.append(loop.step_batch(wide_heads, cache, ids[:, 9:10], real[:, :1], []))
         width = cache.stores[0].view().pos.shape[2]
-        decoded = [n for s, dtype, n in seen.shapes if dtype == torch.float32 and s[-1:] == (HEAD_DIM,)]
+        # a (2, rows, T, D) block holds the keys and the values of its rows in one allocation
+        decoded = [
+            n // (2 if len(s) == 4 else 1)
+            for s, dtype, n in seen.shapes
+            if dtype == torch.float32 and s[-1:] == (HEAD_DIM,)
+        ]
         return torch.cat(outs, 1), max(decoded) // (width * HEAD_DIM * 4)
 
     whole, rows = decode()

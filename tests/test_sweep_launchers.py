@@ -24,7 +24,7 @@ from kvbench.results import json_leaves
 CELLS = [*TINY, "threads=1", "scheduler=none,h2o,streaming_llm"]
 # Wall-clock and host-dependent figures; every other metric must agree across launchers.
 _TIMED = re.compile(
-    r"(ttft|tpot|_s$|_s\.|seconds|throughput|tokens_per_s|peak_memory|peak_rss|peak_allocated|peak_reserved)"
+    r"(ttft|tpot|_s$|_s\.|_ms$|seconds|throughput|tokens_per_s|peak_memory|peak_rss|peak_allocated|peak_reserved)"
 )
 
 
