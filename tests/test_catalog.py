@@ -234,7 +234,7 @@ def test_each_layers_work_stays_on_its_device(lm, ids, role, option, knobs, monk
     tensor made in the other's: across GPUs (``device_map="auto"``) that read would fail. State
     made at one layer and read at another goes through ``LayerStore.local``; what a cache shares
     between the layers of one device has the device in its key (here the fake one)."""
-    from kvbench.cache import rotary
+    from kvbench.cache import devices
     from kvbench.cache.engine import KVCache
     from kvbench.cache.store import LayerStore
     from tracking import LayerDevices
@@ -264,7 +264,7 @@ def test_each_layers_work_stays_on_its_device(lm, ids, role, option, knobs, monk
 
     monkeypatch.setattr(LayerStore, "local", local)
     monkeypatch.setattr(LayerStore, "position_key", position_key)
-    monkeypatch.setattr(rotary, "device_of", lambda pos: seen.device(seen.layer))  # the angles' memo
+    monkeypatch.setattr(devices, "device_of", lambda t: seen.device(seen.layer))  # memos of angles, ids
     stack = stack_of(lm, {role: technique(role, option, **knobs)}, **TIGHT)
     with seen:
         run(lm, stack, ids)

@@ -34,12 +34,12 @@ BUDGET = 0.5
 # transformers that launches more or less in the model itself moves both sides alike.
 CEILINGS: dict[str | None, tuple[float, float]] = {
     None: (-0.25, 0.2),
-    "router/adaptive": (68.0, 0.49),
-    "router/base": (52.0, 0.48),
-    "router/eplb": (140.25, 2.65),
-    "router/hierarchical": (70.0, 0.57),
-    "router/pikv": (140.0, 1.04),
-    "router/topk_balanced": (161.0, 1.08),
+    "router/adaptive": (30.0, 0.31),
+    "router/base": (20.0, 0.31),
+    "router/eplb": (49.0, 2.05),
+    "router/hierarchical": (28.5, 0.40),
+    "router/pikv": (39.0, 0.48),
+    "router/topk_balanced": (44.0, 0.51),
     "compressor/chunkkv": (62.25, 1.47),
     "compressor/distillation": (83.5, 16.65),
     "compressor/fastv": (32.0, 2.2),

@@ -12,17 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.cache import devices
 from kvbench.errors import ConfigError
 
 # The last head-row's angles on the CPU (:meth:`Rotary._row_angles`): at most one entry, outside the cache.
 _ROW_ANGLES: list[tuple[Rotary, object, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-
-def device_of(pos: torch.Tensor) -> object:
-    """The memo's device key: only layers on one device share angles, so no layer reads a tensor
-    made on another device (as :meth:`LayerStore.position_key` names the device for the same reason)."""
-    return pos.device
-
 
 ROTATE_HALF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gemma", "gemma2", "phi3", "olmo2")
 
@@ -84,7 +78,7 @@ class Rotary:
         every token it is given), so the last row's angles are kept, with a copy of its positions
         to compare. The same values; the memo sits in this module, not in the cache, so what a
         cache holds is measured as before (it is at most one row's angles)."""
-        device = device_of(pos)
+        device = devices.device_of(pos)
         for rotary, where, seen, cos, sin in _ROW_ANGLES:
             if rotary is self and where == device and seen.shape == pos.shape and torch.equal(seen, pos):
                 return cos, sin

@@ -9,6 +9,7 @@ a peaked one fewer; ``top_p = 1`` (with ``k_max = num_experts``) reads every exp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,14 +27,33 @@ def top_p_choice(
     """
     finite = torch.isfinite(score)
     n = finite.sum(-1, keepdim=True)
-    logits = (score / temperature).masked_fill(n == 0, 0.0)
-    prob = torch.softmax(logits, -1)
+    # A row without a finite score chooses nothing (k <= n = 0), whatever its probabilities.
+    prob = torch.softmax(score if temperature == 1 else score / temperature, -1)  # x / 1 is x
     sorted_p, order = prob.sort(dim=-1, descending=True, stable=True)
     before = sorted_p.cumsum(-1) - sorted_p  # mass of the better experts
     k = (before < top_p).sum(-1, keepdim=True) if top_p < 1 else n
     k = torch.minimum(k.clamp(k_min, k_max), n)
-    ranked = torch.arange(score.shape[-1], device=score.device) < k
-    return torch.zeros_like(ranked).scatter(-1, order, ranked) & finite
+    rank = order.argsort(-1)  # each expert's place in ``order`` (the inverse permutation)
+    return (rank < k) & finite
+
+
+def mean_per_query(chosen: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Experts read per query of each ``chosen`` ``(B, H, q, E)``, averaged over its queries and
+    head-rows: ``chosen.sum(-1).float().mean()`` of each, those of one shape at once (whole counts,
+    so each row sums exactly and takes the same division; at most 2**24 counts a batch, so the
+    batch's divisor is exact too)."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(chosen)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, c in enumerate(chosen):
+        groups.setdefault((c.shape, c.device), []).append(i)
+    for (shape, _), idx in groups.items():
+        step = max(1, (1 << 24) // max(shape[:-1].numel(), 1))
+        for at in range(0, len(idx), step):
+            part = idx[at : at + step]
+            means = torch.stack([chosen[i] for i in part]).sum(-1).float().flatten(1).mean(-1)
+            for i, m in zip(part, means):
+                out[i] = m
+    return out
 
 
 @dataclass
@@ -46,7 +66,8 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     temperature: float = 1.0
     k_min: int = 1
     k_max: int = 4
-    experts_read: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)  # per call
+    # per call: the experts its queries read (B, H, q, E) where all are real, else their mean (0-d)
+    experts_read: list[torch.Tensor] = field(default_factory=list, init=False, repr=False)
 
     def check_knobs(self) -> None:
         self.check_experts()
@@ -66,18 +87,20 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     ) -> torch.Tensor:
         scaled = score * store.head_dim**-0.5
         chosen = top_p_choice(scaled, self.top_p, self.temperature, self.k_min, self.k_max)
-        per_query = chosen.sum(-1)  # (B, H, q)
         if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real
-            self.experts_read.append(per_query.float().mean())  # kept a tensor: no synchronisation
+            self.experts_read.append(chosen)  # averaged when read (:func:`mean_per_query`)
         else:
             real = (qpos >= 0)[:, None, :].expand(chosen.shape[:3])
             if bool(real.any()):
-                self.experts_read.append(per_query[real].float().mean())
+                self.experts_read.append(chosen.sum(-1)[real].float().mean())
         return chosen
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         out = super().metrics()
         if out:
-            reads = [float(x) for x in self.experts_read]
+            calls = self.experts_read
+            whole = [i for i, x in enumerate(calls) if x.dim()]
+            means = dict(zip(whole, mean_per_query([calls[i] for i in whole])))
+            reads = [float(means.get(i, x)) for i, x in enumerate(calls)]
             out["mean_experts_read"] = sum(reads) / len(reads) if reads else None
         return out

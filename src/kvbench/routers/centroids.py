@@ -15,23 +15,54 @@ never held a token is seeded by one new token (MacQueen's online k-means).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.store import LayerStore
 from kvbench.roles import Budget
-from kvbench.routers.expert import block_means, expert_counts, expert_onehot, expert_sums, position_blocks
+from kvbench.routers.expert import (
+    ExpertRouter,
+    Experts,
+    block_means,
+    expert_ids,
+    expert_onehot,
+    expert_sums,
+    position_blocks,
+    routable_columns,
+)
 
 EXPERT = TokenState("expert")  # 1 + the token's expert, 0 while unassigned
 
 
 @dataclass
 class Centroids(SideData):
-    """Running centroids ``(B, H, E, D)`` and their member counts ``(B, H, E)``."""
+    """Running centroids ``(B, H, E, D)`` and their member counts ``(B, H, E)``.
+
+    Two host figures ride along (not stored): ``full``, every expert of every head-row has held a
+    token (counts only grow, so it stays so once seen); ``assigned``, where every slot has held
+    its own position since the first write, the end of the assigned columns: every column from
+    the sinks up to it holds an assignment and no other does (None: not known).
+    """
 
     centroid: torch.Tensor
     count: torch.Tensor
+    full: bool = False
+    assigned: int | None = None
+
+
+@dataclass
+class Assigned:
+    """What a write assigned: every token's expert ``held`` ``(B, H, T)`` (-1: none) and the tokens
+    assigned now ``new`` ``(B, H, T)`` bool; or, where the host knows it, the one ``column``
+    assigned in every head-row and its ``expert`` there ``(B, H, 1)``. All None: the host knows
+    nothing was assigned."""
+
+    held: torch.Tensor | None = None
+    new: torch.Tensor | None = None
+    column: int | None = None
+    expert: torch.Tensor | None = None
 
 
 LLOYD_ITERS = 3
@@ -42,10 +73,33 @@ def held_experts(store: LayerStore, experts: int) -> torch.Tensor:
     return store.state(EXPERT).round().long().clamp(0, experts) - 1
 
 
+def held_columns(store: LayerStore, experts: int) -> torch.Tensor:
+    """:func:`held_experts` with ``experts`` (not -1) where none: the column of a padded choice
+    each token reads (:attr:`Experts.column`) where the assigned tokens are the routed ones."""
+    return (store.state(EXPERT).round().long().clamp(0, experts) + experts) % (experts + 1)
+
+
+def write_columns(budget: Budget, store: LayerStore) -> tuple[int, int] | None:
+    """The tokens a write routes (valid, not protected) as the columns ``lo .. hi - 1`` of every
+    head-row, where every slot holds its own position (:meth:`LayerStore.every_position`) with one
+    protected start; None elsewhere."""
+    if not store.every_position():
+        return None
+    protect = store.protect_from_host
+    if protect is not None and len(set(protect)) > 1:
+        return None
+    hi = store.seen_max - budget.window
+    if protect is not None:
+        hi = min(hi, protect[0])
+    return budget.sinks, max(hi, budget.sinks)
+
+
 def sq_dist(keys: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
     """Squared distance ``(B, H, T, E)`` from keys ``(B, H, T, D)`` to centroids ``(B, H, E, D)``."""
     cross = keys @ cent.transpose(-1, -2)
-    return keys.square().sum(-1, keepdim=True) - 2 * cross + cent.square().sum(-1)[:, :, None, :]
+    # |k|² - 2·cross in one operation: doubling is exact, so it rounds as the two did
+    near = torch.sub(keys.square().sum(-1, keepdim=True), cross, alpha=2)
+    return near + cent.square().sum(-1)[:, :, None, :]
 
 
 def lloyd(keys: torch.Tensor, pos: torch.Tensor, member: torch.Tensor, experts: int) -> torch.Tensor:
@@ -92,20 +146,39 @@ class CentroidExperts:
     """Mixin for an :class:`~kvbench.routers.expert.ExpertRouter`: nearest-running-centroid write.
 
     Subclasses may override :meth:`place` (default: nearest defined centroid) and
-    :meth:`update` (default: running mean over every token ever assigned).
+    :meth:`update` (default: running mean over every token ever assigned), with their one-token
+    forms :meth:`place_one` and :meth:`update_one`.
     """
 
     num_experts: int
     budget: Budget
 
-    def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
-        held = held_experts(store, self.num_experts)
-        return torch.where(routable, held, torch.full_like(held, -1))
+    def held(self, layer: int, store: LayerStore) -> torch.Tensor:
+        """:func:`held_experts`, read once per view: the read of a step and its write share it."""
+        held: dict[int, tuple[Any, torch.Tensor]] = self.__dict__.setdefault("_held", {})
+        view = store.view()
+        cached = held.get(layer)
+        if cached is None or cached[0] is not view:
+            cached = held[layer] = (view, held_experts(store, self.num_experts))
+        return cached[1]
 
-    def summarize(
-        self, layer: int, store: LayerStore, eid: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return expert_counts(eid, self.num_experts), self.state(store)[0]
+    def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
+        return torch.where(routable, self.held(layer, store), -1)
+
+    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> Experts:
+        """Where every slot has held its own position since the first write (the assigned columns
+        are known, :attr:`Centroids.assigned`) and all of them are routable now, the routed tokens
+        are exactly the assigned ones: the experts' sizes are the centroids' counts and, once every
+        expert has held a token, none is empty. Else as any router's."""
+        side = store.side(Centroids)
+        cols = routable_columns(self.budget, store, qpos)
+        if side is None or not side.full or side.assigned is None or cols is None or cols[1] < side.assigned:
+            return ExpertRouter.route_experts(self, layer, store, qpos)  # type: ignore[arg-type]
+        column = held_columns(store, self.num_experts)[:, :, None, :]
+        return Experts(side.count, column=column, none_empty=True, routed_host=side.assigned - cols[0])
+
+    def summarize(self, layer: int, store: LayerStore, experts: Experts) -> torch.Tensor:
+        return self.state(store)[0]
 
     def state(self, store: LayerStore) -> tuple[torch.Tensor, torch.Tensor]:
         """Running centroids ``(B, H, E, D)`` and counts ``(B, H, E)`` (zeros before any write)."""
@@ -122,46 +195,91 @@ class CentroidExperts:
     def write(self, layer: int, store: LayerStore) -> None:
         """Write routing: tokens leaving the window join an expert (the routing is stale after)."""
         self.forget(layer)  # type: ignore[attr-defined]
-        self.assign_new(store)
+        self.assign_new(layer, store)
+        self.__dict__.get("_held", {}).pop(layer, None)
 
-    def assign_new(self, store: LayerStore) -> tuple[torch.Tensor, torch.Tensor]:
+    def assign_new(self, layer: int, store: LayerStore) -> Assigned:
         """Assign the tokens that became routable.
 
+        Where every slot holds its own position, the columns that became routable since the last
+        write are known on the host (:attr:`Centroids.assigned`): none, or one per head-row (a
+        decode step) once every expert holds a centroid, is then assigned without reading the
+        device (:meth:`_assign_column`). Elsewhere one host read decides.
+
         Returns:
-            the assignment ``(B, H, T)`` (-1: none) and the tokens assigned now ``(B, H, T)`` bool.
+            what was assigned (:class:`Assigned`).
         """
+        side = store.side(Centroids)
+        cols = write_columns(self.budget, store)
+        if cols is not None and side is not None and side.full and side.assigned is not None:
+            first = max(side.assigned, cols[0])
+            if cols[1] <= first:
+                return Assigned()
+            if cols[1] == first + 1:
+                return self._assign_column(layer, store, side, first)
+        out = self._assign_read(layer, store, side)
+        after = store.side(Centroids)
+        if after is not None:  # every routable token now holds an assignment
+            if cols is None or (side is not None and side.assigned is None):
+                after.assigned = None
+            else:  # no assignment before the first write; later ones below the last end
+                after.assigned = cols[1] if side is None else max(cols[1], side.assigned or 0)
+        return out
+
+    def _assign_read(self, layer: int, store: LayerStore, side: Centroids | None) -> Assigned:
+        """:meth:`assign_new` with one host read: anything to assign, every expert defined, and at
+        most one new token per head-row (a decode step)."""
         view = store.view()
         routable = view.valid & ~self.budget.protected_view(store)
-        held = held_experts(store, self.num_experts)
+        held = self.held(layer, store)
         new = routable & (held < 0)
-        # One host read for both decisions: anything to assign, and (centroids held, every expert
-        # defined) a decode step's one token per row. No centroids exist before the first write.
-        side = store.side(Centroids)
+        # One host read for the decisions: anything to assign, and (centroids held) every expert
+        # defined and at most one new token per row. No centroids exist before the first write.
         checks = [new.any()]
         if side is not None:
-            checks.append((side.count > 0).all() & (new.sum(-1) <= 1).all())
+            checks += [(side.count > 0).all(), (new.sum(-1) <= 1).all()]
         flags = torch.stack(checks).tolist()
+        if side is not None and flags[1]:
+            side.full = True
         if not flags[0]:
-            return torch.where(view.valid, held, torch.full_like(held, -1)), new
+            return Assigned(torch.where(view.valid, held, torch.full_like(held, -1)), new)
         cent, count = self.state(store)
-        if len(flags) > 1 and flags[1]:
-            return self._assign_one(store, new, cent, count, held), new
+        if side is not None and flags[1] and flags[2]:
+            return Assigned(self._assign_one(layer, store, new, cent, count), new)
         keys = view.k.float()
         cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
         eid = self.place(keys, cent, defined, new, seeded, held, view.valid)
         cent, count = self.update(cent, count, keys, eid, new, view.pos)
-        store.set_side(Centroids(cent.contiguous(), count.contiguous()))
+        self._set_centroids(store, cent, count)
         held = torch.where(new, eid, held)
         store.set_state(EXPERT, (held + 1).float())
-        return torch.where(view.valid, held, torch.full_like(held, -1)), new
+        return Assigned(torch.where(view.valid, held, torch.full_like(held, -1)), new)
+
+    @staticmethod
+    def _set_centroids(store: LayerStore, cent: torch.Tensor, count: torch.Tensor) -> None:
+        """Store updated centroids and counts, with the host figures of the ones they replace."""
+        side = store.side(Centroids)
+        full, assigned = (False, None) if side is None else (side.full, side.assigned)
+        store.set_side(Centroids(cent.contiguous(), count.contiguous(), full, assigned))
+
+    def _assign_column(self, layer: int, store: LayerStore, side: Centroids, col: int) -> Assigned:
+        """:meth:`assign_new` of the one token that became routable in every head-row, at column
+        ``col`` (known on the host), every expert holding a centroid: as :meth:`_assign_one` (the
+        same arithmetic on the same values), without finding the column on the device.
+
+        Returns:
+            ``col`` and the expert each head-row put there.
+        """
+        view = store.view()
+        one = view.k[:, :, col : col + 1].float()  # (B, H, 1, D)
+        placed = self.place_one(layer, store, sq_dist(one, side.centroid), None)  # (B, H, 1)
+        cent, count = self.update_one(side.centroid, side.count, one, placed)
+        store.set_side(Centroids(cent.contiguous(), count.contiguous(), True, col + 1))
+        store.put_state(EXPERT, (slice(None), slice(None), slice(col, col + 1)), placed + 1)
+        return Assigned(column=col, expert=placed)
 
     def _assign_one(
-        self,
-        store: LayerStore,
-        new: torch.Tensor,
-        cent: torch.Tensor,
-        count: torch.Tensor,
-        held: torch.Tensor,
+        self, layer: int, store: LayerStore, new: torch.Tensor, cent: torch.Tensor, count: torch.Tensor
     ) -> torch.Tensor:
         """:meth:`assign_new` when every expert holds a centroid (nothing to seed) and each head-row
         has at most one new token (a decode step): the new token's distances, placement
@@ -174,12 +292,13 @@ class CentroidExperts:
             the assignment ``(B, H, T)`` as :meth:`assign_new`.
         """
         view = store.view()
+        held = self.held(layer, store)
         col = new.long().argmax(-1, keepdim=True)  # (B, H, 1): the row's new token, if any
         one = view.k.gather(2, col[..., None].expand(-1, -1, 1, view.k.shape[-1])).float()
         one_new = new.gather(-1, col)
-        placed = self.place_one(sq_dist(one, cent), one_new, held, view.valid)  # (B, H, 1)
+        placed = self.place_one(layer, store, sq_dist(one, cent), one_new)  # (B, H, 1)
         cent, count = self.update(cent, count, one, placed, one_new, view.pos.gather(-1, col))
-        store.set_side(Centroids(cent.contiguous(), count.contiguous()))
+        self._set_centroids(store, cent, count)
         placed = torch.where(one_new, placed, held.gather(-1, col))
         b = torch.arange(store.batch, device=col.device)[:, None, None]
         h = torch.arange(store.kv_heads, device=col.device)[None, :, None]
@@ -202,11 +321,12 @@ class CentroidExperts:
         return torch.where(seeded >= 0, seeded, dist.argmin(-1))
 
     def place_one(
-        self, dist: torch.Tensor, new: torch.Tensor, held: torch.Tensor, valid: torch.Tensor
+        self, layer: int, store: LayerStore, dist: torch.Tensor, new: torch.Tensor | None
     ) -> torch.Tensor:
         """:meth:`place` of at most one new token per head-row when every centroid is defined and
-        nothing is seeded: ``dist`` ``(B, H, 1, E)`` its distances, ``new`` ``(B, H, 1)`` whether the
-        head-row has one; ``held``, ``valid`` ``(B, H, T)`` as in :meth:`place`. Returns ``(B, H, 1)``."""
+        nothing is seeded: ``dist`` ``(B, H, 1, E)`` its distances, ``new`` ``(B, H, 1)`` whether
+        the head-row has one (None: every head-row has one, and the routed tokens before it are
+        the assigned columns, :attr:`Centroids.assigned`). Returns ``(B, H, 1)``."""
         return dist.argmin(-1)
 
     def update(
@@ -224,3 +344,14 @@ class CentroidExperts:
         total = count + m
         mean = (cent * count[..., None] + expert_sums(onehot, keys)) / total.clamp(min=1)[..., None]
         return torch.where(m[..., None] > 0, mean, cent), total
+
+    def update_one(
+        self, cent: torch.Tensor, count: torch.Tensor, key: torch.Tensor, eid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`update` with one new key ``(B, H, 1, D)`` per head-row, in expert ``eid``
+        ``(B, H, 1)``, every expert having held a token (every count positive): its expert's sum
+        of new keys is that key, the other experts keep theirs."""
+        hit = (eid[..., None] == expert_ids(self.num_experts, eid))[:, :, 0]  # (B, H, E)
+        total = count + hit  # at least 1: every expert has held a token
+        mean = (cent * count[..., None] + key) / total[..., None]
+        return torch.where(hit[..., None], mean, cent), total

@@ -25,6 +25,7 @@ one level, and the loads of a padded batch's sequences are pooled (devices are s
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ import torch
 from kvbench.cache.side import SideData
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
-from kvbench.routers.centroids import CentroidExperts
+from kvbench.routers.centroids import Assigned, CentroidExperts, held_experts
 from kvbench.routers.expert import ExpertRouter, top_k_choice
 
 
@@ -50,6 +51,7 @@ class Placement(SideData):
     replica_k: torch.Tensor | None = None
     replica_v: torch.Tensor | None = None
     replica_key: tuple[Any, ...] | None = None  # (store edits, slot experts) the replicas were made under
+    loads_stale: bool = False  # the host's loads moved since ``load`` and ``device_load`` were sent
     # the same plan on the host, where it is made and served (the tensors above are what the
     # layer stores and counts): loads per expert and device, each slot's expert and device, the
     # devices without replication
@@ -180,15 +182,25 @@ def imbalance(per_device: torch.Tensor) -> float | None:
 
 @dataclass
 class EPLBRouter(CentroidExperts, ExpertRouter):
-    """Nearest-centroid experts on logical devices, hot experts replicated (DeepSeek EPLB)."""
+    """Nearest-centroid experts on logical devices, hot experts replicated (DeepSeek EPLB).
+
+    A read keeps its reads per expert on the device; the next write of the layer reads them (with
+    what it assigned, one host read) into the plan's loads, before it refreshes the plan.
+    """
 
     name: str = "eplb"
     num_experts: int = 8
     top_k: int = 2
     num_devices: int = 4
     replicas: int = 4
-    after: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    before: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    # per layer: reads per device with and without replication, summed (whole numbers: exact)
+    after: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
+    before: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
+    # per layer: its store and the reads per expert ``(E,)`` float64 of the calls not yet in the
+    # plan's loads
+    _reads: dict[int, tuple[LayerStore, list[torch.Tensor]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def check_knobs(self) -> None:
         self.check_experts()
@@ -206,30 +218,83 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
 
     def write(self, layer: int, store: LayerStore) -> None:
         self.forget(layer)
-        held, new = self.assign_new(store)
+        assigned = self.assign_new(layer, store)
+        self.__dict__.get("_held", {}).pop(layer, None)
+        side = self.placement(store)
+        # one host read: the reads kept since the last write, and the experts of a column assigned now
+        reads = self._reads.pop(layer, (store, []))[1]
+        expert = assigned.expert
+        parts = [*reads, *([] if expert is None else [expert.flatten().double()])]
+        values = torch.cat(parts).tolist() if parts else []
+        e = self.num_experts
+        for i in range(len(reads)):
+            self.serve_reads(layer, side, values[i * e : (i + 1) * e])
         side = self.plan(store)
         assert side.slot_expert is not None
+        key = (store.edits, tuple(side.host["slot_expert"]))
+        grow = side.replica_key == key  # set with the replicas
+        if grow and assigned.column is not None and expert is not None:
+            placed = [int(x) for x in values[len(reads) * e :]]
+            self._grow_column(store, side, assigned.column, expert, placed)
+        elif not grow or assigned.held is not None:
+            self._copy_replicas(store, side, assigned, grow)
+        side.replica_key = key
+
+    def _copy_replicas(self, store: LayerStore, side: Placement, assigned: Assigned, grow: bool) -> None:
+        """Replicas of the tokens assigned now (``grow``: the same plan over the same stored tokens,
+        appends aside), else of every assigned token, made anew."""
+        held, new = assigned.held, assigned.new
+        if held is None or new is None:  # a column known on the host: made anew (not ``grow``)
+            held = held_experts(store, self.num_experts)
         reps = side.room["copies"]  # copies of each expert in the plan
         view = store.view()
         # The same plan over the same stored tokens (appends aside): the replicas so far stay and
         # the tokens assigned now add theirs (replicas are counted, not read: order is free).
-        key = (store.edits, tuple(side.host["slot_expert"]))
-        grow = side.replica_key == key  # set with the replicas
-        copied = (new & (held >= 0)) if grow else held >= 0
+        copied = (new & (held >= 0)) if grow and new is not None else held >= 0
         # a copy per extra replica of each token's expert (0: none), in storage order
         extra = torch.where(copied, reps[held.clamp(min=0)] - 1, 0)
         flat = torch.repeat_interleave(extra.flatten())  # the one read: how many copies
-        _, h, t = extra.shape
-        at = (flat // (h * t), flat // t % h, flat % t)
+        t = extra.shape[-1]
+        at = (flat // t, flat % t)  # head-row and column
+        k, v = (x.flatten(0, 1)[at] for x in (view.k, view.v))
+        self._append_replicas(side, k, v, grow)
+
+    def _grow_column(
+        self, store: LayerStore, side: Placement, col: int, expert: torch.Tensor, placed: list[int]
+    ) -> None:
+        """:meth:`_copy_replicas` of the one column assigned now in every head-row, its experts
+        ``expert`` ``(B, H, 1)`` also read on the host (``placed``): the copies are counted there,
+        the rows copied on the device, head-row by head-row as in storage order."""
+        copies = [side.host["slot_expert"].count(x) - 1 for x in placed]
+        total = sum(copies)
+        if not total:
+            return
+        view = store.view()
+        extra = side.room["copies"][expert.flatten()] - 1  # (B * H,)
+        rows = torch.arange(extra.shape[0], device=extra.device).repeat_interleave(extra, output_size=total)
+        d = view.k.shape[-1]
+        k, v = (x[:, :, col].reshape(-1, d)[rows] for x in (view.k, view.v))
+        self._append_replicas(side, k, v, True)
+
+    @staticmethod
+    def _append_replicas(side: Placement, k: torch.Tensor, v: torch.Tensor, grow: bool) -> None:
         # the replicas are views of their buffers (only this method sets them): keep or start over
         kept = side.replica_k.shape[0] if grow and side.replica_k is not None else 0
-        for name, new in (("k", view.k[at]), ("v", view.v[at])):
+        for name, new in (("k", k), ("v", v)):
             side.room[name] = buf = _appended(side.room.get(name) if kept else None, kept, new)
             setattr(side, f"replica_{name}", buf[: kept + new.shape[0]])
-        side.replica_key = key
+
+    def placement(self, store: LayerStore) -> Placement:
+        """The layer's plan, made from the loads so far where it has none yet."""
+        side = store.side(Placement)
+        return side if side is not None and side.slot_expert is not None else self.plan(store)
 
     def plan(self, store: LayerStore) -> Placement:
-        """Refresh the placement from the loads so far (created empty on first use), on the host."""
+        """Refresh the placement from the loads so far (created empty on first use), on the host.
+
+        The plan's tensors (slots' experts and devices, the unreplicated placement, the copies of
+        each expert; the loads per expert and device, as the bits of their float64 values) are
+        views of one buffer, sent to the device when the plan or the loads changed."""
         side = store.side(Placement)
         if side is None:
             side = Placement(
@@ -241,61 +306,76 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         host = side.host
         slot_expert, slot_device = plan_slots(host["load"], self.num_devices, self.replicas)
         base_device = plan_slots(host["load"], self.num_devices, 0)[1]
-        if side.slot_expert is not None and (slot_expert, slot_device, base_device) == (
-            host["slot_expert"],
-            host["slot_device"],
-            host["base_device"],
-        ):
-            return side  # the same plan: its tensors stand
-        host["slot_expert"], host["slot_device"], host["base_device"] = slot_expert, slot_device, base_device
-        side.slot_expert, side.slot_device, side.base_device = (
-            torch.tensor(host[name], dtype=torch.long, device=store.device)
-            for name in ("slot_expert", "slot_device", "base_device")
+        same = (slot_expert, slot_device, base_device) == tuple(
+            host.get(name) for name in ("slot_expert", "slot_device", "base_device")
         )
+        if side.slot_expert is not None and same and not side.loads_stale:
+            return side  # the same plan and loads: their tensors stand
+        host["slot_expert"], host["slot_device"], host["base_device"] = slot_expert, slot_device, base_device
+        side.loads_stale = False
         copies = [slot_expert.count(e) for e in range(self.num_experts)]
-        side.room["copies"] = torch.tensor(copies, dtype=torch.long, device=store.device)
+        loads = [struct.unpack("<q", struct.pack("<d", x))[0] for x in host["load"] + host["device_load"]]
+        parts = [slot_expert, slot_device, base_device, copies, loads]
+        flat = torch.tensor([x for part in parts for x in part], dtype=torch.long, device=store.device)
+        *plan, bits = flat.split([len(part) for part in parts])
+        side.slot_expert, side.slot_device, side.base_device, side.room["copies"] = plan
+        side.load, side.device_load = bits.view(torch.float64).split([self.num_experts, self.num_devices])
         return side
 
     def choose(
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         chosen = top_k_choice(score, self.top_k)
-        plan = store.side(Placement)
-        if plan is None or plan.slot_expert is None:
-            plan = self.plan(store)
-        host = plan.host
-        reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
-        counts = reads.tolist()  # the one read: the measured reads go to the plan's devices on the host
-        plan.load = plan.load + reads
+        self.placement(store)  # the plan the reads go to
+        if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real
+            reads = chosen.sum((0, 1, 2), dtype=torch.float64)
+        else:
+            reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
+        self._reads.setdefault(layer, (store, []))[1].append(reads)  # read at the layer's next write
+        return chosen
+
+    def _serve_pending(self) -> None:
+        """Put the reads kept since each layer's last write on its plan (one host read)."""
+        pending, self._reads = self._reads, {}
+        items = [(layer, store, r) for layer, (store, reads) in pending.items() for r in reads]
+        if not items:
+            return
+        values = torch.cat([r.cpu() for _, _, r in items]).tolist()
+        e = self.num_experts
+        for i, (layer, store, _) in enumerate(items):
+            self.serve_reads(layer, self.placement(store), values[i * e : (i + 1) * e])
+
+    def serve_reads(self, layer: int, side: Placement, counts: list[float]) -> None:
+        """Put one call's reads per expert on the plan's loads and its devices (on the host)."""
+        host = side.host
         host["load"] = [a + b for a, b in zip(host["load"], counts)]  # whole numbers: exact
         served = serve(counts, host["slot_expert"], host["slot_device"], host["device_load"])
         unreplicated = [0.0] * self.num_devices
         for e, d in enumerate(host["base_device"]):
             unreplicated[d] += counts[e]
         host["device_load"] = [x + y for x, y in zip(host["device_load"], served)]
-        plan.device_load = torch.tensor(host["device_load"], dtype=torch.float64, device=store.device)
-        after = torch.tensor(served, dtype=torch.float64)
-        before = torch.tensor(unreplicated, dtype=torch.float64)
-        zero = torch.zeros_like(after)
-        self.after[layer] = self.after.get(layer, zero) + after
-        self.before[layer] = self.before.get(layer, zero) + before
-        return chosen
+        side.loads_stale = True
+        for per, add in ((self.after, served), (self.before, unreplicated)):
+            per[layer] = [x + y for x, y in zip(per.get(layer, [0.0] * self.num_devices), add)]
 
     def metrics(self) -> dict[str, float | list[float] | None]:
+        self._serve_pending()
         out = super().metrics()
         if not out or not self.after:
             return out
         layers = sorted(self.after)
+        after = {i: torch.tensor(self.after[i], dtype=torch.float64) for i in layers}
+        before = {i: torch.tensor(self.before[i], dtype=torch.float64) for i in layers}
 
         def mean_imbalance(per: dict[int, torch.Tensor]) -> float | None:
             vals = [imbalance(per[i]) for i in layers]
             vals_f = [v for v in vals if v is not None]
             return sum(vals_f) / len(vals_f) if vals_f else None
 
-        out["device_reads"] = sum((self.after[i] for i in layers), torch.zeros(self.num_devices)).tolist()
+        out["device_reads"] = sum((after[i] for i in layers), torch.zeros(self.num_devices)).tolist()
         out["device_reads_no_replication"] = sum(
-            (self.before[i] for i in layers), torch.zeros(self.num_devices)
+            (before[i] for i in layers), torch.zeros(self.num_devices)
         ).tolist()
-        out["device_load_imbalance"] = mean_imbalance(self.after)
-        out["device_load_imbalance_no_replication"] = mean_imbalance(self.before)
+        out["device_load_imbalance"] = mean_imbalance(after)
+        out["device_load_imbalance_no_replication"] = mean_imbalance(before)
         return out

@@ -6,19 +6,49 @@ contiguous position blocks (``base``, ``adaptive``, ``hierarchical``).
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from kvbench.cache import attention as att
-from kvbench.cache.reads import SETTLE_EVERY, ReadCount, count_reads, resolve_all
+from kvbench.cache import devices
+from kvbench.cache.reads import SETTLE_EVERY, ReadCount, count_reads, read_all
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Flags, Router
+
+T = TypeVar("T")
+
+_IDS: dict[tuple[int, object], torch.Tensor] = {}
+
+
+def expert_ids(experts: int, like: torch.Tensor) -> torch.Tensor:
+    """``arange(experts)`` on ``like``'s device, made once per process and device (read-only; keyed
+    by :func:`kvbench.cache.devices.device_of`, so no layer reads one made on another device)."""
+    key = (experts, devices.device_of(like))
+    ids = _IDS.get(key)
+    if ids is None:
+        ids = _IDS[key] = torch.arange(experts, device=like.device)
+    return ids
+
+
+_SCALAR: dict[object, tuple[float, torch.Tensor]] = {}
+
+
+def host_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
+    """A 0-d float32 tensor of ``value`` on ``like``'s device, made once while it is the last value
+    asked for there (the layers of a step ask for the same one); read-only."""
+    key = devices.device_of(like)
+    held = _SCALAR.get(key)
+    if held is None or held[0] != value:
+        held = _SCALAR[key] = (value, torch.full((), value, dtype=torch.float32, device=like.device))
+    return held[1]
 
 
 def routable_tokens(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
@@ -34,6 +64,33 @@ def routable_tokens(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tens
     out = view.valid & (pos >= budget.sinks) & (pos < start - budget.window)
     protect_from = store.view_protect_from()
     return out if protect_from is None else out & (pos < protect_from)
+
+
+def routable_columns(budget, store: LayerStore, qpos: torch.Tensor) -> tuple[int, int] | None:
+    """:func:`routable_tokens` as host figures where every slot holds its own position and ``qpos``
+    is the whole last chunk (:meth:`LayerStore.position_key`) with one protected start: the
+    routable tokens are then the columns ``lo .. hi - 1`` of every head-row. None elsewhere."""
+    if store.position_key(qpos) is None:
+        return None
+    protect = store.protect_from_host
+    if protect is not None and len(set(protect)) > 1:
+        return None
+    hi = store.seen_max - qpos.shape[1] - budget.window  # the chunk starts at seen - q
+    if protect is not None:
+        hi = min(hi, protect[0])
+    return budget.sinks, max(hi, budget.sinks)
+
+
+def routable_mask(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+    """:func:`routable_tokens`, made from the host's columns where they are known
+    (:func:`routable_columns`): one row, viewed as every head-row's."""
+    cols = routable_columns(budget, store, qpos)
+    if cols is None:
+        return routable_tokens(budget, store, qpos)
+    width = store.view().pos.shape[-1]
+    row = torch.zeros(width, dtype=torch.bool, device=store.device)
+    row[cols[0] : cols[1]] = True
+    return row.expand(store.batch, store.kv_heads, width)
 
 
 def position_blocks(
@@ -64,14 +121,13 @@ def position_blocks(
 def expert_onehot(eid: torch.Tensor, member: torch.Tensor | None, experts: int) -> torch.Tensor:
     """``(B, H, T, E)`` float: 1 where token ``t`` is a ``member`` of expert ``eid`` (a member's
     ``eid`` is an expert, ``>= 0``); ``member`` None: every token whose ``eid`` is not -1."""
-    onehot = eid[..., None] == torch.arange(experts, device=eid.device)
+    onehot = eid[..., None] == expert_ids(experts, eid)
     return (onehot if member is None else onehot & member[..., None]).float()
 
 
 def expert_counts(eid: torch.Tensor, experts: int) -> torch.Tensor:
-    """``(B, H, E)`` float: tokens routed to each expert (``eid`` -1: none), without a one-hot."""
-    out = torch.zeros(*eid.shape[:-1], experts + 1, device=eid.device)
-    return out.scatter_add_(-1, eid + 1, torch.ones_like(eid, dtype=out.dtype))[..., 1:].contiguous()
+    """``(B, H, E)`` float: tokens routed to each expert (``eid`` -1 or ``experts``: none)."""
+    return (eid[..., None] == expert_ids(experts, eid)).sum(-2, dtype=torch.float32)
 
 
 def expert_sums(onehot: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -87,9 +143,8 @@ def block_means(keys: torch.Tensor, eid: torch.Tensor, member: torch.Tensor, exp
 
 def top_k_choice(score: torch.Tensor, k: int) -> torch.Tensor:
     """``(..., E)`` bool: the ``k`` best-scored experts; non-finite (empty) experts never chosen."""
-    k = min(k, score.shape[-1])
-    chosen = torch.zeros_like(score, dtype=torch.bool).scatter(-1, score.topk(k, dim=-1).indices, True)
-    return chosen & torch.isfinite(score)
+    best = score.topk(min(k, score.shape[-1]), dim=-1)
+    return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, best.indices, best.values.isfinite())
 
 
 def fill_by_preference(
@@ -130,19 +185,88 @@ def fill_by_preference(
     return chosen
 
 
+class Experts:
+    """The experts of the stored tokens at one read, and what derives from them alone, each made
+    once when first needed (position blocks: once per step, shared by its layers).
+
+    Attributes:
+        column: ``(B, H, 1, T)`` long, the expert of each routed token and ``E`` for the tokens
+            always read: the column of :meth:`Routing.mask`'s padded choice each token reads.
+        count: ``(B, H, E)`` float, routed tokens per expert.
+        none_empty: known on the host that every expert of every head-row holds a token.
+        routed_host: the routed tokens of every head-row, where the host knows them.
+    """
+
+    def __init__(
+        self,
+        count: torch.Tensor,
+        eid: torch.Tensor | None = None,
+        column: torch.Tensor | None = None,
+        none_empty: bool = False,
+        routed_host: int | None = None,
+    ):
+        self.count, self.none_empty, self.routed_host = count, none_empty, routed_host
+        if eid is not None:
+            self.__dict__["eid"] = eid
+        if column is not None:
+            self.__dict__["column"] = column
+
+    @classmethod
+    def of(cls, eid: torch.Tensor, experts: int) -> Experts:
+        """The experts ``eid`` ``(B, H, T)`` (-1: always read) assigns."""
+        return cls(expert_counts(eid, experts), eid=eid)
+
+    @cached_property
+    def eid(self) -> torch.Tensor:
+        """``(B, H, T)`` long: the expert of each routed token, -1 where always read."""
+        column = self.column[:, :, 0]
+        return column.masked_fill(column == self.count.shape[-1], -1)
+
+    @cached_property
+    def column(self) -> torch.Tensor:
+        eid = self.eid
+        return torch.where(eid < 0, self.count.shape[-1], eid)[:, :, None, :]
+
+    @cached_property
+    def empty(self) -> torch.Tensor | None:
+        """``(B, H, 1, E)`` bool, the experts without a token; None where none is (known on the host)."""
+        return None if self.none_empty else (self.count == 0)[:, :, None, :]
+
+    @cached_property
+    def size(self) -> torch.Tensor:
+        """``(B, H, E, 1)``: the divisor of a mean over each expert's tokens (1 for an empty one)."""
+        return (self.count if self.none_empty else self.count.clamp(min=1))[..., None]
+
+    @cached_property
+    def routed(self) -> torch.Tensor:
+        """``(B, H, 1)``: routed tokens of each head-row (1 where none), the divisor of a read
+        fraction (one value for all where the host knows it)."""
+        if self.routed_host is not None:
+            return host_scalar(float(max(self.routed_host, 1)), self.count)
+        return self.count.sum(-1, keepdim=True).clamp(min=1)
+
+
 @dataclass
 class Routing:
     """One routed read.
 
     Attributes:
-        eid: ``(B, H, T)`` expert of each stored token, -1 where not routed (always read).
-        count: ``(B, H, E)`` routed tokens per expert.
+        experts: the stored tokens' experts (:class:`Experts`).
         chosen: ``(B, H, q, E)`` experts each query reads.
     """
 
-    eid: torch.Tensor
-    count: torch.Tensor
+    experts: Experts
     chosen: torch.Tensor
+
+    @property
+    def eid(self) -> torch.Tensor:
+        """``(B, H, T)`` expert of each stored token, -1 where not routed (always read)."""
+        return self.experts.eid
+
+    @property
+    def count(self) -> torch.Tensor:
+        """``(B, H, E)`` routed tokens per expert."""
+        return self.experts.count
 
     @cached_property
     def mask(self) -> torch.Tensor:
@@ -150,8 +274,95 @@ class Routing:
 
         Built once per routing: the read figures and attention both use it."""
         q = self.chosen.shape[2]
-        idx = self.eid.clamp(min=0)[:, :, None, :].expand(-1, -1, q, -1)
-        return torch.gather(self.chosen, -1, idx) | (self.eid < 0)[:, :, None, :]
+        column = self.experts.column
+        padded = F.pad(self.chosen, (0, 1), value=True)  # column E: always read
+        return padded.gather(-1, column.expand(*column.shape[:2], q, column.shape[-1]))
+
+
+def f32_quotient(a: float, b: float) -> float:
+    """``a / b`` of two float32 values rounded to float32, as a float32 division on a device gives
+    it: the float64 quotient rounded again is the correctly rounded one (53 >= 2 x 24 bits)."""
+    return struct.unpack("f", struct.pack("f", a / b))[0]
+
+
+@dataclass
+class StepReads:
+    """A decode step's reads over full rows of one segment, every stored token visible: a query
+    reads the tokens always read (those not routed) and the routed ones of its chosen experts,
+    each costing the same bytes. Counted when settled, many steps at once.
+
+    Attributes:
+        per_token: stored bytes of a token.
+        read: ``(B, H, q)`` routed tokens each query reads.
+        count: ``(B, H, E)`` routed tokens per expert.
+        visible: tokens visible, summed over the queries and head-rows (``B · H · q · T``).
+        queries: real queries (``B · q``).
+    """
+
+    per_token: int
+    read: torch.Tensor
+    count: torch.Tensor
+    visible: int
+    queries: int
+
+    def resolve(self, read: float, routed: float) -> tuple[float, float, float]:
+        """:meth:`ReadCount.resolve` from the sums of ``read`` and ``count``."""
+        n_read = int(self.visible - self.read.shape[-1] * routed + read)
+        return float(self.per_token * n_read) / max(self.queries, 1), float(n_read), float(self.visible)
+
+
+def exact_sums(tensors: list[torch.Tensor]) -> list[float]:
+    """The sum of each of ``tensors`` (whole numbers below 2**53: exact in any order), those of
+    one shape at once, one read a shape."""
+    out = [0.0] * len(tensors)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault((t.shape, t.device), []).append(i)
+    for idx in groups.values():
+        sums = torch.stack([tensors[i] for i in idx]).flatten(1).sum(-1, dtype=torch.float64)
+        for i, x in zip(idx, sums.tolist()):
+            out[i] = x
+    return out
+
+
+@dataclass
+class _Call:
+    """One call's read figures, as tensors until :meth:`ExpertRouter._settle`.
+
+    Attributes:
+        chosen: ``(B, H, q, E)`` the experts read by real queries.
+        reads: the reads (:class:`ReadCount`, or :class:`StepReads` for a decode step).
+        fraction, total: the routable read fractions summed over the real (query, head-row)
+            pairs, and their number (a tensor, or a host figure).
+    """
+
+    layer: int
+    chosen: torch.Tensor
+    reads: ReadCount | StepReads
+    fraction: torch.Tensor
+    total: torch.Tensor | float
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The 0-d tensors to read, in the order :meth:`resolve` takes their values."""
+        reads = self.reads.tensors() if isinstance(self.reads, ReadCount) else []
+        total = [self.total] if isinstance(self.total, torch.Tensor) else []
+        return [*reads, self.fraction, *total]
+
+    def resolve(
+        self, values: list[float], step: tuple[float, float] | None
+    ) -> tuple[tuple[float, float, float], float | None]:
+        """The reads' (bytes per real query, tokens read, tokens visible) and the mean routable
+        read fraction (None without a real query) from the values of :meth:`tensors` (and, for
+        a decode step's reads, the sums of its ``read`` and ``count``)."""
+        if isinstance(self.reads, ReadCount):
+            n = len(self.reads.tensors())
+            reads = self.reads.resolve(values[:n])
+        else:
+            assert step is not None
+            n = 0
+            reads = self.reads.resolve(*step)
+        total = values[n + 1] if isinstance(self.total, torch.Tensor) else self.total
+        return reads, f32_quotient(values[n], total) if total else None
 
 
 @dataclass
@@ -174,43 +385,56 @@ class ExpertRouter(Router):
     # per layer: bytes read per real query at each call; tokens read and visible, summed
     read_bytes: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     read_counts: list[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
+    # per layer: (view, qpos, query, routing) of the last call
     _last: dict[int, tuple[Any, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
-    # (layer, reads of the call, routable read fraction, its weight) not yet in the lists above
-    _pending: list[tuple[int, ReadCount, torch.Tensor, torch.Tensor]] = field(
-        default_factory=list, init=False, repr=False, compare=False
-    )
+    _pending: list[_Call] = field(default_factory=list, init=False, repr=False, compare=False)
+    # what the layers of one step share (:meth:`step_shared`): (key, values by name)
+    _step: tuple[Any, dict[str, Any]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def check_experts(self) -> None:
         if self.num_experts < 1:
             raise ConfigError(f"router.num_experts={self.num_experts}: must be >= 1")
 
+    def step_shared(self, store: LayerStore, qpos: torch.Tensor, name: str, make: Callable[[], T]) -> T:
+        """``make()``, made once for the layers of a step where whatever derives from positions
+        alone is the same (:meth:`LayerStore.position_key`), else at every call."""
+        key = store.position_key(qpos)
+        if key is None:
+            return make()
+        key = (*key, self.budget)
+        if self._step is None or self._step[0] != key:
+            self._step = key, {}
+        values = self._step[1]
+        if name not in values:
+            values[name] = make()
+        return values[name]
+
     def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
         """``(B, H, T)`` expert of each routed token, -1 elsewhere (every token not ``routable``)."""
         raise NotImplementedError
 
-    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
-        """:meth:`experts` of the tokens routable for the queries at ``qpos``."""
-        return self.experts(layer, store, routable_tokens(self.budget, store, qpos))
+    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> Experts:
+        """The :meth:`experts` of the tokens routable for the queries at ``qpos`` (those derived
+        once per step where the layers share them, :meth:`step_shared`)."""
+        routable = self.step_shared(store, qpos, "routable", lambda: routable_mask(self.budget, store, qpos))
+        return Experts.of(self.experts(layer, store, routable), self.num_experts)
 
-    def summarize(
-        self, layer: int, store: LayerStore, eid: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routed tokens per expert ``(B, H, E)`` float and the experts' centroids ``(B, H, E, D)`` fp32.
+    def summarize(self, layer: int, store: LayerStore, experts: Experts) -> torch.Tensor:
+        """The experts' centroids ``(B, H, E, D)`` fp32.
 
         Default: the mean key of each expert's routed tokens (zero for an empty expert).
         """
-        onehot, count = self.membership(eid)
-        return count, expert_sums(onehot, store.view().k) / count.clamp(min=1)[..., None]
+        return expert_sums(self.membership(experts), store.view().k) / experts.size
 
-    def membership(self, eid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One-hot ``(B, H, T, E)`` float of each token's expert, and the experts' sizes ``(B, H, E)``."""
-        onehot = expert_onehot(eid, None, self.num_experts)
-        return onehot, onehot.sum(2)
+    def membership(self, experts: Experts) -> torch.Tensor:
+        """One-hot ``(B, H, T, E)`` float of each routed token's expert."""
+        return expert_onehot(experts.eid, None, self.num_experts)
 
     def choose(
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        """``(B, H, q, E)`` bool from ``score`` ``(B, H, q, E)`` (-inf for empty experts)."""
+        """``(B, H, q, E)`` bool from ``score`` ``(B, H, q, E)`` (-inf for empty experts, which are
+        never chosen: nor is any expert whose score is not finite)."""
         raise NotImplementedError
 
     def read_mask(
@@ -221,27 +445,23 @@ class ExpertRouter(Router):
     def route(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> Routing:
         """Route a block of queries ``(B, Hq, q, D)``.
 
-        A repeated call for the same block (the engine's KV-hit probe) returns the same routing
-        without counting its reads again or advancing router state.
+        A repeated call for the same block (the engine's KV-hit probe: the same view, and the same
+        ``query`` and ``qpos`` tensors, or views of the same memory) returns the same routing
+        without counting its reads again or advancing router state. The inputs are not modified in
+        place between the two calls, so their addresses stand for their values.
         """
         view = store.view()
         last = self._last.get(layer)
-        if (
-            last is not None
-            and last[0] is view
-            and torch.equal(last[1], qpos)
-            and torch.equal(last[2], query)
-        ):
+        if last is not None and last[0] is view and _same(last[1], qpos) and _same(last[2], query):
             return last[3]
-        eid = self.route_experts(layer, store, qpos)
-        count, centroid = self.summarize(layer, store, eid)
-        empty = (count == 0)[:, :, None, :]
+        experts = self.route_experts(layer, store, qpos)
+        centroid = self.summarize(layer, store, experts)
         score = (dispatch.kernels("scoring") or att).group_scores(query, centroid)  # the cell's path
-        score = score.masked_fill(empty, float("-inf"))
-        chosen = self.choose(layer, store, score, count, qpos) & ~empty
-        routing = Routing(eid=eid, count=count, chosen=chosen)
+        if experts.empty is not None:
+            score = score.masked_fill(experts.empty, float("-inf"))
+        routing = Routing(experts, self.choose(layer, store, score, experts.count, qpos))
         self._account(layer, store, routing, qpos)
-        self._last[layer] = (view, qpos.clone(), query.clone(), routing)
+        self._last[layer] = (view, qpos, query, routing)  # held: their memory is not reused meanwhile
         return routing
 
     def forget(self, layer: int) -> None:
@@ -252,36 +472,63 @@ class ExpertRouter(Router):
         self.forget(layer)
 
     def _account(self, layer: int, store: LayerStore, routing: Routing, qpos: torch.Tensor) -> None:
-        """Count the reads of one call: per expert, the routable fraction, bytes and tokens."""
-        real = qpos >= 0
-        chosen = routing.chosen & real[:, None, :, None]
-        per_expert = chosen.sum((0, 1, 2)).float()
-        before = self.reads.get(layer)  # per layer: each on its layer's device
-        self.reads[layer] = per_expert if before is None else before + per_expert
-        read = (chosen.float() * routing.count[:, :, None, :]).sum(-1)  # routed tokens read per query
-        frac = read / routing.count.sum(-1, keepdim=True).clamp(min=1)
-        weight = real[:, None, :].expand_as(frac).float()
-        total = weight.sum()
-        fraction = (frac * weight).sum() / total
-        self._pending.append((layer, count_reads(store, routing.mask, qpos), fraction, total))
+        """Keep the reads of one call: the experts read, the routable fraction, bytes and tokens.
+
+        Where every query is real (the whole last chunk, unpadded), the counts of queries and
+        head-rows are host figures; a decode step over full rows also reads its visible tokens
+        (all of them) on the host.
+        """
+        chosen = routing.chosen
+        b, h, q, _ = chosen.shape
+        whole = not store.last_padded and qpos.shape == store.last_qpos.shape
+        if not whole:
+            chosen = chosen & (qpos >= 0)[:, None, :, None]
+        read = (chosen * routing.count[:, :, None, :]).sum(-1)  # routed tokens read per query
+        frac = read / routing.experts.routed
+        total: torch.Tensor | float
+        if whole:
+            fraction, total = frac.sum(), float(b * h * q)
+        else:
+            weight = (qpos >= 0)[:, None, :].expand_as(frac).float()
+            fraction, total = (frac * weight).sum(), weight.sum()
+        view = store.view()
+        reads: ReadCount | StepReads
+        if whole and q == 1 == store.last_qpos.shape[1] and view.dense and not store.compressed:
+            # one step over full rows: every stored token is visible, and each costs the same bytes
+            visible = b * h * q * view.pos.shape[-1]
+            reads = StepReads(store.fp.token_nbytes(), read, routing.count, visible, b * q)
+        else:
+            reads = count_reads(store, routing.mask, qpos)
+        self._pending.append(_Call(layer, chosen, reads, fraction, total))
         if len(self._pending) >= SETTLE_EVERY:
             self._settle()
 
     def _settle(self) -> None:
-        """Fold the pending read records into ``read_tokens``, ``read_bytes`` and ``read_counts``
-        (one read of them all per device)."""
+        """Fold the pending read records into ``reads``, ``read_tokens``, ``read_bytes`` and
+        ``read_counts`` (one read of them all per device; the experts read summed per layer)."""
         pending, self._pending = self._pending, []
-        counts, extra = resolve_all(
-            [count for _, count, _, _ in pending], [x for _, _, f, t in pending for x in (f, t)]
-        )
-        for (layer, _, _, _), (nbytes, n_read, n_visible), fraction, total in zip(
-            pending, counts, extra[::2], extra[1::2]
-        ):
-            if total:
+        if not pending:
+            return
+        tensors = [c.tensors() for c in pending]
+        values = read_all([t for ts in tensors for t in ts])
+        steps = [c.reads for c in pending if isinstance(c.reads, StepReads)]
+        step_sums = iter(zip(exact_sums([r.read for r in steps]), exact_sums([r.count for r in steps])))
+        at = 0
+        per_layer: dict[int, list[torch.Tensor]] = {}
+        for call, ts in zip(pending, tensors):
+            step = next(step_sums) if isinstance(call.reads, StepReads) else None
+            (nbytes, n_read, n_visible), fraction = call.resolve(values[at : at + len(ts)], step)
+            at += len(ts)
+            if fraction is not None:
                 self.read_tokens.append(fraction)
-            self.read_bytes.setdefault(layer, []).append(nbytes)
+            self.read_bytes.setdefault(call.layer, []).append(nbytes)
             self.read_counts[0] += n_read
             self.read_counts[1] += n_visible
+            per_layer.setdefault(call.layer, []).append(call.chosen.reshape(-1, call.chosen.shape[-1]))
+        for layer, chosen in per_layer.items():  # whole numbers: summed in any order, exactly
+            per_expert = torch.cat(chosen).sum(0).float()
+            before = self.reads.get(layer)  # per layer: each on its layer's device
+            self.reads[layer] = per_expert if before is None else before + per_expert
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         self._settle()
@@ -301,14 +548,24 @@ class ExpertRouter(Router):
         }
 
 
-@dataclass
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same tensor, or views of the same memory with the same layout."""
+    return a is b or (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
+@dataclass(eq=False)
 class _Blocks:
     """Position blocks shared by the layers of one step (:meth:`PositionExperts.route_experts`)."""
 
-    key: tuple[Any, ...]
-    eid: torch.Tensor
+    key: tuple[Any, ...] | None  # None: the blocks of one call
+    experts: Experts
     onehot: torch.Tensor
-    count: torch.Tensor
 
 
 class PositionExperts:
@@ -318,6 +575,8 @@ class PositionExperts:
     Where every stored slot holds its own position (:meth:`LayerStore.every_position`), the blocks
     depend on the positions alone, so they are the same in every layer of a step: the first
     layer derives them (and their one-hot and sizes) and the others reuse those very tensors.
+    The routed tokens are then a range of columns known on the host (:func:`routable_columns`),
+    and so is the block of each.
     """
 
     num_experts: int
@@ -326,23 +585,52 @@ class PositionExperts:
     def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
         return position_blocks(store.view().pos, routable, self.num_experts, store.in_position_order())
 
-    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> Experts:
         key = store.position_key(qpos)
         if key is not None:
             key = (*key, self.budget, self.num_experts)
             cached: _Blocks | None = self.__dict__.get("_blocks")
             if cached is not None and cached.key == key:
-                return cached.eid
-        eid = self.experts(layer, store, routable_tokens(self.budget, store, qpos))
-        if key is not None:
+                return cached.experts
+        cols = None if key is None else routable_columns(self.budget, store, qpos)
+        if cols is None:
+            eid = self.experts(layer, store, routable_tokens(self.budget, store, qpos))
             onehot = expert_onehot(eid, None, self.num_experts)
-            self.__dict__["_blocks"] = _Blocks(key, eid, onehot, onehot.sum(2))
-        return eid
+            experts = Experts(onehot.sum(2), eid=eid)
+        else:
+            column, none_empty = self.column_blocks(store, *cols)
+            onehot = expert_onehot(column[:, :, 0], None, self.num_experts)
+            experts = Experts(
+                onehot.sum(2), column=column, none_empty=none_empty, routed_host=cols[1] - cols[0]
+            )
+        # kept for :meth:`membership` (and, with a key, for the other layers of the step)
+        self.__dict__["_blocks"] = _Blocks(key, experts, onehot)
+        return experts
 
-    def membership(self, eid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's shared one-hot and sizes when ``eid`` is the step's shared blocks."""
+    def column_blocks(self, store: LayerStore, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
+        """The blocks of the routed columns ``lo .. hi - 1`` of every head-row (:func:`routable_columns`):
+        column ``t`` holds the token of rank ``t - lo``, in block ``(t - lo) · E // n``.
+
+        Returns:
+            :attr:`Experts.column` ``(B, H, 1, T)`` (a view of one row), and whether every block
+            holds a token (``n >= E``).
+        """
+        n, experts = hi - lo, self.num_experts
+        width = store.view().pos.shape[-1]
+        column = torch.full((width,), experts, dtype=torch.long, device=store.device)
+        if n:
+            column[lo:hi] = torch.arange(0, n * experts, experts, device=store.device) // n
+        return column.expand(store.batch, store.kv_heads, 1, width), n >= experts
+
+    def none_empty(self, count: torch.Tensor) -> bool:
+        """Every expert of every head-row holds a token, known on the host: ``count`` is that of
+        blocks over routed columns known on the host, with at least one token a block."""
         cached: _Blocks | None = self.__dict__.get("_blocks")
-        if cached is not None and cached.eid is eid:
-            return cached.onehot, cached.count
-        onehot = expert_onehot(eid, None, self.num_experts)
-        return onehot, onehot.sum(2)
+        return cached is not None and cached.experts.count is count and cached.experts.none_empty
+
+    def membership(self, experts: Experts) -> torch.Tensor:
+        """The step's shared one-hot when ``experts`` are the step's shared blocks."""
+        cached: _Blocks | None = self.__dict__.get("_blocks")
+        if cached is not None and cached.experts is experts:
+            return cached.onehot
+        return expert_onehot(experts.eid, None, self.num_experts)

@@ -9,6 +9,7 @@ centroids); scores are summed over the query heads of the KV head's group.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -17,23 +18,63 @@ from kvbench.errors import ConfigError
 from kvbench.routers.expert import ExpertRouter, PositionExperts, top_k_choice
 
 
+class GroupMass:
+    """What the group scores take from the experts' sizes ``count`` ``(B, H, E)`` alone, each made
+    once when first needed."""
+
+    def __init__(self, count: torch.Tensor, groups: int):
+        b, h, experts = count.shape
+        self.count = count
+        self.mass = count.float().reshape(b, h, 1, groups, experts // groups).sum(-1)  # (B, H, 1, G)
+
+    @classmethod
+    def of(cls, count: torch.Tensor, groups: int) -> GroupMass:
+        return cls(count, groups)
+
+    @cached_property
+    def held(self) -> torch.Tensor:
+        """``(B, H, 1, E)`` bool, the experts that hold a token."""
+        return (self.count > 0)[:, :, None, :]
+
+    @cached_property
+    def divisor(self) -> torch.Tensor:
+        """``(B, H, 1, G)`` tokens per group (1 for an empty group)."""
+        return self.mass.clamp(min=1)
+
+    @cached_property
+    def empty(self) -> torch.Tensor:
+        """``(B, H, 1, G)`` bool, the groups without a token."""
+        return self.mass == 0
+
+
 def group_choice(
-    score: torch.Tensor, count: torch.Tensor, groups: int, top_groups: int, k: int
+    score: torch.Tensor,
+    count: torch.Tensor,
+    groups: int,
+    top_groups: int,
+    k: int,
+    mass: GroupMass | None = None,
+    none_empty: bool = False,
 ) -> torch.Tensor:
     """``(B, H, q, E)`` bool: top-``k`` experts inside the ``top_groups`` best groups.
 
     Args:
         score: ``(B, H, q, E)``, -inf for empty experts; count: ``(B, H, E)`` tokens per expert.
+        mass: :meth:`GroupMass.of` ``count``, when already made.
+        none_empty: known on the host that every expert holds a token (nothing to mask).
     """
     *lead, experts = score.shape
     per = experts // groups
-    weight = count[:, :, None, :].expand_as(score).float()
-    scaled = torch.where(weight > 0, score, torch.zeros_like(score)) * weight
-    mass = weight.reshape(*lead, groups, per).sum(-1)
-    gscore = scaled.reshape(*lead, groups, per).sum(-1) / mass.clamp(min=1)  # q · mean key of the group
-    gscore = gscore.masked_fill(mass == 0, float("-inf"))
-    inside = top_k_choice(gscore, top_groups).repeat_interleave(per, -1)
-    return top_k_choice(score.masked_fill(~inside, float("-inf")), k)
+    mass = GroupMass.of(count, groups) if mass is None else mass
+    weight = count[:, :, None, :].float()
+    scaled = (score if none_empty else torch.where(mass.held, score, 0.0)) * weight
+    divisor = mass.mass if none_empty else mass.divisor  # at least one token a group
+    gscore = scaled.view(*lead, groups, per).sum(-1) / divisor  # q · mean key of the group
+    if not none_empty:
+        gscore = gscore.masked_fill(mass.empty, float("-inf"))
+    inside = top_k_choice(gscore, top_groups)[..., None]  # (B, H, q, G, 1)
+    kept = torch.where(inside, score.reshape(*lead, groups, per), float("-inf"))
+    return top_k_choice(kept.view(*lead, experts), k)
 
 
 @dataclass
@@ -65,4 +106,9 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
     def choose(
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        return group_choice(score, count, self.num_groups, self.top_groups, self.top_k)
+        mass = self.__dict__.get("_mass")
+        if mass is None or mass.count is not count:  # once per step where the layers share ``count``
+            mass = GroupMass.of(count, self.num_groups)
+            self.__dict__["_mass"] = mass
+        full = self.none_empty(count)
+        return group_choice(score, count, self.num_groups, self.top_groups, self.top_k, mass, full)

@@ -26,7 +26,7 @@ from kvbench.cache.side import SideData
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts
-from kvbench.routers.expert import ExpertRouter, expert_onehot, expert_sums, top_k_choice
+from kvbench.routers.expert import ExpertRouter, expert_ids, expert_onehot, expert_sums, top_k_choice
 
 
 @dataclass
@@ -91,6 +91,18 @@ class PikvRouter(CentroidExperts, ExpertRouter):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return ema_update(cent, count, keys, eid, new, pos, self.centroid_decay)
 
+    def update_one(
+        self, cent: torch.Tensor, count: torch.Tensor, key: torch.Tensor, eid: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`ema_update` with one new key ``(B, H, 1, D)`` per head-row, in expert ``eid``
+        ``(B, H, 1)``, every expert having held a token (every count positive, so every centroid
+        moves by the EMA): its expert's new keys are that key alone (``m = 1``, no later key, so
+        weight ``1 - λ``), the other experts keep their centroids."""
+        decay = self.centroid_decay
+        hit = (eid[..., None] == expert_ids(self.num_experts, eid))[:, :, 0]  # (B, H, E)
+        ema = cent * decay + key * (1 - decay)  # λ^1 · c + (1 - λ) · k: every expert has a history
+        return torch.where(hit[..., None], ema, cent), count + hit
+
     def choose(
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
@@ -99,9 +111,13 @@ class PikvRouter(CentroidExperts, ExpertRouter):
         prev = None if side is None else side.chosen
         if prev is None:
             prev = torch.zeros(b, h, e, dtype=torch.bool, device=score.device)
-        total = score * store.head_dim**-0.5 + self.locality_bonus * prev[:, :, None, :].float()
-        chosen = top_k_choice(total, self.top_k)
-        last = qpos.argmax(-1)[:, None, None, None].expand(b, h, 1, e)  # the last real query
-        now = chosen.gather(2, last).squeeze(2)
-        store.set_side(PreviousChoice(torch.where((qpos >= 0).any(-1)[:, None, None], now, prev)))
+        bonus = torch.where(prev[:, :, None, :], self.locality_bonus, 0.0)  # the bonus times prev
+        chosen = top_k_choice(score * store.head_dim**-0.5 + bonus, self.top_k)
+        if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real
+            now = chosen[:, :, -1].contiguous()  # the last query's
+        else:
+            last = qpos.argmax(-1)[:, None, None, None].expand(b, h, 1, e)  # the last real query
+            now = chosen.gather(2, last).squeeze(2)
+            now = torch.where((qpos >= 0).any(-1)[:, None, None], now, prev)
+        store.set_side(PreviousChoice(now))
         return chosen

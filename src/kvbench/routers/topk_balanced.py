@@ -17,13 +17,15 @@ when everything left on its list is full; ``read_shortfall`` measures how often.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
-from kvbench.routers.centroids import CentroidExperts, sq_dist
+from kvbench.routers.centroids import CentroidExperts, Centroids, sq_dist, write_columns
 from kvbench.routers.expert import ExpertRouter, expert_counts, expert_onehot, fill_by_preference
 
 
@@ -31,6 +33,33 @@ def capacity(factor: float, demand: torch.Tensor, experts: torch.Tensor | int) -
     """⌈factor · demand / experts⌉ as long (demand, experts broadcast)."""
     per = max(experts, 1) if isinstance(experts, int) else experts.clamp(min=1)
     return (factor * demand.double() / per - 1e-9).ceil_().long()
+
+
+def first_finite(score: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+    """``(B, H, 1, E)`` bool: the first ``k`` (``(B, H, 1)``, or one for all) experts with a finite
+    score, by score (ties by expert): :func:`fill_by_preference` of one query under a capacity it
+    never meets."""
+    ranked, order = score.sort(dim=-1, descending=True, stable=True)
+    ok = ranked.isfinite()
+    took = ok & (ok.long().cumsum(-1) <= (k if isinstance(k, int) else k[..., None]))
+    return torch.zeros_like(ok).scatter_(-1, order, took)
+
+
+def shortfalls(calls: list[tuple[torch.Tensor, torch.Tensor | int]]) -> list[int]:
+    """The (query, head-row) pairs of each call ``(chosen (B, H, q, E), need (B, H, q) or one for
+    all)`` that chose fewer experts than they need, the calls of one shape at once (whole counts:
+    exact)."""
+    out = [0] * len(calls)
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, (chosen, need) in enumerate(calls):
+        kind = need if isinstance(need, int) else (need.shape, need.device)
+        groups.setdefault((chosen.shape, chosen.device, kind), []).append(i)
+    for (*_, kind), idx in groups.items():
+        chosen = torch.stack([calls[i][0] for i in idx]).sum(-1)
+        need = kind if isinstance(kind, int) else torch.stack([torch.as_tensor(calls[i][1]) for i in idx])
+        for i, n in zip(idx, (chosen < need).flatten(1).sum(-1).tolist()):
+            out[i] = n
+    return out
 
 
 @dataclass
@@ -42,8 +71,9 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
     top_k: int = 2
     capacity_factor: float = 1.25
     short: list[float] = field(default_factory=list, init=False, repr=False)  # per call with a real query
-    # short and real (query, head-row) pairs of the calls not yet in ``short``, as tensors
-    _short_pending: list[tuple[torch.Tensor, torch.Tensor]] = field(
+    # per call not yet in ``short``: its short and real (query, head-row) pairs as tensors (and
+    # None); or, every query real, the experts it chose and needed and the number of pairs
+    _short_pending: list[tuple[torch.Tensor, torch.Tensor | int, int | None]] = field(
         default_factory=list, init=False, repr=False, compare=False
     )
 
@@ -72,11 +102,22 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         return torch.where(seeded >= 0, seeded, self.take(dist, want, room))
 
     def place_one(
-        self, dist: torch.Tensor, new: torch.Tensor, held: torch.Tensor, valid: torch.Tensor
+        self, layer: int, store: LayerStore, dist: torch.Tensor, new: torch.Tensor | None
     ) -> torch.Tensor:
         # Tokens that want no expert offer nothing, so the greedy over the one new token alone
         # takes what the greedy over every token gives it.
-        return self.take(dist, new.long(), self.write_room(held, valid, new))
+        if new is not None:
+            held = self.held(layer, store)
+            return self.take(dist, new.long(), self.write_room(held, store.view().valid, new))
+        # One new token in every head-row after the assigned columns, nothing ever evicted: the
+        # routed tokens after the write are a host figure, and the experts' live tokens are the
+        # centroids' counts (every assignment ever made).
+        cols = write_columns(self.budget, store)
+        side = store.side(Centroids)
+        assert cols is not None and side is not None
+        # Some expert has room: E·cap >= factor·n > n - 1 tokens held (factor >= 1, whole rooms).
+        cap = math.ceil(self.capacity_factor * float(cols[1] - cols[0]) / max(self.num_experts, 1) - 1e-9)
+        return self.take_first(dist, cap - side.count)
 
     def write_room(self, held: torch.Tensor, valid: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """``(B, H, E)`` float: room under the write capacity, counting the ``new`` tokens in ``T``."""
@@ -92,6 +133,14 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         took = fill_by_preference(order, torch.ones_like(dist, dtype=torch.bool), want, room)
         return took.long().argmax(-1)
 
+    @staticmethod
+    def take_first(dist: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+        """:meth:`take` of one token per head-row that wants an expert, some expert having room
+        for it: its nearest with room, ``(B, H, 1)``."""
+        order = dist.argsort(dim=-1, stable=True)  # (B, H, 1, E)
+        ok = (room > 0)[:, :, None, :].gather(-1, order)  # in order of preference
+        return order.gather(-1, ok.long().argmax(-1, keepdim=True))[..., 0]  # the first with room
+
     def read_capacity(self, count: torch.Tensor, qpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts each query wants ``(B, H)`` and queries each expert serves ``(B, H)``."""
         nonempty = (count > 0).sum(-1)
@@ -102,6 +151,19 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
     def choose(
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
+        if qpos.shape[1] == 1 and not store.last_padded and qpos.shape == store.last_qpos.shape:
+            # One real query per head-row: every expert gets one offer at most, and has room for it
+            # whenever the query wants any (k > 0 gives a capacity of at least 1), so the query
+            # takes its first k finite experts by score. Where ``count`` is the centroids' counts
+            # and every expert has held a token, none is empty: k is top_k.
+            side = store.side(Centroids)
+            if side is not None and side.full and count is side.count:
+                k: torch.Tensor | int = min(self.top_k, self.num_experts)
+            else:
+                k = (count > 0).sum(-1).clamp(max=self.top_k)[..., None]  # (B, H, 1)
+            chosen = first_finite(score, k)
+            self._short_pending.append((chosen, k, chosen.shape[:3].numel()))  # counted when settled
+            return chosen
         k, cap = self.read_capacity(count, qpos)
         real = (qpos >= 0)[:, None, :]
         need = torch.where(real, k[..., None], torch.zeros_like(k[..., None]))
@@ -109,13 +171,17 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         order = score.argsort(dim=-1, descending=True, stable=True)
         chosen = fill_by_preference(order, torch.isfinite(score), need, room)
         short = (chosen.sum(-1) < need) & real
-        self._short_pending.append((short.sum(), real.expand_as(short).sum()))  # no host sync here
+        self._short_pending.append((short.sum(), real.expand_as(short).sum(), None))  # no host sync here
         return chosen
 
     def _settle(self) -> None:
         super()._settle()
-        self.short.extend(int(s) / int(n) for s, n in self._short_pending if int(n))
-        self._short_pending.clear()
+        pending, self._short_pending = self._short_pending, []
+        counted = iter(shortfalls([(chosen, need) for chosen, need, n in pending if n is not None]))
+        for a, b, n in pending:
+            short, pairs = (next(counted), n) if n is not None else (int(a), int(b))
+            if pairs:
+                self.short.append(short / pairs)
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         out = super().metrics()
