@@ -43,7 +43,7 @@ class FastVCompressor(Compressor):
         if self.layer < 1:
             raise ConfigError(f"compressor.layer={self.layer}: must be >= 1 (layer K-1 ranks the tokens)")
         self._score: torch.Tensor | None = None  # (B, P) head-averaged attention of the last query
-        self._plan: tuple[torch.Tensor, torch.Tensor] | None = None  # (seen at planning, keep (B, P))
+        self._plan: tuple[tuple[int, ...], torch.Tensor] | None = None  # (seen at planning, keep (B, P))
 
     def on_bind(self, ctx: BindContext) -> None:
         if self.layer >= ctx.num_layers:
@@ -81,14 +81,15 @@ class FastVCompressor(Compressor):
         if layer < self.layer:
             return
         plan = self._plan
-        if layer == self.layer or plan is None or not torch.equal(store.local(plan[0]), store.seen):
-            plan = self._plan = (store.seen.clone(), self._keep_positions(store))
+        seen = tuple(store.seen_host)  # the host's copy: no device read to know the plan is current
+        if layer == self.layer or plan is None or plan[0] != seen:
+            plan = self._plan = (seen, self._keep_positions(store))
         keep_pos = store.local(plan[1])  # layer K's plan, for every later layer
         view = store.view()
         width = keep_pos.shape[-1]
         idx = view.pos.clamp(min=0, max=width - 1).reshape(view.pos.shape[0], -1)
         keep = view.valid & torch.gather(keep_pos, -1, idx).view_as(view.pos)
-        if not bool(keep[view.valid].all()):
+        if not bool((keep if view.dense else keep[view.valid]).all()):
             store.keep(keep)
 
     def _keep_positions(self, store: LayerStore) -> torch.Tensor:

@@ -63,11 +63,17 @@ class LRUScheduler(Scheduler):
             raise ConfigError(f"scheduler.tau={self.tau}: must be in (0, 1]")
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
-        view = store.view()
+        pos = store.view().pos
         hit = probs.amax(2) >= self.tau  # a padding query's position is -1: no use either way
+        if hit.shape[2] == 1:  # one query: used at its position, else last used as before (a
+            # query's position is at least every stored one's, so the arrival need not be kept apart)
+            hit = att.widen(hit[:, :, 0], pos.shape[2], False)
+            last = torch.where(hit, qpos.float()[:, None, :], pos.float())
+            store.set_state(self.LAST, torch.maximum(store.state(self.LAST), last))
+            return
         last = torch.where(hit, qpos.int()[:, None, :, None], -1).amax(2)  # (B, H, w), -1 if unused
-        state = torch.maximum(store.state(self.LAST), view.pos.float())  # arrival position initially
-        store.set_state(self.LAST, torch.maximum(state, att.widen(last.float(), view.pos.shape[2], -1.0)))
+        state = torch.maximum(store.state(self.LAST), pos.float())  # arrival position initially
+        store.set_state(self.LAST, torch.maximum(state, att.widen(last.float(), pos.shape[2], -1.0)))
 
     def last_used(self, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` last position at which each stored token was used (arrival if never)."""

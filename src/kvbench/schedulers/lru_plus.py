@@ -53,6 +53,9 @@ class LRUPlusScheduler(Scheduler):
             raise ConfigError(f"scheduler.tau={self.tau}: must be in (0, 1]")
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+        if qpos.shape[1] == 1:
+            self._observe_one(store, probs, qpos)
+            return
         real = qpos >= 0  # (B, q)
         if not bool(real.any()):
             return
@@ -67,6 +70,17 @@ class LRUPlusScheduler(Scheduler):
         gained = att.widen(gained, store.view().pos.shape[2], float("-inf"))
         old = torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
         store.set_state(self.SCORE, torch.logaddexp(old + (delta * log_decay)[:, None, None], gained))
+        store.set_state(self.SEEN, torch.ones_like(old))
+
+    def _observe_one(self, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+        """:meth:`observe` of one query per sequence, without reading the device: a real query
+        moves ``now`` by one and adds a use of weight 1 (log 0) to each token it uses; a padding
+        one moves nothing and uses nothing (its tokens' scores stay as they were)."""
+        old = torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
+        hit = att.widen(used(probs, qpos, self.tau)[:, :, 0], old.shape[2], False)  # (B, H, T)
+        gained = torch.zeros_like(old).masked_fill_(~hit, float("-inf"))
+        moved = (qpos[:, 0] >= 0).float() * math.log(self.decay)  # (B,) log decay ** delta
+        store.set_state(self.SCORE, torch.logaddexp(old + moved[:, None, None], gained))
         store.set_state(self.SEEN, torch.ones_like(old))
 
     def log_scores(self, store: LayerStore) -> torch.Tensor:
