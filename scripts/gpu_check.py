@@ -19,7 +19,9 @@
 - ``memory``: a random model with Llama-3.1-8B's shapes (``--layers`` of them, 32 query / 8 KV
   heads, head_dim 128, vocabulary 128,256, bf16) at each of ``--contexts`` for the full cache and
   every technique: peak allocated and reserved memory of a prefill and 16 decode steps, the
-  cache's stored and resident bytes, and the time per output token; ``--techniques`` names some.
+  cache's stored and resident bytes, the time per output token and the decode attention time per
+  layer (``decode_attn_ms``: the engine's attention and the stack's work, every third decode step,
+  CUDA events); ``--techniques`` names some.
   A first row runs the same steps through transformers' own cache and SDPA, for comparison.
 
 One line per check; exits non-zero on a failure. On a GPU node (one GPU; the memory part at 32k
@@ -48,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
 
 from kvbench import config, models, run  # noqa: E402
-from kvbench.cache import engine  # noqa: E402
+from kvbench.cache import engine, timing  # noqa: E402
 from kvbench.eval import loop, measure  # noqa: E402
 from kvbench.kernels import dispatch  # noqa: E402
 from kvbench.roles import BindContext, Budget  # noqa: E402
@@ -321,7 +323,7 @@ def check_memory(
     )
     print(
         f"{'technique':28s} {'context':>7s} {'peak alloc MB':>13s} {'reserved MB':>11s} "
-        f"{'stored MB':>9s} {'resident MB':>11s} {'TPOT ms':>8s}"
+        f"{'stored MB':>9s} {'resident MB':>11s} {'TPOT ms':>8s} {'attn ms/L':>10s}"
     )
     for n in contexts:
         ids = torch.randint(
@@ -339,16 +341,18 @@ def check_memory(
                 cache = loop.new_cache(lm, stack)
                 loop.step(lm, cache, ids[:n], keep=1)
                 times: list[float] = []
-                for i in range(steps):
-                    with measure.timed(lm.devices, times):
-                        loop.step(lm, cache, ids[n + i : n + i + 1])
+                with timing.cell() as attn:  # every third decode step's attention, per layer
+                    for i in range(steps):  # each step timed (measure.timed) into ``times``
+                        loop.step(lm, cache, ids[n + i : n + i + 1], times, decode=True)
+                    attn_ms = attn.metrics()["decode_attn_ms"]
                 mem = measure.memory(lm.devices)
                 alloc = sum(m.get("peak_allocated_mb") or 0 for m in mem.values())
                 reserved = sum(m.get("peak_reserved_mb") or 0 for m in mem.values())
                 tpot = 1000 * sum(times[1:]) / max(1, len(times) - 1)
                 print(
                     f"{tech or 'full cache':28s} {n:7d} {alloc:13.0f} {reserved:11.0f} "
-                    f"{cache.nbytes() / 2**20:9.0f} {cache.resident_bytes() / 2**20:11.0f} {tpot:8.1f}",
+                    f"{cache.nbytes() / 2**20:9.0f} {cache.resident_bytes() / 2**20:11.0f} {tpot:8.1f} "
+                    f"{'-' if attn_ms is None else format(attn_ms, '.3f'):>10s}",
                     flush=True,
                 )
                 checks.total += 1
