@@ -32,9 +32,19 @@ def leaving_window(
     ok = ~budget.protected_fp(store) & store.fp_valid()
     if eligible is not None:
         ok = ok & eligible
-    rank = ok.long().cumsum(-1)
     whole = (ok.sum(-1) // group_size) * group_size
-    return ok & (rank <= whole[:, None])
+    return ok & (ok.long().cumsum(-1) <= whole[:, None])
+
+
+def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.Tensor | None:
+    """:func:`leaving_window`, or None when no head-row has a whole group to move out: one host
+    read, which takes the place of the move's own count (:meth:`LayerStore.move_out`) where a
+    group leaves once in ``group_size`` decode steps, and spares the other steps the move's work."""
+    ok = ~budget.protected_fp(store) & store.fp_valid()
+    whole = (ok.sum(-1) // group_size) * group_size
+    if not bool(whole.any()):
+        return None
+    return ok & (ok.long().cumsum(-1) <= whole[:, None])
 
 
 def within(store: LayerStore, capacity: Callable[[int], int]) -> bool:

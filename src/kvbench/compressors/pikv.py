@@ -35,7 +35,7 @@ from kvbench.cache.store import LayerStore
 from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags, keep_top
-from kvbench.select import Allocated, evict_by_score, leaving_window
+from kvbench.select import Allocated, evict_by_score, leaving_groups
 
 GUARD_BITS = 8
 AUX = TokenState("pikv")  # attention received, accumulated
@@ -82,8 +82,8 @@ class PiKVCompressor(Allocated, Compressor):
     def compress(self, layer: int, store: LayerStore) -> None:
         capacity = partial(self.allocated_capacity_host, layer)
         evict_by_score(store, self.budget, lambda: store.state(AUX), capacity)
-        leaving = leaving_window(store, self.budget, self.group_size)
-        if not bool(leaving.any()):
+        leaving = leaving_groups(store, self.budget, self.group_size)
+        if leaving is None:
             return
         high = self.guarded(store, leaving)
         low = leaving & ~high

@@ -17,7 +17,7 @@ from kvbench.cache.store import LayerStore
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags
-from kvbench.select import leaving_window
+from kvbench.select import leaving_groups
 
 
 def layer_bits(num_layers: int, bits_max: int, bits_min: int) -> list[int]:
@@ -60,5 +60,6 @@ class PyramidCompressor(Compressor):
         self.bits = layer_bits(ctx.num_layers, self.bits_max, self.bits_min)
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        move = leaving_window(store, self.budget, self.group_size)
-        store.move_out(move, self.kivi.builder(self.bits[layer], self.bits[layer]))
+        move = leaving_groups(store, self.budget, self.group_size)
+        if move is not None:
+            store.move_out(move, self.kivi.builder(self.bits[layer], self.bits[layer]))

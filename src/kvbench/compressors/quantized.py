@@ -21,7 +21,7 @@ from kvbench.cache.store import Build, LayerStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
-from kvbench.select import leaving_window
+from kvbench.select import leaving_groups
 
 
 def _ops() -> ModuleType:
@@ -121,8 +121,9 @@ class QuantizedCompressor(Compressor):
             raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        move = leaving_window(store, self.budget, self.group_size)
-        store.move_out(move, self.builder(self.key_bits, self.value_bits))
+        move = leaving_groups(store, self.budget, self.group_size)
+        if move is not None:
+            store.move_out(move, self.builder(self.key_bits, self.value_bits))
 
     def builder(self, key_bits, value_bits) -> Build:
         """Quantizes moved tokens (whole groups per head-row) at these bit widths."""

@@ -28,7 +28,7 @@ from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import BindContext, Compressor, Flags
-from kvbench.select import leaving_window
+from kvbench.select import leaving_groups
 
 
 @dataclass
@@ -126,7 +126,9 @@ class SVDCompressor(Compressor):
         self.residuals = (Residual(), Residual())
 
     def compress(self, layer: int, store: LayerStore) -> None:
-        store.move_out(leaving_window(store, self.budget, self.block_size), self._factor)
+        move = leaving_groups(store, self.budget, self.block_size)
+        if move is not None:
+            store.move_out(move, self._factor)
 
     def _factor(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> SVDSegment:
         n, dtype = self.block_size, k.dtype
