@@ -32,8 +32,7 @@ def leaving_window(
     ok = ~budget.protected_fp(store) & store.fp_valid()
     if eligible is not None:
         ok = ok & eligible
-    whole = (ok.sum(-1) // group_size) * group_size
-    return ok & (ok.long().cumsum(-1) <= whole[:, None])
+    return _oldest(ok, (ok.sum(-1) // group_size) * group_size)
 
 
 def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.Tensor | None:
@@ -42,9 +41,12 @@ def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.
     group leaves once in ``group_size`` decode steps, and spares the other steps the move's work."""
     ok = ~budget.protected_fp(store) & store.fp_valid()
     whole = (ok.sum(-1) // group_size) * group_size
-    if not bool(whole.any()):
-        return None
-    return ok & (ok.long().cumsum(-1) <= whole[:, None])
+    return _oldest(ok, whole) if bool(whole.any()) else None
+
+
+def _oldest(ok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The first ``n`` ``(BH,)`` of the ``ok`` slots ``(BH, W)`` of each row."""
+    return ok & (ok.long().cumsum(-1) <= n[:, None])
 
 
 def within(store: LayerStore, capacity: Callable[[int], int]) -> bool:

@@ -31,6 +31,7 @@ from kvbench.routers.expert import (
     expert_sums,
     position_blocks,
     routable_columns,
+    unprotected_columns,
 )
 
 EXPERT = TokenState("expert")  # 1 + the token's expert, 0 while unassigned
@@ -83,15 +84,7 @@ def write_columns(budget: Budget, store: LayerStore) -> tuple[int, int] | None:
     """The tokens a write routes (valid, not protected) as the columns ``lo .. hi - 1`` of every
     head-row, where every slot holds its own position (:meth:`LayerStore.every_position`) with one
     protected start; None elsewhere."""
-    if not store.every_position():
-        return None
-    protect = store.protect_from_host
-    if protect is not None and len(set(protect)) > 1:
-        return None
-    hi = store.seen_max - budget.window
-    if protect is not None:
-        hi = min(hi, protect[0])
-    return budget.sinks, max(hi, budget.sinks)
+    return unprotected_columns(budget, store, store.seen_max) if store.every_position() else None
 
 
 def sq_dist(keys: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:

@@ -66,19 +66,27 @@ def routable_tokens(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tens
     return out if protect_from is None else out & (pos < protect_from)
 
 
+def unprotected_columns(budget, store: LayerStore, seen: int) -> tuple[int, int] | None:
+    """The columns ``lo .. hi - 1`` of every head-row that hold the unprotected tokens of a store
+    whose slots each hold their own position, for protection at ``seen`` tokens (sinks, the window
+    before ``seen``, one protected start): host figures; None where sequences protect from
+    different starts."""
+    protect = store.protect_from_host
+    if protect is not None and len(set(protect)) > 1:
+        return None
+    hi = seen - budget.window
+    if protect is not None:
+        hi = min(hi, protect[0])
+    return budget.sinks, max(hi, budget.sinks)
+
+
 def routable_columns(budget, store: LayerStore, qpos: torch.Tensor) -> tuple[int, int] | None:
     """:func:`routable_tokens` as host figures where every slot holds its own position and ``qpos``
     is the whole last chunk (:meth:`LayerStore.position_key`) with one protected start: the
     routable tokens are then the columns ``lo .. hi - 1`` of every head-row. None elsewhere."""
     if store.position_key(qpos) is None:
         return None
-    protect = store.protect_from_host
-    if protect is not None and len(set(protect)) > 1:
-        return None
-    hi = store.seen_max - qpos.shape[1] - budget.window  # the chunk starts at seen - q
-    if protect is not None:
-        hi = min(hi, protect[0])
-    return budget.sinks, max(hi, budget.sinks)
+    return unprotected_columns(budget, store, store.seen_max - qpos.shape[1])  # the chunk starts at seen - q
 
 
 def routable_mask(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
