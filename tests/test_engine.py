@@ -295,3 +295,32 @@ def test_the_cache_goes_in_under_the_keyword_the_forward_declares(family):
 
     before = SimpleNamespace(model=SimpleNamespace(forward=older))
     assert models.LoadedModel.cache_arg.func(before) == "past_key_values"
+
+
+@pytest.mark.parametrize("evict", [False, True])
+def test_a_forward_plans_its_reads_once(tiny, evict, monkeypatch):
+    """Every layer of a forward follows one read plan, made at its first layer (issue 29): one plan
+    (and one read of the padding mask) per forward, whatever the number of layers."""
+    from kvbench.eval import loop
+    from kvbench.schedulers.h2o import H2OScheduler
+
+    made = []
+    make = engine.ReadPlan.make.__func__
+
+    def counted(cls, cache, q_len, window):
+        made.append((q_len, window))
+        return make(cls, cache, q_len, window)
+
+    monkeypatch.setattr(engine.ReadPlan, "make", classmethod(counted))
+    stack = make_stack(tiny, scheduler=H2OScheduler() if evict else None, budget=0.5)
+    cache = loop.new_cache(tiny, stack, batch=2)
+    ids = torch.tensor([tokens(12), tokens(12, seed=1)])
+    real = torch.ones_like(ids, dtype=torch.bool)
+    real[1, :3] = False  # left padding
+    loop.step_batch(tiny, cache, ids, real, [])
+    for _ in range(3):
+        loop.step_batch(tiny, cache, ids[:, :1], real[:, -1:], [])
+    assert len(cache.stores) > 1
+    assert made == [(12, None)] + [(1, None)] * 3
+    plan = cache.plan(1, None)
+    assert len(plan.first) == len(cache.stores) and len(plan.observers) == evict

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -61,6 +62,59 @@ class HitProbe:
 
     def result(self) -> tuple[float | None, float | None]:
         return tuple(s / c if c else None for s, c in zip(self.sums, self.counts))  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How every layer of one forward reads its cache: decided once, at the forward's first layer,
+    from what its layers share (the query count, the sliding window, padding, the probe and the
+    stack's hooks), not re-derived by each call. A layer then adds only its own store's state:
+    whether its rows are dense, a bias, what its view holds (:meth:`KVCache.attend`).
+
+    A decode step takes one of three paths: ``bare`` (no technique acts inside attention: dense
+    full-precision rows are read as they are, plain SDPA), ``observed`` (the only technique inside
+    attention observes the probabilities: they are computed once and the output read from them),
+    else the masked read, which also serves every prefill.
+    """
+
+    q_len: int
+    window: int | None  # the layers' sliding window (None: none)
+    padded: bool  # some query of the chunk is padding
+    selector: Any  # the read selector once the cache is routed (after the first compression point)
+    placer: Any  # the technique that attends per cache tier
+    observers: tuple  # the techniques that read attention probabilities
+    query_observers: tuple  # the techniques that read the queries
+    first: tuple[int, ...]  # per layer: the first query whose probabilities an observer reads
+    bare: bool
+    observed: bool
+    reads_all: bool  # every query reads every stored token (a step, no selector, no padding)
+
+    @classmethod
+    def make(cls, cache: KVCache, q_len: int, window: int | None) -> ReadPlan:
+        stack, real = cache.stack, cache.real
+        padded = real is not None and not bool(real.all())
+        observers, query_observers = tuple(stack.observers), tuple(stack.query_observers)
+        selector, placer = stack.read_selector, stack.placer
+        # one decode step of real queries, unwindowed and not probed
+        step = q_len == 1 and window is None and real is None and cache.probe is None
+        routed = selector if cache.routed else None
+        first = tuple(
+            min((t.observed_from(layer, q_len, padded) for t in observers), default=q_len)
+            for layer in range(len(cache.stores))
+        )
+        return cls(
+            q_len=q_len,
+            window=window,
+            padded=padded,
+            selector=routed,
+            placer=placer,
+            observers=observers,
+            query_observers=query_observers,
+            first=first,
+            bare=step and not (observers or query_observers or selector or placer),
+            observed=step and bool(observers) and not (query_observers or placer or routed),
+            reads_all=q_len == 1 and window is None and routed is None and not padded,
+        )
 
 
 class _Layer(CacheLayerMixin):
@@ -123,11 +177,13 @@ class KVCache(Cache):
         self.real: torch.Tensor | None = None  # (B, q) non-padding tokens of the coming forward
         # No technique acts inside attention (none reads scores or queries, selects reads or places
         # tiers): a decode step over one full segment is then plain SDPA (see ``attend``).
-        self.bare = not (stack.observers or stack.query_observers or stack.read_selector or stack.placer)
+        self._plans: dict[tuple[int, int | None], ReadPlan] = {}  # this forward's (see ``plan``)
         self.timer: AttnTimer | None = None  # set for a sampled decode step only (kvbench.cache.timing)
 
     # --- transformers interface -------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if layer_idx == 0:  # a new forward: its reads are planned afresh
+            self._plans.clear()
         self.stores[layer_idx].append(key_states, value_states, self.real)
         kept = None if self.shadow is None else self.shadow[layer_idx]
         if kept is not None:
@@ -195,23 +251,39 @@ class KVCache(Cache):
         s = self.stores[0]
         return len(self.stores) * s.kv_heads * s.head_dim * sum(s.seen_host) * 2 * 2
 
+    def plan(self, q_len: int, sliding_window: int | None) -> ReadPlan:
+        """The read plan of this forward's layers with ``q_len`` queries and ``sliding_window``,
+        made at the first layer that asks (:class:`ReadPlan`) and dropped when the next forward
+        starts (:meth:`update` of layer 0)."""
+        key = (q_len, sliding_window)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = ReadPlan.make(self, q_len, sliding_window)
+        return plan
+
     def attend(
         self, layer: int, query: torch.Tensor, scaling: float, sliding_window: int | None
     ) -> torch.Tensor:
         store = self.stores[layer]
-        q_len = query.shape[2]
-        if q_len == 1 and self.bare and sliding_window is None and self.real is None and self.probe is None:
+        plan = self.plan(query.shape[2], sliding_window)
+        if plan.bare:
             kv = store.dense_kv()
             if kv is not None:  # one decode step over full-precision rows that every head fills
                 return att.attend(query, *kv, None, scaling)
+        if plan.observed and plan.first[layer] < 1:
+            kv = store.dense_kv()
+            if kv is not None:
+                return self._observed_step(layer, store, query, scaling, kv, plan.observers)
+        return self._attend_masked(layer, store, query, scaling, plan)
+
+    def _attend_masked(
+        self, layer: int, store: LayerStore, query: torch.Tensor, scaling: float, plan: ReadPlan
+    ) -> torch.Tensor:
+        """Every other read: masks from positions, padding, the read selector's routing, the tiers'
+        attention, the observers' probabilities and the KV-hit probe, as ``plan`` says."""
+        q_len, sliding_window, padded, selector = plan.q_len, plan.window, plan.padded, plan.selector
         qpos = store.last_qpos  # (B, q), -1 for padding
-        selector = self.stack.read_selector if self.routed else None
-        if q_len == 1 and sliding_window is None and self.real is None and self.probe is None:
-            observed = self._observed_step(layer, store, query, scaling, selector)
-            if observed is not None:
-                return observed
         view = store.view()
-        padded = self.real is not None and not bool(self.real.all())
         # Plain causal attention needs no mask: a prefill with no past, or one decode step over
         # an unwindowed cache where every stored token is real (all are in the past).
         plain = (
@@ -235,7 +307,7 @@ class KVCache(Cache):
             return mask
 
         plain_read = plain and selector is None
-        placer = self.stack.placer
+        placer = plan.placer
         # A mask from positions alone (a sliding window, padding, ragged heads) is built per block of
         # queries, never whole for a long prefill; a read selector routes the chunk's queries at
         # once, and the tiers' attention takes one mask.
@@ -249,17 +321,15 @@ class KVCache(Cache):
                 return mask[:, :, start:stop]
             return None if plain_read and q_len == 1 else mask_fn(start, stop)
 
-        reads_all = q_len == 1 and sliding_window is None and selector is None and not padded  # every token
         if placer is not None:  # per-tier attention: fast rows on the device, slow rows on the slow tier
             out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
             pos = att.Positions(view.pos, qpos, sliding_window) if per_block else None
-            out = _attend_decoded(store, query, mask, mask_fn if pos else None, scaling, reads_all, pos)
-        for tech in self.stack.query_observers:
+            out = _attend_decoded(store, query, mask, mask_fn if pos else None, scaling, plan.reads_all, pos)
+        for tech in plan.query_observers:
             tech.observe_queries(layer, store, query, qpos)
-        observers = self.stack.observers
         # Scores only for the queries some observer reads (e.g. SnapKV's window: the last 16).
-        first = min((t.observed_from(layer, q_len, padded) for t in observers), default=q_len)
+        first = plan.first[layer]
         if first < q_len:
             # plain causal prefill: the stored slots are this chunk's positions in order
             causal = view.pos.shape[2] - q_len + first if plain_read and q_len > 1 else None
@@ -276,7 +346,7 @@ class KVCache(Cache):
                 stop = start + probs.shape[3]
                 if qreal is not None:
                     probs = probs * qreal[:, None, None, start:stop, None]
-                for tech in observers:
+                for tech in plan.observers:
                     tech.observe(layer, store, probs, qpos[:, start:stop])
         if self.probe is not None and self.shadow is not None and self.shadow[layer] is not None:
             self._probe_hit(layer, store, query, qpos, mask_fn, scaling, sliding_window)
@@ -284,20 +354,18 @@ class KVCache(Cache):
         return out
 
     def _observed_step(
-        self, layer: int, store: LayerStore, query: torch.Tensor, scaling: float, selector
-    ) -> torch.Tensor | None:
-        """One unpadded decode step over full-precision rows that every head fills, whose only
-        technique inside attention observes the probabilities: they are computed once, and the
-        output is read from them (probabilities times values, as an eager reference implementation
-        does), not computed a second time by SDPA. None where the step is not such a step."""
-        if selector is not None or self.stack.query_observers or self.stack.placer is not None:
-            return None
-        observers = self.stack.observers
-        if not observers or min(t.observed_from(layer, 1, False) for t in observers) >= 1:
-            return None  # nobody reads this step's probabilities
-        kv = store.dense_kv()
-        if kv is None:
-            return None
+        self,
+        layer: int,
+        store: LayerStore,
+        query: torch.Tensor,
+        scaling: float,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        observers: tuple,
+    ) -> torch.Tensor:
+        """One unpadded decode step over full-precision rows that every head fills (``kv``), whose
+        only technique inside attention observes the probabilities (:attr:`ReadPlan.observed`):
+        they are computed once, and the output is read from them (probabilities times values, as
+        an eager reference implementation does), not computed a second time by SDPA."""
         keys, values = kv  # (B, H, T, D)
         probs = att.decode_probs(query, keys, scaling)  # (B, H, g, 1, T) fp32
         b, hq, _, d = query.shape
