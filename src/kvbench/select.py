@@ -184,13 +184,13 @@ class ObservationWindow:
         w = self.obs_window
         if qpos.shape[1] == 1 and not store.last_padded and len(set(store.seen_host)) == 1:
             # one unpadded step: each sequence's query is its newest token, whose slot the host knows
-            summed_step = att.widen(probs.sum(2)[:, :, 0], store.view().pos.shape[2])  # (B, H, T)
+            summed_step = att.widen(probs.sum(2)[:, :, 0], store.columns())  # (B, H, T)
             store.put_state(self.ring, (Ellipsis, (store.seen_host[0] - 1) % w), summed_step)
             return
         recent = (qpos >= store.seen[:, None] - w) & (qpos >= 0)  # (B, q)
         # The recent queries of a sequence are distinct positions of the last w: distinct slots.
         seq, query = recent.nonzero(as_tuple=True)
-        summed = att.widen(probs.sum(2), store.view().pos.shape[2]).transpose(1, 2)  # (B, q, H, T)
+        summed = att.widen(probs.sum(2), store.columns()).transpose(1, 2)  # (B, q, H, T)
         store.put_state(self.ring, (seq, slice(None), slice(None), qpos[seq, query] % w), summed[seq, query])
 
     def window_scores(self, store: LayerStore) -> torch.Tensor:

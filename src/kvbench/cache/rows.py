@@ -15,6 +15,7 @@ are kept on the host, so reading the rectangle needs no device synchronisation.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,14 @@ from kvbench.cache.ragged import segment_ids, starts, valid_mask
 from kvbench.kernels import dispatch
 
 _MIN_GROWTH = 64
+
+_ON = contextlib.nullcontext()
+
+
+def inference() -> contextlib.AbstractContextManager:
+    """Inference mode for writes in place into a forward's tensors (inference tensors), entered
+    only where it is not on already (the hooks of a step run inside the forward's)."""
+    return _ON if torch.is_inference_mode_enabled() else torch.inference_mode()
 
 
 @dataclass
@@ -147,7 +156,7 @@ class Rows:
         self._run = None
         field = self._fields[name]
         n = self.width - first
-        with torch.inference_mode():  # as the appends it stands for: a forward's fields are inference tensors
+        with inference():  # as the appends it stands for: a forward's fields are inference tensors
             if n == last.shape[-1]:
                 field[:, first : self.width] = last
             else:
@@ -392,7 +401,7 @@ class Rows:
             # pairs past the holes join a leaving slot to a leaving slot: both past the new width
             dst, src = self._starts + holes, self._starts + width + stay
         dst, src = dst.view(-1), src.view(-1)
-        with torch.inference_mode():  # in place, as appends: a forward's fields are inference tensors
+        with inference():  # in place, as appends: a forward's fields are inference tensors
             for field in self.fields.values():
                 flat = field.view(bh * self.capacity, *field.shape[2:])
                 flat.index_copy_(0, dst, flat.index_select(0, src))
@@ -409,7 +418,7 @@ class Rows:
         if not self.uniform:
             key = key.masked_fill(~self.valid(), torch.iinfo(key.dtype).max)  # padding stays last
         order = key.argsort(dim=-1, stable=True)
-        with torch.inference_mode():
+        with inference():
             for field in self.fields.values():
                 rect = field[:, : self.width]
                 idx = order.view(*order.shape, *([1] * (field.dim() - 2))).expand_as(rect)

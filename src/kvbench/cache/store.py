@@ -463,6 +463,11 @@ class LayerStore:
     def stored_tokens(self) -> int:
         return sum(s.size for s in self.segments)
 
+    def columns(self) -> int:
+        """The columns of :meth:`view` (its ``T``: every segment's slots side by side), from host
+        figures, without making the view."""
+        return sum(s.rows.width for s in self.segments)
+
     def uniform_tokens(self) -> int | None:
         """Stored tokens of every head-row when all hold the same number (known on the host), else None."""
         segs = self.segments

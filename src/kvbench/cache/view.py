@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvbench.cache.rows import inference
 from kvbench.cache.segments import KV, FPSegment
 
 
@@ -94,7 +95,7 @@ class JoinedRows:
 
         Under inference mode, as the store's own updates: a view read outside it (a test, a probe)
         may rewrite joined rows that a forward created."""
-        with torch.inference_mode():
+        with inference():
             return self._update(segs)
 
     def _update(self, segs: list[Any]) -> dict[str, torch.Tensor]:

@@ -77,7 +77,7 @@ class PiKVCompressor(Allocated, Compressor):
         self._moved = [0, 0]
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
-        store.add_state(AUX, att.widen(probs.sum((2, 3)), store.view().pos.shape[2]))
+        store.add_state(AUX, att.widen(probs.sum((2, 3)), store.columns()))
 
     def compress(self, layer: int, store: LayerStore) -> None:
         capacity = partial(self.allocated_capacity_host, layer)

@@ -95,7 +95,7 @@ def routable_mask(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor
     cols = routable_columns(budget, store, qpos)
     if cols is None:
         return routable_tokens(budget, store, qpos)
-    width = store.view().pos.shape[-1]
+    width = store.columns()
     row = torch.zeros(width, dtype=torch.bool, device=store.device)
     row[cols[0] : cols[1]] = True
     return row.expand(store.batch, store.kv_heads, width)
@@ -624,7 +624,7 @@ class PositionExperts:
             holds a token (``n >= E``).
         """
         n, experts = hi - lo, self.num_experts
-        width = store.view().pos.shape[-1]
+        width = store.columns()
         column = torch.full((width,), experts, dtype=torch.long, device=store.device)
         if n:
             column[lo:hi] = torch.arange(0, n * experts, experts, device=store.device) // n

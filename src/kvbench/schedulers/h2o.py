@@ -30,7 +30,7 @@ class H2OScheduler(Allocated, Scheduler):
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
-        store.add_state(SCORE, att.widen(probs.sum((2, 3)), store.view().pos.shape[2]))
+        store.add_state(SCORE, att.widen(probs.sum((2, 3)), store.columns()))
 
     def evict(self, layer: int, store: LayerStore) -> None:
         capacity = partial(self.layer_capacity_host, layer)

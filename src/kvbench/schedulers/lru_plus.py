@@ -67,7 +67,7 @@ class LRUPlusScheduler(Scheduler):
         age = (now[:, None] - qpos).float() * log_decay  # (B, q) log decay ** (now - t)
         hit = used(probs, qpos, self.tau)
         gained = age[:, None, :, None].masked_fill(~hit, float("-inf")).logsumexp(2)  # (B, H, w)
-        gained = att.widen(gained, store.view().pos.shape[2], float("-inf"))
+        gained = att.widen(gained, store.columns(), float("-inf"))
         old = torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
         store.set_state(self.SCORE, torch.logaddexp(old + (delta * log_decay)[:, None, None], gained))
         store.set_state(self.SEEN, torch.ones_like(old))
