@@ -16,6 +16,7 @@ are kept on the host, so reading the rectangle needs no device synchronisation.
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -214,7 +215,7 @@ class Rows:
 
     def token_nbytes(self, names: list[str]) -> int:
         """Bytes of one token's ``names`` fields."""
-        return sum(self._fields[n][0, 0].numel() * self._fields[n].element_size() for n in names)
+        return sum(math.prod(self._fields[n].shape[2:]) * self._fields[n].element_size() for n in names)
 
     # --- writing ---------------------------------------------------------------------------
     def ensure(self, name: str, rest: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +105,11 @@ class Segment:
 
     def token_nbytes(self) -> int:
         """Bytes of one token's per-token data."""
-        return sum(t[0].numel() * t.element_size() for t in self.data_fields().values()) if self.size else 0
+        return (
+            sum(math.prod(t.shape[1:]) * t.element_size() for t in self.data_fields().values())
+            if self.size
+            else 0
+        )
 
     def bias(self) -> torch.Tensor | None:
         """Additive attention logit per token ``(N,)`` (merged tokens carry log(count)), or None."""
@@ -236,7 +241,7 @@ class GroupedSegment(Segment):
 
     def group_nbytes(self) -> int:
         """Bytes of one group's parameters and live count."""
-        per = sum(t[0].numel() * t.element_size() for t in self.group_fields().values())
+        per = sum(math.prod(t.shape[1:]) * t.element_size() for t in self.group_fields().values())
         return per + self.gcount.element_size()
 
     def group_ids(self) -> torch.Tensor:
@@ -407,7 +412,7 @@ class RowCounts:
             return 0
         names = [n for n in self.JOINED if n != "pos"] or list(self.data_fields())  # type: ignore[attr-defined]
         fields = [self.__dict__[n] for n in names]  # as stored, queued tokens not joined
-        return sum(t[0].numel() * t.element_size() for t in fields if t is not None)
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in fields if t is not None)
 
     def nbytes(self) -> int:
         return self.size * self.token_nbytes()

@@ -9,7 +9,7 @@ a peaked one fewer; ``top_p = 1`` (with ``k_max = num_experts``) reads every exp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -19,22 +19,28 @@ from kvbench.routers.expert import ExpertRouter, PositionExperts
 
 
 def top_p_choice(
-    score: torch.Tensor, top_p: float, temperature: float, k_min: int, k_max: int
+    score: torch.Tensor, top_p: float, temperature: float, k_min: int, k_max: int, finite: bool = False
 ) -> torch.Tensor:
     """``(..., E)`` bool: the smallest prefix (by score) whose softmax(score/τ) mass is ≥ ``top_p``.
 
-    The count is clamped to ``[k_min, k_max]`` and to the non-empty (finite) experts.
+    The count is clamped to ``[k_min, k_max]`` and to the non-empty (finite) experts; ``finite``:
+    known on the host that every score is (every expert holds a token), so none is looked at.
     """
-    finite = torch.isfinite(score)
-    n = finite.sum(-1, keepdim=True)
+    every = None if finite else torch.isfinite(score)
     # A row without a finite score chooses nothing (k <= n = 0), whatever its probabilities.
+    n = None if every is None else every.sum(-1, keepdim=True)
     prob = torch.softmax(score if temperature == 1 else score / temperature, -1)  # x / 1 is x
     sorted_p, order = prob.sort(dim=-1, descending=True, stable=True)
-    before = sorted_p.cumsum(-1) - sorted_p  # mass of the better experts
-    k = (before < top_p).sum(-1, keepdim=True) if top_p < 1 else n
-    k = torch.minimum(k.clamp(k_min, k_max), n)
+    k: torch.Tensor | int
+    if top_p < 1:
+        before = sorted_p.cumsum(-1) - sorted_p  # mass of the better experts
+        k = (before < top_p).sum(-1, keepdim=True).clamp(k_min, k_max)
+    else:
+        k = min(score.shape[-1], k_max) if n is None else n.clamp(k_min, k_max)
+    if n is not None:
+        k = torch.minimum(cast(torch.Tensor, k), n)
     rank = order.argsort(-1)  # each expert's place in ``order`` (the inverse permutation)
-    return (rank < k) & finite
+    return rank < k if every is None else (rank < k) & every
 
 
 def mean_per_query(chosen: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -86,7 +92,8 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         scaled = score * store.head_dim**-0.5
-        chosen = top_p_choice(scaled, self.top_p, self.temperature, self.k_min, self.k_max)
+        full = self.none_empty(count)
+        chosen = top_p_choice(scaled, self.top_p, self.temperature, self.k_min, self.k_max, full)
         if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real
             self.experts_read.append(chosen)  # averaged when read (:func:`mean_per_query`)
         else:

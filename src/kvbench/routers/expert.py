@@ -149,10 +149,14 @@ def block_means(keys: torch.Tensor, eid: torch.Tensor, member: torch.Tensor, exp
     return expert_sums(onehot, keys) / onehot.sum(2).clamp(min=1)[..., None]
 
 
-def top_k_choice(score: torch.Tensor, k: int) -> torch.Tensor:
-    """``(..., E)`` bool: the ``k`` best-scored experts; non-finite (empty) experts never chosen."""
+def top_k_choice(score: torch.Tensor, k: int, finite: bool = False) -> torch.Tensor:
+    """``(..., E)`` bool: the ``k`` best-scored experts; non-finite (empty) experts never chosen.
+
+    ``finite``: known on the host that the ``k`` best scores are finite (every expert holds a
+    token), so each is chosen without looking."""
     best = score.topk(min(k, score.shape[-1]), dim=-1)
-    return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, best.indices, best.values.isfinite())
+    chosen = torch.zeros_like(score, dtype=torch.bool)
+    return chosen.scatter_(-1, best.indices, True if finite else best.values.isfinite())
 
 
 def fill_by_preference(

@@ -72,9 +72,10 @@ def group_choice(
     gscore = scaled.view(*lead, groups, per).sum(-1) / divisor  # q · mean key of the group
     if not none_empty:
         gscore = gscore.masked_fill(mass.empty, float("-inf"))
-    inside = top_k_choice(gscore, top_groups)[..., None]  # (B, H, q, G, 1)
+    inside = top_k_choice(gscore, top_groups, none_empty)[..., None]  # (B, H, q, G, 1)
     kept = torch.where(inside, score.reshape(*lead, groups, per), float("-inf"))
-    return top_k_choice(kept.view(*lead, experts), k)
+    # the k best lie inside the chosen groups (k <= top_groups * per), finite where none is empty
+    return top_k_choice(kept.view(*lead, experts), k, none_empty)
 
 
 @dataclass
