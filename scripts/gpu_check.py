@@ -1,4 +1,4 @@
-"""kvbench on a GPU against its CPU path, and its memory at 8B x 32k. Four parts (``--only``):
+"""kvbench on a GPU against its CPU path, and its memory at 8B x 32k. Six parts (``--only``):
 
 - ``techniques``: every technique YAML alone at a tight budget, and chains and triples, on a tiny
   random model (9/3 GQA, 3 layers): float32 logits on CUDA against the CPU's over a 200-token
@@ -16,6 +16,10 @@
   The random models are drawn in float32 and cast, so every dtype has the same weights.
 - ``protocols``: perplexity and needle end to end through ``kvbench.run`` on ``model=tiny_random``
   (a cell's record, its status and per-device memory).
+- ``batching``: a LongBench-format cell (kvbench's synthetic set, ``--limit`` examples a task) on a
+  random model with Llama-3.1-8B's shapes (``--layers``), the full cache and ``scheduler/h2o`` at
+  budget 0.5: examples per second at ``dataset.batch_size=8`` against 1, and how many predictions
+  agree (bf16 with padding may tip a near-tie of the random model's logits).
 - ``memory``: a random model with Llama-3.1-8B's shapes (``--layers`` of them, 32 query / 8 KV
   heads, head_dim 128, vocabulary 128,256, bf16) at each of ``--contexts`` for the full cache and
   every technique: peak allocated and reserved memory of a prefill and 16 decode steps, the
@@ -299,11 +303,8 @@ def check_protocols(checks: Checks, device: str, tmp: Path) -> None:
         checks.guarded(f"protocol {dataset}", one)
 
 
-def check_memory(
-    checks: Checks, device: str, contexts: list[int], layers: int, only: str | None, steps: int = 16
-) -> None:
-    import bench_overhead as bo
-
+def shaped_8b(device: str, layers: int):
+    """A random model with Llama-3.1-8B's shapes (``layers`` of its layers), bf16, built where it runs."""
     cfg = {
         **TINY,
         "name": "llama8b_shaped",
@@ -312,9 +313,61 @@ def check_memory(
     }
     torch.set_default_device(device)  # build the random weights where they run
     try:
-        lm = models.load(OmegaConf.create(cfg), device)
+        return models.load(OmegaConf.create(cfg), device)
     finally:
         torch.set_default_device(None)
+
+
+def check_batching(checks: Checks, device: str, layers: int, limit: int, sizes=(1, 8)) -> None:
+    """A LongBench-format cell (kvbench's synthetic set, its three tasks, ``limit`` examples each) on
+    the 8B-shaped random model, full cache and ``scheduler/h2o`` at budget 0.5: examples per second
+    at ``dataset.batch_size`` 8 against 1 (issue 29), and whether the predictions agree."""
+    import bench_overhead as bo
+    from kvbench.eval import longbench
+
+    lm = shaped_8b(device, layers)
+    ds = compose("config", overrides=["dataset=longbench_synthetic", f"dataset.limit={limit}"]).dataset
+    docs = longbench.PROTOCOL.load(ds).data
+    n = sum(len(v) for v in docs.values())
+    name = torch.cuda.get_device_name() if device == "cuda" else device
+    print(
+        f"batching: LongBench-format cell, {n} examples, 8B-shaped random model ({layers} layers), on {name}"
+    )
+    for tech in (None, "scheduler/h2o"):
+
+        def one(tech=tech, lm=lm):
+            rates, predictions = [], []
+            for size in sizes:
+                stack = bo.build_cell_stack(lm, tech, 0.5, model="tiny_random")  # as the memory part's
+                OmegaConf.update(ds, "batch_size", size)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                _, examples = longbench.evaluate(lm, stack, docs, ds, None)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                rates.append(n / (time.perf_counter() - start))
+                predictions.append([e["prediction"] for e in examples])
+            same = sum(a == b for a, b in zip(*predictions))
+            print(
+                f"{tech or 'full cache':28s} "
+                + " ".join(f"batch {b}: {r:6.2f} examples/s" for b, r in zip(sizes, rates))
+                + f"  ratio {rates[-1] / rates[0]:.2f}x, {same}/{n} predictions equal",
+                flush=True,
+            )
+            checks.total += 1
+
+        checks.guarded(f"batching {tech or 'full cache'}", one)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def check_memory(
+    checks: Checks, device: str, contexts: list[int], layers: int, only: str | None, steps: int = 16
+) -> None:
+    import bench_overhead as bo
+
+    lm = shaped_8b(device, layers)
     name = torch.cuda.get_device_name() if device == "cuda" else device
     print(
         f"memory: Llama-3.1-8B-shaped random model, {layers} layers, bf16, on {name}; "
@@ -392,7 +445,7 @@ def plain_row(lm, ids: list[int], n: int, steps: int, checks: Checks) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--only", default="techniques,kernels,geometry,protocols,memory")
+    ap.add_argument("--only", default="techniques,kernels,geometry,protocols,batching,memory")
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument(
@@ -400,6 +453,7 @@ def main() -> int:
         default=None,
         help="memory part: only these role/name (comma-separated; none: the full cache)",
     )
+    ap.add_argument("--limit", type=int, default=8, help="batching part: examples per task")
     ap.add_argument("--results", default="/tmp/kvbench_gpu_check")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -417,6 +471,8 @@ def main() -> int:
             check_geometry(checks, args.device)
         if "protocols" in parts:
             check_protocols(checks, args.device, Path(args.results))
+        if "batching" in parts:
+            check_batching(checks, args.device, args.layers, args.limit)
         if "memory" in parts:
             contexts = [int(c) for c in args.contexts.split(",")]
             check_memory(checks, args.device, contexts, args.layers, args.techniques)
