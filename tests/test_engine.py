@@ -301,17 +301,18 @@ def test_the_cache_goes_in_under_the_keyword_the_forward_declares(family):
 def test_a_forward_plans_its_reads_once(tiny, evict, monkeypatch):
     """Every layer of a forward follows one read plan, made at its first layer (issue 29): one plan
     (and one read of the padding mask) per forward, whatever the number of layers."""
+    from kvbench.cache import plan
     from kvbench.eval import loop
     from kvbench.schedulers.h2o import H2OScheduler
 
     made = []
-    make = engine.ReadPlan.make.__func__
+    make = plan.ReadPlan.make.__func__
 
     def counted(cls, cache, q_len, window):
         made.append((q_len, window))
         return make(cls, cache, q_len, window)
 
-    monkeypatch.setattr(engine.ReadPlan, "make", classmethod(counted))
+    monkeypatch.setattr(plan.ReadPlan, "make", classmethod(counted))
     stack = make_stack(tiny, scheduler=H2OScheduler() if evict else None, budget=0.5)
     cache = loop.new_cache(tiny, stack, batch=2)
     ids = torch.tensor([tokens(12), tokens(12, seed=1)])

@@ -29,9 +29,7 @@ def leaving_window(
 
     ``eligible`` (aligned the same way) restricts the candidates further.
     """
-    ok = ~budget.protected_fp(store) & store.fp_valid()
-    if eligible is not None:
-        ok = ok & eligible
+    ok = _movable(store, budget, eligible)
     return _oldest(ok, (ok.sum(-1) // group_size) * group_size)
 
 
@@ -39,9 +37,15 @@ def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.
     """:func:`leaving_window`, or None when no head-row has a whole group to move out: one host
     read, which takes the place of the move's own count (:meth:`LayerStore.move_out`) where a
     group leaves once in ``group_size`` decode steps, and spares the other steps the move's work."""
-    ok = ~budget.protected_fp(store) & store.fp_valid()
+    ok = _movable(store, budget)
     whole = (ok.sum(-1) // group_size) * group_size
     return _oldest(ok, whole) if bool(whole.any()) else None
+
+
+def _movable(store: LayerStore, budget: Budget, eligible: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B * H, W)``: the unprotected full-precision tokens (and ``eligible`` ones, if given)."""
+    ok = ~budget.protected_fp(store) & store.fp_valid()
+    return ok if eligible is None else ok & eligible
 
 
 def _oldest(ok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:

@@ -105,11 +105,9 @@ class Segment:
 
     def token_nbytes(self) -> int:
         """Bytes of one token's per-token data."""
-        return (
-            sum(math.prod(t.shape[1:]) * t.element_size() for t in self.data_fields().values())
-            if self.size
-            else 0
-        )
+        if not self.size:
+            return 0
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in self.data_fields().values())
 
     def bias(self) -> torch.Tensor | None:
         """Additive attention logit per token ``(N,)`` (merged tokens carry log(count)), or None."""

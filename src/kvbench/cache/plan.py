@@ -1,0 +1,63 @@
+"""The read plan of one forward: what its layers share about how they read their caches, decided
+once, at its first layer (:meth:`kvbench.cache.engine.KVCache.plan`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvbench.cache.engine import KVCache
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """How every layer of one forward reads its cache: decided once, at the forward's first layer,
+    from what its layers share (the query count, the sliding window, padding, the probe and the
+    stack's hooks), not re-derived by each call. A layer then adds only its own store's state:
+    whether its rows are dense, a bias, what its view holds (:meth:`KVCache.attend`).
+
+    A decode step takes one of three paths: ``bare`` (no technique acts inside attention: dense
+    full-precision rows are read as they are, plain SDPA), ``observed`` (the only technique inside
+    attention observes the probabilities: they are computed once and the output read from them),
+    else the masked read, which also serves every prefill.
+    """
+
+    q_len: int
+    window: int | None  # the layers' sliding window (None: none)
+    padded: bool  # some query of the chunk is padding
+    selector: Any  # the read selector once the cache is routed (after the first compression point)
+    placer: Any  # the technique that attends per cache tier
+    observers: tuple  # the techniques that read attention probabilities
+    query_observers: tuple  # the techniques that read the queries
+    first: tuple[int, ...]  # per layer: the first query whose probabilities an observer reads
+    bare: bool
+    observed: bool
+    reads_all: bool  # every query reads every stored token (a step, no selector, no padding)
+
+    @classmethod
+    def make(cls, cache: KVCache, q_len: int, window: int | None) -> ReadPlan:
+        stack, real = cache.stack, cache.real
+        padded = real is not None and not bool(real.all())
+        observers, query_observers = tuple(stack.observers), tuple(stack.query_observers)
+        selector, placer = stack.read_selector, stack.placer
+        # one decode step of real queries, unwindowed and not probed
+        step = q_len == 1 and window is None and real is None and cache.probe is None
+        routed = selector if cache.routed else None
+        first = tuple(
+            min((t.observed_from(layer, q_len, padded) for t in observers), default=q_len)
+            for layer in range(len(cache.stores))
+        )
+        return cls(
+            q_len=q_len,
+            window=window,
+            padded=padded,
+            selector=routed,
+            placer=placer,
+            observers=observers,
+            query_observers=query_observers,
+            first=first,
+            bare=step and not (observers or query_observers or selector or placer),
+            observed=step and bool(observers) and not (query_observers or placer or routed),
+            reads_all=q_len == 1 and window is None and routed is None and not padded,
+        )
