@@ -367,15 +367,25 @@ def _batch_matches_solo(lm, mk):
     return stack, cache
 
 
-@pytest.mark.parametrize("protect", [None, 50])
-def test_quest_pages_shared_by_the_layers_of_a_step(tiny_93, protect, monkeypatch):
-    """Where every slot holds its own position, the layers of a step share one page layout: the
-    logits and read figures are those of pages derived in every layer."""
+@pytest.mark.parametrize(
+    "protect, sinks, window, sizes",
+    [
+        (None, 2, 4, SIZES),
+        (50, 2, 4, SIZES),
+        (None, 0, 1, [37, 1, 1, 1, 1, 1, 1, 1, 1, 1]),  # pages fill between decode steps
+        (None, 30, 40, [96, 1, 1, 1]),  # sinks beyond the window's start: every page blocked
+        (60, 3, 2, [90, 5, 1, 1, 1]),
+    ],
+)
+def test_quest_pages_shared_by_the_layers_of_a_step(tiny_93, protect, sinks, window, sizes, monkeypatch):
+    """Where every slot holds its own position, the layers of a step share one page layout, made
+    from host figures: the logits and read figures are those of pages derived in every layer from
+    the stored positions."""
     from kvbench.cache.store import LayerStore
 
     def go():
-        stack = make_stack(tiny_93, scheduler=quest(), budget=0.25, sinks=2, window=4)
-        logits, _ = run_chunks(tiny_93, stack, tokens(N), SIZES, protect=protect)
+        stack = make_stack(tiny_93, scheduler=quest(), budget=0.25, sinks=sinks, window=window)
+        logits, _ = run_chunks(tiny_93, stack, tokens(sum(sizes)), sizes, protect=protect)
         return logits, stack.scheduler.metrics(), stack.scheduler
 
     shared, m_shared, scheduler = go()

@@ -315,11 +315,10 @@ def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> 
     """
     b, hq, q, d = query.shape
     h = kmin.shape[1]
-    grouped = query.float().view(b, h, hq // h, q, d)
+    grouped = query.float().reshape(b, h, hq // h * q, d)  # the group's queries as rows
     pos, neg = grouped.clamp(min=0), grouped.clamp(max=0)
-    return torch.einsum("bhgqd,bhpd->bhgqp", pos, kmax.float()) + torch.einsum(
-        "bhgqd,bhpd->bhgqp", neg, kmin.float()
-    )
+    bound = pos @ kmax.float().transpose(-1, -2) + neg @ kmin.float().transpose(-1, -2)
+    return bound.view(b, h, hq // h, q, kmin.shape[2])
 
 
 def group_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:

@@ -241,12 +241,17 @@ class KVCache(Cache):
         qreal = qpos >= 0 if padded else None
 
         def mask_fn(start: int, stop: int) -> torch.Tensor:
-            if q_len == 1 and sliding_window is None:  # one step: every stored token is in its past
-                mask = view.valid[:, :, None, :]
+            one_step = q_len == 1 and sliding_window is None  # every stored token is in its past
+            if one_step and view.dense and selector is not None:  # every slot a token: what it selects
+                mask = selector.read_mask(layer, store, query, qpos)
             else:
-                mask = att.read_mask(view.pos, view.valid, qpos[:, start:stop], sliding_window)
-            if selector is not None:
-                mask = mask & selector.read_mask(layer, store, query[:, :, start:stop], qpos[:, start:stop])
+                if one_step:
+                    mask = view.valid[:, :, None, :]
+                else:
+                    mask = att.read_mask(view.pos, view.valid, qpos[:, start:stop], sliding_window)
+                if selector is not None:
+                    chosen = selector.read_mask(layer, store, query[:, :, start:stop], qpos[:, start:stop])
+                    mask = mask & chosen
             if qreal is not None:  # padding queries read every stored token (their output is discarded)
                 mask = torch.where(qreal[:, None, start:stop, None], mask, view.valid[:, :, None, :])
             return mask

@@ -34,6 +34,17 @@ def token_bytes(store: LayerStore) -> torch.Tensor:
     return torch.cat(parts, dim=1).view(store.batch, store.kv_heads, -1)
 
 
+def one_step(store: LayerStore, qpos: torch.Tensor) -> bool:
+    """The queries at ``qpos`` are a whole unpadded one-token step and every slot of ``view()`` holds
+    a token (from host figures): every query is real and sees every stored token."""
+    return (
+        qpos.shape[1] == 1
+        and qpos.shape == store.last_qpos.shape
+        and not store.last_padded
+        and all(s.rows.uniform for s in store.segments)
+    )
+
+
 def visible(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
     """``(B, H, q, T)``: the stored tokens each real query may attend to (causal by position)."""
     view = store.view()
@@ -58,13 +69,14 @@ class ReadCount:
         n_read, n_visible: tokens read and visible, summed; n_queries: real queries.
     """
 
-    nbytes: torch.Tensor | list[tuple[int, torch.Tensor]]
-    n_read: torch.Tensor
-    n_visible: torch.Tensor
-    n_queries: torch.Tensor
+    nbytes: torch.Tensor | list[tuple[int, torch.Tensor | float]]
+    n_read: torch.Tensor | float
+    n_visible: torch.Tensor | float
+    n_queries: torch.Tensor | float
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The count's tensors, in the order :meth:`resolve` takes their values."""
+    def tensors(self) -> list[torch.Tensor | float]:
+        """The count's tensors (or host figures, where known), in the order :meth:`resolve` takes
+        their values."""
         parts = [n for _, n in self.nbytes] if isinstance(self.nbytes, list) else [self.nbytes]
         return [*parts, self.n_read, self.n_visible, self.n_queries]
 
@@ -80,21 +92,24 @@ class ReadCount:
         return total / max(int(n_queries), 1), n_read, n_visible
 
 
-def read_all(tensors: list[torch.Tensor]) -> list[float]:
+def read_all(tensors: list[torch.Tensor | float]) -> list[float]:
     """The values of 0-d ``tensors`` as floats (float64: whole counts below 2**53 exactly), with
-    one read per device, not one per tensor."""
+    one read per device, not one per tensor; host figures among them are taken as they are."""
     out: list[float] = [0.0] * len(tensors)
-    devices: dict[torch.device, list[int]] = {}
+    devices: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, t in enumerate(tensors):
-        devices.setdefault(t.device, []).append(i)
-    for idx in devices.values():
-        for i, value in zip(idx, torch.stack([tensors[i].double() for i in idx]).tolist()):
+        if isinstance(t, torch.Tensor):
+            devices.setdefault(t.device, []).append((i, t))
+        else:
+            out[i] = float(t)
+    for pairs in devices.values():
+        for (i, _), value in zip(pairs, torch.stack([t.double() for _, t in pairs]).tolist()):
             out[i] = value
     return out
 
 
 def resolve_all(
-    counts: list[ReadCount], extra: list[torch.Tensor]
+    counts: list[ReadCount], extra: list[torch.Tensor | float]
 ) -> tuple[list[tuple[float, float, float]], list[float]]:
     """:meth:`ReadCount.resolve` of every count, and the values of ``extra`` 0-d tensors, with
     one read per device."""
@@ -107,25 +122,42 @@ def resolve_all(
     return out, values[at:]
 
 
-def count_reads(store: LayerStore, mask: torch.Tensor, qpos: torch.Tensor) -> ReadCount:
-    """The reads of a selector's ``mask`` ``(B, H, q, T)`` for queries at ``qpos`` ``(B, q)``, as tensors.
+def count_reads(store: LayerStore, mask: torch.Tensor | None, qpos: torch.Tensor) -> ReadCount:
+    """The reads of a selector's ``mask`` ``(B, H, q, T)`` for queries at ``qpos`` ``(B, q)``, as
+    tensors (None: every visible token is read).
 
     Without a grouped segment every token of a segment costs the same whole bytes, so the bytes
     are each segment's per-token bytes times its tokens read: the float64 sum of
     :func:`token_bytes` over the read tokens gives the same number (whole numbers add exactly).
+    In a whole one-token step over full rows (:func:`one_step`) the counts of visible tokens and
+    queries are host figures, and so is what a ``mask`` of None reads.
     """
-    vis = visible(store, qpos)
-    read = mask & vis
-    n_read = read.sum()
     segs = store.segments
-    nbytes: torch.Tensor | list[tuple[int, torch.Tensor]]
+    read: torch.Tensor | None
+    n_read: torch.Tensor | float
+    n_visible: torch.Tensor | float
+    n_queries: torch.Tensor | float
+    if one_step(store, qpos):  # every query real, every stored token visible to it
+        b, q = qpos.shape
+        n_visible, n_queries = float(b * store.kv_heads * q * store.columns()), float(b * q)
+        read = mask
+        n_read = n_visible if mask is None else mask.sum()
+    else:
+        vis = visible(store, qpos)
+        read = vis if mask is None else mask & vis
+        n_read, n_visible, n_queries = read.sum(), vis.sum(), (qpos >= 0).sum()
+    nbytes: torch.Tensor | list[tuple[int, torch.Tensor | float]]
     if any(isinstance(seg, GroupedSegment) and seg.size for seg in segs):
+        if read is None:
+            read = visible(store, qpos)
         nbytes = torch.where(read, token_bytes(store)[:, :, None, :], 0.0).sum()
     elif len(segs) == 1:
         nbytes = [(segs[0].token_nbytes(), n_read)]
     else:
         nbytes, start = [], 0
-        for seg, width in zip(segs, store.view().widths):
-            nbytes.append((seg.token_nbytes(), read[..., start : start + width].sum()))
+        rows = float(qpos.shape[0] * store.kv_heads * qpos.shape[1])
+        for seg, width in zip(segs, [s.rows.width for s in segs]):
+            part = rows * width if read is None else read[..., start : start + width].sum()
+            nbytes.append((seg.token_nbytes(), part))
             start += width
-    return ReadCount(nbytes, n_read, vis.sum(), (qpos >= 0).sum())
+    return ReadCount(nbytes, n_read, n_visible, n_queries)

@@ -84,9 +84,14 @@ HOST_MODEL: dict = {
     },
 }
 
-# Knobs a technique needs to run on these models at all: FastV prunes after layer 2 by default,
-# and the launch model has two layers.
-MODEL_OVERRIDES: dict[str, tuple[str, ...]] = {"compressor/fastv": ("compressor.layer=1",)}
+# Knobs a technique needs on these models to count what it does on a large one: FastV prunes
+# after layer 2 by default, and the launch model has two layers; Quest leaves its first two layers
+# dense (2 of 32 on an 8B model), which would be every layer of the launch model, so here every
+# layer selects its pages.
+MODEL_OVERRIDES: dict[str, tuple[str, ...]] = {
+    "compressor/fastv": ("compressor.layer=1",),
+    "scheduler/quest": ("scheduler.dense_layers=0",),
+}
 
 # Operations that read a device value on the host: a synchronisation on a GPU.
 SYNCS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "nonzero_numpy", "equal", "item"})

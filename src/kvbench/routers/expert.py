@@ -354,8 +354,9 @@ class _Call:
     fraction: torch.Tensor
     total: torch.Tensor | float
 
-    def tensors(self) -> list[torch.Tensor]:
-        """The 0-d tensors to read, in the order :meth:`resolve` takes their values."""
+    def tensors(self) -> list[torch.Tensor | float]:
+        """The 0-d tensors to read (or host figures), in the order :meth:`resolve` takes their
+        values."""
         reads = self.reads.tensors() if isinstance(self.reads, ReadCount) else []
         total = [self.total] if isinstance(self.total, torch.Tensor) else []
         return [*reads, self.fraction, *total]

@@ -51,22 +51,50 @@ class PageBounds(SideData):
     kmax: torch.Tensor
 
 
+NEVER_FITS = 2**40  # the cost of a page that is not selectable: more than any budget, summed safely
+
+
 @dataclass
 class _Pages:
-    """What :meth:`QuestScheduler.pages` derives from positions: full pages per head-row ``n_full``
-    ``(B, H)`` (``total`` of them, ``width`` at most), the always-read and pageable tokens ``(B, H,
-    T)``, each page's unread tokens ``cost`` ``(B, H, P)``, the budget left for pages ``extra``
-    ``(B, H)``, and the page of each token as a gather index ``(B, H, 1, T)``."""
+    """What :meth:`QuestScheduler.pages` derives from positions, for the layers of a step.
+
+    Attributes:
+        n_full: ``(B, H)`` full pages per head-row, ``total`` of them, ``width`` at most.
+        always: ``(B, H, T)`` the tokens every query reads whatever its bounds.
+        cost: ``(B, H, 1, P)`` each page's unread tokens, :data:`NEVER_FITS` where none is
+            (``blocked``: the page is not selectable).
+        room: ``(B, H, 1, 1)`` minus twice the budget left for pages after the always-read tokens
+            (an int where every head-row has the same).
+        index: ``(B, H, 1, T)`` each token's column in a row of :meth:`take`'s pages read: its
+            page, ``P`` (never read) for an empty slot, ``P + 1`` (always read) for the others.
+        base: ``(B, H, 1, P + 2)`` bool, only column ``P + 1`` set.
+    """
 
     key: tuple[Any, ...] | None
     n_full: torch.Tensor
     total: int
     width: int
     always: torch.Tensor
-    pageable: torch.Tensor
     cost: torch.Tensor
-    extra: torch.Tensor
+    blocked: torch.Tensor
+    room: torch.Tensor | int
     index: torch.Tensor
+    base: torch.Tensor
+
+    def take(self, bound: torch.Tensor) -> torch.Tensor:
+        """The tokens read ``(B, H, q, T)`` where ``bound`` ``(B, H, q, P)`` bounds each page's
+        scores: the best bounds first, while at least half of the next page fits in the budget
+        left, with the tokens always read."""
+        score = bound.masked_fill(self.blocked, float("-inf"))  # bounds are finite: blocked pages last
+        order = score.argsort(dim=-1, descending=True, stable=True)
+        c = torch.gather(self.cost.expand_as(order), -1, order)
+        # half of the next page fits: before + c / 2 < extra, before = cumsum - c (whole numbers),
+        # as c - 2 cumsum > -2 extra; a blocked page costs more than any budget, so never fits
+        fits = torch.sub(c, c.cumsum(-1), alpha=2) > self.room
+        b, h, q, _ = bound.shape
+        pages = self.base.expand(b, h, q, self.width + 2).clone(memory_format=torch.contiguous_format)
+        pages.scatter_(-1, order, fits)
+        return torch.gather(pages, -1, self.index.expand(b, h, q, self.index.shape[-1]))
 
 
 @dataclass
@@ -93,7 +121,7 @@ class QuestScheduler(Scheduler):
         self._tokens = [0.0, 0.0, 0.0, 0.0]  # read, visible: dense layers, then selected layers
         self._meta_bytes: dict[int, int] = {}  # page metadata stored per layer, after the last forward
         self._last: tuple | None = None
-        self._pending: list[tuple[int, ReadCount, torch.Tensor | None]] = []  # reads not yet settled
+        self._pending: list[tuple[int, ReadCount, torch.Tensor | float | None]] = []  # reads not yet settled
         self._shared: _Pages | None = None  # the pages of the current step, shared by its layers
         # Per store: (its ``edits``, full pages, their minimum and maximum keys ``(B * H, P, D)``)
         self._kept_bounds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -150,9 +178,8 @@ class QuestScheduler(Scheduler):
         b, h, t, d = view.k.shape
         q = query.shape[2]
         if layer < self.dense_layers:
-            mask = view.valid[:, :, None, :].expand(b, h, q, t)
-            self._account(layer, store, query, qpos, mask, None)
-            return mask
+            self._account(layer, store, query, qpos, None, None)
+            return view.valid[:, :, None, :].expand(b, h, q, t)
         key = store.position_key(qpos)
         if key is not None:  # the layers of a step share the pages: they derive from positions alone
             key = (*key, self.budget, self.page_size)
@@ -167,7 +194,7 @@ class QuestScheduler(Scheduler):
         width = lay.width
         if width == 0:  # no full page yet: only the always-read tokens exist
             mask = lay.always[:, :, None, :].expand(b, h, q, t)
-            self._account(layer, store, query, qpos, mask, lay.n_full * 0)
+            self._account(layer, store, query, qpos, mask, 0.0)
             return mask
         if key is not None:  # every head-row holds the same full pages
             kmin, kmax = bounds.kmin.view(b, h, width, d), bounds.kmax.view(b, h, width, d)
@@ -176,16 +203,22 @@ class QuestScheduler(Scheduler):
             kmax = ragged.to_padded(bounds.kmax, lay.n_full.flatten())[0].view(b, h, width, d)
         # (B, H, q, P): the bound's maximum over the query group, by the cell's path
         bound = (dispatch.kernels("scoring") or att).group_bounds(query, kmin, kmax)
-        take = self.take_pages(bound, lay.cost, lay.extra)
-        tok = torch.gather(take, -1, lay.index.expand(b, h, q, t))
-        mask = (tok & lay.pageable[:, :, None, :]) | lay.always[:, :, None, :]
-        self._account(layer, store, query, qpos, mask, lay.n_full * 2 * d * bounds.kmin.element_size())
+        mask = lay.take(bound)
+        per_page = 2 * d * bounds.kmin.element_size()
+        if key is not None:  # every query real: the bytes of the bounds per query, from the host
+            meta: torch.Tensor | float = float(lay.total * per_page * q) / float(b * q)
+        else:
+            meta = lay.n_full * per_page
+        self._account(layer, store, query, qpos, mask, meta)
         return mask
 
     def pages(self, store: LayerStore, qpos: torch.Tensor, key: tuple[Any, ...] | None) -> _Pages:
         """The pages of the tokens stored before the chunk of the queries at ``qpos``, and what every
         query reads whatever its bounds (sinks, window, protected positions, the chunk, the partial
         last page)."""
+        pf = store.protect_from_host
+        if key is not None and (pf is None or len(set(pf)) == 1):
+            return self._uniform_pages(store, qpos, key)
         view = store.view()
         start = store.chunk_start(qpos)[:, None, None]
         prior = view.valid & (view.pos < start)
@@ -199,8 +232,46 @@ class QuestScheduler(Scheduler):
         cost = torch.zeros(b, h, width + 1, dtype=torch.long, device=view.pos.device)
         cost = cost.scatter_add_(-1, page_idx, pageable.long())[..., :width]  # unread tokens per page
         extra = self.budget.capacity(view.valid.sum(-1)) - always.sum(-1)  # (B, H)
-        index = page_idx.clamp(max=max(width - 1, 0))[:, :, None, :]
-        return _Pages(key, n_full, int(n_full.sum()), width, always, pageable, cost, extra, index)
+        index = torch.where(always, width + 1, page_idx)[:, :, None, :]
+        base = torch.zeros(b, h, 1, width + 2, dtype=torch.bool, device=view.pos.device)
+        base[..., width + 1] = True
+        blocked = (cost == 0)[:, :, None, :]
+        cost = cost[:, :, None, :].masked_fill(blocked, NEVER_FITS)
+        room = -2 * extra[:, :, None, None]
+        return _Pages(key, n_full, int(n_full.sum()), width, always, cost, blocked, room, index, base)
+
+    def _uniform_pages(self, store: LayerStore, qpos: torch.Tensor, key: tuple[Any, ...]) -> _Pages:
+        """:meth:`pages` where every head-row holds the same positions, slot ``t`` position ``t``
+        (:meth:`LayerStore.position_key`), and one ``protect_from``: the counts are host figures
+        (no read from the device) and the masks are one row's, broadcast.
+
+        The pages are the slots before the chunk, ``page_size`` at a time; a token is always read
+        when it is a sink or lies at or after ``hi``: the window before the chunk, the chunk, the
+        partial last page and the protected positions."""
+        view = store.view()
+        b, h, t = view.pos.shape
+        p = self.page_size
+        start = t - qpos.shape[1]  # the chunk's first position: every slot before it is a token
+        width = start // p
+        pf = store.protect_from_host
+        hi = min(start - self.budget.window, width * p, *(pf[:1] if pf else ()))
+        hi = max(hi, 0)
+        pos = view.pos[:1, :1]  # (1, 1, T): every row alike
+        always = (pos < self.budget.sinks) | (pos >= hi)
+        index = torch.where(always, width + 1, pos // p)[:, :, None, :].expand(b, h, 1, t)
+        n_always = t if self.budget.sinks >= hi else self.budget.sinks + t - hi
+        extra = self.budget.capacity_host(t) - n_always
+        # tokens of page j read only when chosen: [j p, (j + 1) p) within [sinks, hi)
+        first = pos[..., : width * p : p] if width else pos[..., :0]
+        cost = ((first + p).clamp(max=hi) - first.clamp(min=self.budget.sinks)).clamp(min=0)
+        blocked = (cost == 0)[:, :, None, :].expand(b, h, 1, width)
+        cost = cost[:, :, None, :].masked_fill(blocked, NEVER_FITS).expand(b, h, 1, width)
+        base = torch.zeros(1, 1, 1, width + 2, dtype=torch.bool, device=pos.device)
+        base[..., width + 1] = True
+        n_full = torch.full((b, h), width, dtype=torch.long, device=pos.device)
+        return _Pages(
+            key, n_full, b * h * width, width, always.expand(b, h, t), cost, blocked, -2 * extra, index, base
+        )
 
     def layout(
         self, pos: torch.Tensor, prior: torch.Tensor, ordered: bool = False
@@ -226,33 +297,26 @@ class QuestScheduler(Scheduler):
         page = rank // self.page_size
         return page, prior & (page < n_full[..., None]), n_full
 
-    @staticmethod
-    def take_pages(bound: torch.Tensor, cost: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
-        """Pages read: the best bounds first, while at least half of the next page fits in ``extra``.
-
-        Args:
-            bound: ``(B, H, q, P)``; cost: ``(B, H, P)`` tokens a page adds (0: not selectable);
-            extra: ``(B, H)`` tokens left in the budget after the always-read ones.
-
-        Returns:
-            ``(B, H, q, P)`` bool.
-        """
-        score = bound.masked_fill(cost[:, :, None, :] == 0, float("-inf"))
-        order = score.argsort(dim=-1, descending=True, stable=True)
-        c = torch.gather(cost[:, :, None, :].expand_as(order), -1, order)
-        before = c.cumsum(-1) - c
-        fits = (2 * before + c < 2 * extra[:, :, None, None]) & (c > 0)
-        return torch.zeros_like(fits).scatter_(-1, order, fits)
-
-    def _account(self, layer, store, query, qpos, mask, meta: torch.Tensor | None) -> None:
+    def _account(
+        self,
+        layer: int,
+        store: LayerStore,
+        query: torch.Tensor,
+        qpos: torch.Tensor,
+        mask: torch.Tensor | None,
+        meta: torch.Tensor | float | None,
+    ) -> None:
         """Bytes and tokens read by the real queries of this call (repeat calls are not counted),
-        kept as tensors until :meth:`metrics` (no device synchronisation per call)."""
+        kept as tensors until :meth:`metrics` (no device synchronisation per call).
+
+        ``mask`` None reads every visible token; ``meta`` is the page bounds' bytes of each
+        head-row ``(B, H)``, or already their mean per real query (a host figure)."""
         key = (id(store), layer, query.data_ptr(), tuple(query.shape), sum(store.seen_host))
         if key == self._last:  # the KV-hit probe asks again for the same queries
             return
         self._last = key
-        real = (qpos >= 0).sum(-1)  # (B,)
-        if meta is not None:  # page metadata bytes read per real query
+        if isinstance(meta, torch.Tensor):  # page metadata bytes read per real query
+            real = (qpos >= 0).sum(-1)  # (B,)
             meta = (meta.sum(-1).double() * real).sum() / real.sum().clamp(min=1)
         self._pending.append((layer, count_reads(store, mask, qpos), meta))
         if len(self._pending) >= SETTLE_EVERY:
