@@ -76,13 +76,15 @@ class DuoAttentionScheduler(Scheduler):
             raise ConfigError(f"scheduler.l1={self.l1}: must be >= 0")
         self.gates: torch.Tensor | None = None  # (L, H_kv) once bound or injected
         self.retrieval: torch.Tensor | None = None  # (L, H_kv) bool: heads kept full
+        self._on_device: dict[tuple[int, torch.device], torch.Tensor] = {}  # retrieval rows, per device
+        self._streaming: list[bool] = []  # per layer: some head streams
         self.injected = False
 
     def inject_gates(self, gates: torch.Tensor) -> None:
         """Use ``gates`` ``(L, H_kv)`` instead of fitting them (before or after ``bind``)."""
         self.gates, self.injected = gates.detach().float().cpu(), True
         if hasattr(self, "budget"):
-            self.retrieval = self.select_heads(self.gates)
+            self._set_retrieval(self.select_heads(self.gates))
 
     def on_bind(self, ctx: BindContext) -> None:
         gates = self.gates if self.injected and self.gates is not None else self.fit(ctx)
@@ -91,7 +93,13 @@ class DuoAttentionScheduler(Scheduler):
                 f"scheduler=duo_attention: gates of shape {tuple(gates.shape)}, "
                 f"the model has ({ctx.num_layers}, {ctx.kv_heads}) layers x KV heads"
             )
-        self.gates, self.retrieval = gates, self.select_heads(gates)
+        self.gates = gates
+        self._set_retrieval(self.select_heads(gates))
+
+    def _set_retrieval(self, retrieval: torch.Tensor) -> None:
+        self.retrieval = retrieval
+        self._streaming = [not bool(row.all()) for row in retrieval]  # per layer, on the host
+        self._on_device.clear()
 
     def fit(self, ctx: BindContext) -> torch.Tensor:
         """The gates of the model's calibration artifact (fitted now unless cached); recorded."""
@@ -133,11 +141,16 @@ class DuoAttentionScheduler(Scheduler):
         return chosen.view_as(gates)
 
     def evict(self, layer: int, store: LayerStore) -> None:
+        """The streaming heads keep their sinks and window (and the protected positions); the
+        retrieval heads keep every token."""
         assert self.retrieval is not None, "duo_attention: bind before the first forward"
-        full = self.retrieval[layer].to(store.device)[None, :, None]  # (1, H, 1)
-        keep = self.budget.protected_view(store) | full
-        if bool((store.view().valid & ~keep).any()):
-            store.keep(keep)
+        if not self._streaming[layer] or max(store.seen_host) <= self.budget.sinks + self.budget.window:
+            return  # no streaming head, or every stored position is a sink or in the window
+        key = (layer, store.device)
+        full = self._on_device.get(key)  # (1, H, 1): copied to the layer's device once
+        if full is None:
+            full = self._on_device[key] = self.retrieval[layer].to(store.device)[None, :, None]
+        store.keep(self.budget.protected_view(store) | full)  # nothing moves where nothing leaves
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         if self.retrieval is None:
