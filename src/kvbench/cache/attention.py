@@ -122,9 +122,9 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Ten
     """``(B, H, g, q, T)`` fp32 logits of grouped queries against per-KV-head keys."""
     b, hq, q, d = query.shape
     h = key.shape[1]
-    grouped = query.view(b, h, hq // h, q, d).float()
+    rows = query.view(b, h, hq // h, q, d).float().reshape(b, h, hq // h * q, d)  # the group's queries
     # in place: the product is a fresh tensor, and a second (B, H, g, q, T) buffer costs as much
-    return torch.einsum("bhgqd,bhtd->bhgqt", grouped, key.float()).mul_(scaling)
+    return (rows @ key.float().transpose(-1, -2)).mul_(scaling).view(b, h, hq // h, q, key.shape[2])
 
 
 def decode_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -319,7 +319,8 @@ class KVCache(Cache):
         keys, values = kv  # (B, H, T, D)
         probs = att.decode_probs(query, keys, scaling)  # (B, H, g, 1, T) fp32
         b, hq, _, d = query.shape
-        out = torch.einsum("bhgqt,bhtd->bhgqd", probs.to(values.dtype), values).reshape(b, hq, 1, d)
+        rows = probs.to(values.dtype).view(b, values.shape[1], -1, values.shape[2])  # (B, H, g, T)
+        out = (rows @ values).reshape(b, hq, 1, d)
         qpos = store.last_qpos
         for tech in observers:
             tech.observe(layer, store, probs, qpos)

@@ -233,18 +233,22 @@ class LayerStore:
         synchronisation."""
         segs = self.segments
         counts: list[int | None] = list(kept) if kept is not None else [None] * len(segs)
+        changed = False
         for seg, keep, n in zip(segs, self._split(mask), counts):
             rows = seg.rows
             if n is None and bool(keep.all() if rows.uniform else (keep | ~rows.valid()).all()):
                 continue
             if n is not None and rows.uniform and n == rows.width:  # keeps every token
                 continue
+            changed = True
             if n == 0 and isinstance(seg, Segment):
                 self._compressed.remove(seg)
                 continue
             if isinstance(seg, Segment):
                 seg.keep(keep[rows.valid()])
             seg.rows.keep(keep, n)
+        if not changed:  # every token stays: the store, its view and its edits are as they were
+            return
         self._compressed = [s for s in self._compressed if s.rows.width > 0]
         self.edits += 1
         self._view = None

@@ -60,19 +60,24 @@ class FastVCompressor(Compressor):
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         if layer != self.layer - 1:
             return
-        last = (qpos == store.seen[:, None] - 1) & (qpos >= 0)  # (B, q)
-        rows = last.any(-1)
-        if not bool(rows.any()):
-            return
         b, h, g = probs.shape[:3]
+        rows: torch.Tensor | None = None  # (B,): the sequences whose last token is a query here
+        if qpos.shape[1] == 1 and qpos.shape == store.last_qpos.shape and not store.last_padded:
+            observed = probs.sum((2, 3))  # one unpadded step: every query is its sequence's last token
+        else:
+            last = (qpos == store.seen[:, None] - 1) & (qpos >= 0)  # (B, q)
+            rows = last.any(-1)
+            if not bool(rows.any()):
+                return
+            observed = (probs * last[:, None, None, :, None]).sum((2, 3))
         pos = store.view().pos
-        per_head = att.widen((probs * last[:, None, None, :, None]).sum((2, 3)), pos.shape[2])  # (B, H, T)
+        per_head = att.widen(observed, pos.shape[2])  # (B, H, T)
         width = store.seen_max
         score = per_head.new_zeros(b, width + 1).scatter_add_(
             -1, torch.where(pos >= 0, pos, width).reshape(b, -1), per_head.reshape(b, -1)
         )[:, :width] / (h * g)
         old = self._score
-        if old is not None and old.shape[0] == b:
+        if rows is not None and old is not None and old.shape[0] == b:  # the others keep theirs
             old = F.pad(old, (0, max(0, width - old.shape[1])))[:, :width]
             score = torch.where(rows[:, None], score, old)
         self._score = score
@@ -88,15 +93,16 @@ class FastVCompressor(Compressor):
         view = store.view()
         width = keep_pos.shape[-1]
         idx = view.pos.clamp(min=0, max=width - 1).reshape(view.pos.shape[0], -1)
-        keep = view.valid & torch.gather(keep_pos, -1, idx).view_as(view.pos)
-        if not bool((keep if view.dense else keep[view.valid]).all()):
-            store.keep(keep)
+        keep = torch.gather(keep_pos, -1, idx).view_as(view.pos)
+        if not view.dense:
+            keep = keep & view.valid
+        store.keep(keep)  # nothing moves where every token stays
 
     def _keep_positions(self, store: LayerStore) -> torch.Tensor:
         """``(B, P)`` bool: protected positions plus the best-ranked stored ones, up to the capacity."""
         view = store.view()
         b, width = store.batch, store.seen_max
-        idx = torch.where(view.valid, view.pos, width).reshape(b, -1)
+        idx = (view.pos if view.dense else torch.where(view.valid, view.pos, width)).reshape(b, -1)
         present = torch.zeros(b, width + 1, dtype=torch.bool, device=store.device)
         present = present.scatter_(-1, idx, True)[:, :width]  # stored in some head of this layer
         score = torch.zeros(b, width, device=store.device)
