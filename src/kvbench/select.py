@@ -37,9 +37,29 @@ def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.
     """:func:`leaving_window`, or None when no head-row has a whole group to move out: one host
     read, which takes the place of the move's own count (:meth:`LayerStore.move_out`) where a
     group leaves once in ``group_size`` decode steps, and spares the other steps the move's work."""
+    bound = _movable_bound(store, budget)
+    if bound is not None and bound < group_size:  # known on the host: no whole group yet
+        return None
     ok = _movable(store, budget)
     whole = (ok.sum(-1) // group_size) * group_size
     return _oldest(ok, whole) if bool(whole.any()) else None
+
+
+def _movable_bound(store: LayerStore, budget: Budget) -> int | None:
+    """The most unprotected tokens a head-row's full-precision rows hold, from host figures: their
+    width less the sinks and the window of its sequence, which arrive there and never leave (every
+    selection and move keeps them: they are protected at every step, as they are now). None where
+    the rows differ in length, or are out of position order (a move puts them back in order
+    first, and attention then reads them in that order)."""
+    rows = store.fp.rows
+    if not rows.uniform or not rows.ordered:
+        return None
+    most = 0
+    for seen in store.seen_host:
+        sinks = min(budget.sinks, seen)
+        held = sinks + seen - max(seen - budget.window, sinks)  # [0, sinks) and the window, once
+        most = max(most, rows.width - held)
+    return most
 
 
 def _movable(store: LayerStore, budget: Budget, eligible: torch.Tensor | None = None) -> torch.Tensor:
