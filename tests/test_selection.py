@@ -452,3 +452,38 @@ def test_an_eviction_breaks_ties_by_position_whatever_the_layout():
     shuffled, spos = scores[..., perm], pos[..., perm]
     left = lowest(shuffled, spos.argsort(-1), 4)[0, 0]
     assert sorted(spos[0, 0, left].tolist()) == [2, 4]
+
+
+@pytest.mark.parametrize("protect", [None, 30])
+@pytest.mark.parametrize("sizes", [[40, 1, 1, 1, 1, 1, 1, 1, 1, 1], [7, 9, 1, 1, 1], [33, 8, 1]])
+def test_moves_counted_on_the_host_are_those_the_device_counts(tiny_93, monkeypatch, protect, sizes):
+    """Where the host knows how many tokens every head-row moves out (``select.moving_per_row``:
+    full rows in position order, nothing protected beyond the sinks and window), that is the
+    number the move takes; elsewhere it says it does not know. The logits are those of counting
+    on the device."""
+    from kvbench import select
+    from kvbench.compressors import quantized
+
+    asked, original = [], select.moving_per_row
+
+    def checked(store, budget, group_size):
+        n = original(store, budget, group_size)
+        ok = ~budget.protected_fp(store) & store.fp_valid()
+        movable = (ok.sum(-1) // group_size) * group_size
+        if n is not None:
+            assert movable.tolist() == [n] * movable.numel()
+        asked.append(n)
+        return n
+
+    def run(host: bool):
+        if host:
+            monkeypatch.setattr(quantized, "moving_per_row", checked)
+        else:
+            monkeypatch.setattr(quantized, "moving_per_row", lambda *a: None)
+        stack = make_stack(tiny_93, compressor=QuantizedCompressor(bits=4, group_size=4), sinks=2, window=4)
+        return run_chunks(tiny_93, stack, tokens(sum(sizes)), sizes, protect=protect)[0]
+
+    device = run(False)
+    host = run(True)
+    assert torch.equal(device, host)
+    assert asked and (protect is None) == any(n is not None for n in asked)

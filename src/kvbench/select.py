@@ -30,7 +30,8 @@ def leaving_window(
     ``eligible`` (aligned the same way) restricts the candidates further.
     """
     ok = _movable(store, budget, eligible)
-    return _oldest(ok, (ok.sum(-1) // group_size) * group_size)
+    n = moving_per_row(store, budget, group_size) if eligible is None else None
+    return _oldest(ok, (ok.sum(-1) // group_size) * group_size if n is None else n)
 
 
 def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.Tensor | None:
@@ -40,9 +41,23 @@ def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.
     bound = _movable_bound(store, budget)
     if bound is not None and bound < group_size:  # known on the host: no whole group yet
         return None
+    n = moving_per_row(store, budget, group_size)
+    if n is not None:  # known on the host: every head-row moves n
+        return _oldest(_movable(store, budget), n) if n else None
     ok = _movable(store, budget)
     whole = (ok.sum(-1) // group_size) * group_size
     return _oldest(ok, whole) if bool(whole.any()) else None
+
+
+def moving_per_row(store: LayerStore, budget: Budget, group_size: int) -> int | None:
+    """The tokens every head-row moves out in :func:`leaving_window` (whole groups of
+    ``group_size``), from host figures: where no position is protected beyond the sinks and the
+    window, the unprotected tokens of full rows in position order are exactly those of
+    :func:`_movable_bound`. None where unknown (:meth:`LayerStore.move_out` then counts them)."""
+    bound = _movable_bound(store, budget)
+    if bound is None or store.protect_from_host is not None or len(set(store.seen_host)) != 1:
+        return None
+    return (bound // group_size) * group_size
 
 
 def _movable_bound(store: LayerStore, budget: Budget) -> int | None:
@@ -68,9 +83,9 @@ def _movable(store: LayerStore, budget: Budget, eligible: torch.Tensor | None = 
     return ok if eligible is None else ok & eligible
 
 
-def _oldest(ok: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """The first ``n`` ``(BH,)`` of the ``ok`` slots ``(BH, W)`` of each row."""
-    return ok & (ok.long().cumsum(-1) <= n[:, None])
+def _oldest(ok: torch.Tensor, n: torch.Tensor | int) -> torch.Tensor:
+    """The first ``n`` ``(BH,)`` (or as many in every row) of the ``ok`` slots ``(BH, W)`` of each row."""
+    return ok & (ok.long().cumsum(-1) <= (n[:, None] if isinstance(n, torch.Tensor) else n))
 
 
 def within(store: LayerStore, capacity: Callable[[int], int]) -> bool:

@@ -324,23 +324,39 @@ class Rows:
         self.width = most
         self.uniform = bool((lens == most).all())
 
-    def take_out(self, move: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor, int | None] | None:
+    def take_out(
+        self, move: torch.Tensor, per_row: int | None = None
+    ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int | None] | None:
         """Remove the slots where ``move`` ``(BH, width)`` holds (the rest kept, as :meth:`keep`).
+
+        ``per_row``: the slots every (full) row moves, when the caller knows it on the host; then
+        no count is read from the device.
 
         Returns:
             None when no live slot moves; else every field's moved tokens, flat and head-major
             ``(n, *rest)``, their count per row ``(BH,)``, and that count on the host when every
             row moves the same number (else None).
         """
-        if not self.uniform:
-            move = move & self.valid()
-        lens = move.sum(-1)
-        kept = self.lens - lens
-        counts, kept_counts = torch.stack([lens, kept]).tolist()  # the one synchronisation
-        if not any(counts):
-            return None
-        rows, cols = move.nonzero(as_tuple=True)  # the moved slots, row after row, in order
-        src = rows * self.capacity + cols
+        if per_row is not None and self.uniform:
+            if per_row == 0:
+                return None
+            counts = [per_row] * self.bh
+            kept_counts = [self.width - per_row] * self.bh
+            lens = torch.full((self.bh,), per_row, dtype=torch.long, device=self.device)
+            kept = torch.full((self.bh,), self.width - per_row, dtype=torch.long, device=self.device)
+            # the moved slots, row after row, in order: each row's first ``per_row`` after a stable sort
+            cols = torch.argsort((~move).to(torch.int8), dim=-1, stable=True)[:, :per_row]
+            src = (self._row_starts() + cols).reshape(-1)
+        else:
+            if not self.uniform:
+                move = move & self.valid()
+            lens = move.sum(-1)
+            kept = self.lens - lens
+            counts, kept_counts = torch.stack([lens, kept]).tolist()  # the one synchronisation
+            if not any(counts):
+                return None
+            rows, cols = move.nonzero(as_tuple=True)  # the moved slots, row after row, in order
+            src = rows * self.capacity + cols
         taken = {
             name: field.view(self.bh * self.capacity, *field.shape[2:]).index_select(0, src)
             for name, field in self.fields.items()
@@ -378,6 +394,12 @@ class Rows:
         self.capacity = cap
         self.lens, self.width, self.uniform = plan.lens, plan.width, plan.least == plan.width
 
+    def _row_starts(self) -> torch.Tensor:
+        """``(BH, 1)``: each row's first slot in a flat ``(BH * capacity, ...)`` view of a field."""
+        if self._starts is None:
+            self._starts = torch.arange(self.bh, device=self.device)[:, None] * self.capacity
+        return self._starts
+
     def drop(self, cols: torch.Tensor) -> None:
         """Evict the slots ``cols`` ``(BH, e)`` (distinct columns of each row) from full rows, in
         O(e) writes: each freed slot below the new width takes one of the last ``e`` slots' live
@@ -389,18 +411,16 @@ class Rows:
         assert self.uniform, "drop: rows of different lengths compact (keep)"
         bh, e = cols.shape
         width = self.width - e
-        if self._starts is None:
-            self._starts = torch.arange(bh, device=self.device)[:, None] * self.capacity
         if e == 1:  # the last slot's token moves into the freed one (onto itself if that is the last)
-            dst = self._starts + cols
-            src = self._starts + width
+            dst = self._row_starts() + cols
+            src = self._row_starts() + width
         else:  # holes below ``width`` first, paired with the last slots that stay, in order
             holes = cols.sort(-1).values
             leaves = torch.zeros(bh, e, dtype=torch.int8, device=self.device)
             leaves.scatter_add_(1, (holes - width).clamp(min=0), (holes >= width).to(torch.int8))
             stay = torch.argsort(leaves, dim=-1, stable=True)  # the last slots that stay, first
             # pairs past the holes join a leaving slot to a leaving slot: both past the new width
-            dst, src = self._starts + holes, self._starts + width + stay
+            dst, src = self._row_starts() + holes, self._row_starts() + width + stay
         dst, src = dst.view(-1), src.view(-1)
         with inference():  # in place, as appends: a forward's fields are inference tensors
             for field in self.fields.values():

@@ -158,7 +158,9 @@ class LayerStore:
             self.last_padded = True
         self._view = None
 
-    def move_out(self, move: torch.Tensor, build: Build, first: bool = False) -> Segment | None:
+    def move_out(
+        self, move: torch.Tensor, build: Build, first: bool = False, per_row: int | None = None
+    ) -> Segment | None:
         """Move the full-precision tokens under ``move`` into the representation ``build`` makes.
 
         The one way tokens leave the full-precision window. Their positions and technique state
@@ -169,12 +171,14 @@ class LayerStore:
             move: ``(B * H, W)`` bool over the full-precision rows (see :meth:`fp_view`).
             build: ``(k (n, D), v (n, D), pos (n,), lens (BH,)) -> Segment`` for the moved tokens,
                 flat and head-major.
+            per_row: the tokens every head-row moves, where the caller knows it on the host
+                (:func:`kvbench.select.moving_per_row`): no count is read from the device.
 
         Returns:
             The segment built (before merging), or None if nothing moved.
         """
         rows = self._fp.rows
-        taken = rows.take_out(move)
+        taken = rows.take_out(move, per_row)
         if taken is None:
             return None
         flat, lens, per_row = taken

@@ -33,7 +33,7 @@ from kvbench.cache.side import SideData
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
-from kvbench.select import leaving_window
+from kvbench.select import leaving_window, moving_per_row
 
 
 @dataclass
@@ -204,11 +204,18 @@ class PruningCompressor(Compressor):
         return side
 
     def compress(self, layer: int, store: LayerStore) -> None:
+        per_row = moving_per_row(store, self.budget, 1)
+        if per_row == 0:  # known on the host: every token is a sink or in the window
+            return
         move = leaving_window(store, self.budget, 1)
-        if not bool(move.any()):
+        if per_row is None and not bool(move.any()):
             return
         channels = self._channels(store, move)
-        store.move_out(move, lambda k, v, pos, lens: self._prune(k, v, pos, lens, channels, store.head_dim))
+
+        def build(k, v, pos, lens):
+            return self._prune(k, v, pos, lens, channels, store.head_dim)
+
+        store.move_out(move, build, per_row=per_row)
 
     @staticmethod
     def _prune(k, v, pos, lens, channels: torch.Tensor, head_dim: int) -> PrunedSegment:

@@ -17,7 +17,7 @@ from kvbench.cache.store import LayerStore
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags
-from kvbench.select import leaving_groups
+from kvbench.select import leaving_groups, moving_per_row
 
 
 def layer_bits(num_layers: int, bits_max: int, bits_min: int) -> list[int]:
@@ -62,4 +62,5 @@ class PyramidCompressor(Compressor):
     def compress(self, layer: int, store: LayerStore) -> None:
         move = leaving_groups(store, self.budget, self.group_size)
         if move is not None:
-            store.move_out(move, self.kivi.builder(self.bits[layer], self.bits[layer]))
+            per_row = moving_per_row(store, self.budget, self.group_size)
+            store.move_out(move, self.kivi.builder(self.bits[layer], self.bits[layer]), per_row=per_row)

@@ -21,7 +21,7 @@ from kvbench.cache.store import Build, LayerStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
-from kvbench.select import leaving_groups
+from kvbench.select import leaving_groups, moving_per_row
 
 
 def _ops() -> ModuleType:
@@ -123,7 +123,8 @@ class QuantizedCompressor(Compressor):
     def compress(self, layer: int, store: LayerStore) -> None:
         move = leaving_groups(store, self.budget, self.group_size)
         if move is not None:
-            store.move_out(move, self.builder(self.key_bits, self.value_bits))
+            per_row = moving_per_row(store, self.budget, self.group_size)
+            store.move_out(move, self.builder(self.key_bits, self.value_bits), per_row=per_row)
 
     def builder(self, key_bits, value_bits) -> Build:
         """Quantizes moved tokens (whole groups per head-row) at these bit widths."""

@@ -28,7 +28,7 @@ from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import BindContext, Compressor, Flags
-from kvbench.select import leaving_groups
+from kvbench.select import leaving_groups, moving_per_row
 
 
 @dataclass
@@ -128,7 +128,7 @@ class SVDCompressor(Compressor):
     def compress(self, layer: int, store: LayerStore) -> None:
         move = leaving_groups(store, self.budget, self.block_size)
         if move is not None:
-            store.move_out(move, self._factor)
+            store.move_out(move, self._factor, per_row=moving_per_row(store, self.budget, self.block_size))
 
     def _factor(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> SVDSegment:
         n, dtype = self.block_size, k.dtype
