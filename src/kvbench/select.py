@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -124,6 +125,36 @@ def evict_by_score(
     if not view.dense and not bool((view.valid.sum(-1) > cap[:, None]).any()):
         return
     store.keep(keep_top(scores, None if view.dense else view.valid, cap))
+
+
+class ScoredSelection(Technique):
+    """A token selection that is its score, as kvpress's scorer presses are: a subclass writes
+    :meth:`score` (with its knobs, its flags and whatever state its score keeps). This base keeps
+    each head-row's best-scored tokens at the capacity after every chunk, the sinks, the window and
+    protected positions always kept (:func:`evict_by_score`), as the hook of its role: ``compress``
+    for a compressor, ``evict`` for a scheduler.
+
+    ``capacity`` is the budget's; a subclass that mixes in :class:`Allocated` takes its split
+    across layers instead (``capacity = Allocated.layer_capacity_host``).
+    """
+
+    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+        """``(B, H, T)`` scores aligned with ``store.view()``, the highest kept; asked only where some
+        head-row holds more tokens than its capacity."""
+        raise NotImplementedError
+
+    def capacity(self, layer: int, seen: int) -> int:
+        """The tokens a head-row of ``layer`` keeps after ``seen`` tokens of its sequence, on the host."""
+        return self.budget.capacity_host(seen)
+
+    def select(self, layer: int, store: LayerStore) -> None:
+        evict_by_score(store, self.budget, lambda: self.score(layer, store), partial(self.capacity, layer))
+
+    def compress(self, layer: int, store: LayerStore) -> None:
+        self.select(layer, store)
+
+    def evict(self, layer: int, store: LayerStore) -> None:
+        self.select(layer, store)
 
 
 def lowest(scores: torch.Tensor, by_pos: torch.Tensor | None, kept: int) -> torch.Tensor:

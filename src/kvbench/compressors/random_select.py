@@ -15,13 +15,13 @@ import torch
 
 from kvbench.cache.store import LayerStore
 from kvbench.roles import BindContext, Compressor, Flags
-from kvbench.select import evict_by_score
+from kvbench.select import ScoredSelection
 
 BLOCK = 4096  # positions per generator draw
 
 
 @dataclass
-class RandomCompressor(Compressor):
+class RandomCompressor(ScoredSelection, Compressor):
     """Keeps a random subset of each head-row's unprotected tokens, the same size as other selections.
 
     Args:
@@ -46,10 +46,7 @@ class RandomCompressor(Compressor):
         self._tables[layer] = table
         return table[:, :width]
 
-    def compress(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget, lambda: self.scores(layer, store), self.budget.capacity_host)
-
-    def scores(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` the random priority of each stored token's position."""
         prio = self.priorities(layer, store.kv_heads, store.seen_max, store.device)
         return torch.gather(prio.expand(store.batch, -1, -1), -1, store.view().pos.clamp(min=0))

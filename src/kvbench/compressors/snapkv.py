@@ -19,15 +19,16 @@ Differences from the papers, all from kvbench's protocol (docs/methods.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+
+import torch
 
 from kvbench.cache.store import LayerStore
 from kvbench.roles import Compressor, Flags
-from kvbench.select import Allocated, ObservationWindow, check_window, evict_by_score
+from kvbench.select import Allocated, ObservationWindow, ScoredSelection, check_window
 
 
 @dataclass
-class SnapKVCompressor(Allocated, ObservationWindow, Compressor):
+class SnapKVCompressor(ScoredSelection, Allocated, ObservationWindow, Compressor):
     """Keeps, per KV head, the stored tokens with the highest pooled observation-window attention.
 
     Args:
@@ -46,6 +47,7 @@ class SnapKVCompressor(Allocated, ObservationWindow, Compressor):
     def check_knobs(self) -> None:
         check_window(self.role, self.obs_window, self.pool)
 
-    def compress(self, layer: int, store: LayerStore) -> None:
-        capacity = partial(self.allocated_capacity_host, layer)
-        evict_by_score(store, self.budget, lambda: self.window_scores(store), capacity)
+    capacity = Allocated.allocated_capacity_host
+
+    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+        return self.window_scores(store)

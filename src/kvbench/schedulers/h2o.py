@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -11,13 +10,13 @@ from kvbench.cache import attention as att
 from kvbench.cache.side import TokenState
 from kvbench.cache.store import LayerStore
 from kvbench.roles import Flags, Scheduler
-from kvbench.select import Allocated, evict_by_score
+from kvbench.select import Allocated, ScoredSelection
 
 SCORE = TokenState("h2o")  # attention received, accumulated over every query
 
 
 @dataclass
-class H2OScheduler(Allocated, Scheduler):
+class H2OScheduler(ScoredSelection, Allocated, Scheduler):
     """Keeps sinks, the window, and the stored tokens with the highest accumulated attention.
 
     Accumulated attention of a token is the sum, over every query that has attended to it
@@ -32,6 +31,7 @@ class H2OScheduler(Allocated, Scheduler):
     def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         store.add_state(SCORE, att.widen(probs.sum((2, 3)), store.columns()))
 
-    def evict(self, layer: int, store: LayerStore) -> None:
-        capacity = partial(self.layer_capacity_host, layer)
-        evict_by_score(store, self.budget, lambda: store.state(SCORE), capacity)
+    capacity = Allocated.layer_capacity_host
+
+    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+        return store.state(SCORE)

@@ -17,7 +17,7 @@ from kvbench.cache.side import TokenState
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
-from kvbench.select import evict_by_score
+from kvbench.select import ScoredSelection
 
 
 def used(probs: torch.Tensor, qpos: torch.Tensor, tau: float) -> torch.Tensor:
@@ -45,7 +45,7 @@ def ranked(primary: torch.Tensor, by_second: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
-class LRUScheduler(Scheduler):
+class LRUScheduler(ScoredSelection, Scheduler):
     """Keeps sinks, the window and the most recently used tokens (per-token state ``lru``).
 
     Args:
@@ -79,9 +79,6 @@ class LRUScheduler(Scheduler):
         """``(B, H, T)`` last position at which each stored token was used (arrival if never)."""
         return torch.maximum(store.state(self.LAST), store.view().pos.float())
 
-    def evict(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget, lambda: self.scores(store), self.budget.capacity_host)
-
-    def scores(self, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` eviction scores: rank by last use, then by arrival."""
         return ranked(self.last_used(store), store.by_position())

@@ -23,11 +23,11 @@ from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 from kvbench.schedulers.lru import ranked, used
-from kvbench.select import evict_by_score
+from kvbench.select import ScoredSelection
 
 
 @dataclass
-class LRUPlusScheduler(Scheduler):
+class LRUPlusScheduler(ScoredSelection, Scheduler):
     """LRFU: keeps sinks, the window and the tokens with the highest decayed use count.
 
     Per-token state: ``lrfu`` (log score at the sequence's latest query) and ``lrfu_on`` (1 once
@@ -87,9 +87,6 @@ class LRUPlusScheduler(Scheduler):
         """``(B, H, T)`` log score of every stored token at its sequence's latest query (-inf: unused)."""
         return torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
 
-    def evict(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget, lambda: self.scores(store), self.budget.capacity_host)
-
-    def scores(self, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
         """``(B, H, T)`` eviction scores: rank by decayed use, then by arrival."""
         return ranked(self.log_scores(store), store.by_position())

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
-from kvbench.select import evict_by_score
+from kvbench.select import ScoredSelection
 
 
 @dataclass
-class StreamingLLMScheduler(Scheduler):
+class StreamingLLMScheduler(ScoredSelection, Scheduler):
     """Keeps ``sinks`` first tokens and the most recent ``capacity - sinks`` tokens.
 
     Args:
@@ -31,5 +33,5 @@ class StreamingLLMScheduler(Scheduler):
                 f"scheduler.position_mode={self.position_mode!r}: only 'original' is implemented"
             )
 
-    def evict(self, layer: int, store: LayerStore) -> None:
-        evict_by_score(store, self.budget, lambda: store.view().pos.float(), self.budget.capacity_host)
+    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+        return store.view().pos.float()  # the newest first
