@@ -394,3 +394,25 @@ def test_quest_pages_shared_by_the_layers_of_a_step(tiny_93, protect, sinks, win
     alone, m_alone, _ = go()
     assert torch.equal(shared, alone)
     assert m_shared == m_alone
+
+
+@pytest.mark.parametrize("selector", ["quest", "router"])
+def test_read_figures_settled_in_small_batches_are_those_settled_once(tiny_93, monkeypatch, selector):
+    """Quest and the routers keep their reads in one meter (``kvbench.cache.reads.ReadMeter``):
+    settling them every three calls gives the figures that settling them once does."""
+    from kvbench.cache import reads
+
+    def go():
+        made = (
+            dict(scheduler=quest())
+            if selector == "quest"
+            else dict(router=BaseRouter(num_experts=4, top_k=2))
+        )
+        stack = make_stack(tiny_93, budget=0.25, sinks=2, window=4, **made)
+        logits, _ = run_chunks(tiny_93, stack, tokens(N), SIZES)
+        return logits, (stack.scheduler or stack.router).metrics()
+
+    once = go()
+    monkeypatch.setattr(reads, "SETTLE_EVERY", 3)
+    often = go()
+    assert torch.equal(once[0], often[0]) and once[1] == often[1] and once[1]

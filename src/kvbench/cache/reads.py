@@ -8,6 +8,7 @@ of every token a real query attends to, summed over layers, averaged over querie
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,6 +107,45 @@ def read_all(tensors: list[torch.Tensor | float]) -> list[float]:
         for (i, _), value in zip(pairs, torch.stack([t.double() for _, t in pairs]).tolist()):
             out[i] = value
     return out
+
+
+class ReadMeter:
+    """The reads of a read selector's calls (Quest, every router), kept as records until settled:
+    no device read per call, and one per device for every pending call when settled (every
+    :data:`SETTLE_EVERY` calls, or when the selector's figures are asked for).
+
+    A record is anything with ``tensors()``: the 0-d tensors (or host figures) it needs read.
+    :meth:`first` tells a repeated call (the engine's KV-hit probe asks again for the same queries)
+    from a new one, for a selector that keys its calls.
+    """
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+        self._last: Any = None
+
+    def first(self, key: Any) -> bool:
+        """False when ``key`` is that of the last call (a repeat, not counted again)."""
+        if key == self._last:
+            return False
+        self._last = key
+        return True
+
+    def add(self, record: Any) -> bool:
+        """Keep ``record``; True when the pending records are due to be settled."""
+        self.pending.append(record)
+        return len(self.pending) >= SETTLE_EVERY
+
+    def settle(self) -> list[tuple[Any, list[float]]]:
+        """The pending records, in call order, each with the values of its ``tensors()``; none
+        pending after."""
+        pending, self.pending = self.pending, []
+        tensors = [record.tensors() for record in pending]
+        values = read_all([t for ts in tensors for t in ts])
+        out, at = [], 0
+        for record, ts in zip(pending, tensors):
+            out.append((record, values[at : at + len(ts)]))
+            at += len(ts)
+        return out
 
 
 def resolve_all(

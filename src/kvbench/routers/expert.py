@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kvbench.cache import attention as att
 from kvbench.cache import devices
-from kvbench.cache.reads import SETTLE_EVERY, ReadCount, count_reads, read_all
+from kvbench.cache.reads import ReadCount, ReadMeter, count_reads
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
@@ -400,7 +400,8 @@ class ExpertRouter(Router):
     read_counts: list[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
     # per layer: (view, qpos, query, routing) of the last call
     _last: dict[int, tuple[Any, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _pending: list[_Call] = field(default_factory=list, init=False, repr=False, compare=False)
+    # the reads of its calls, as _Call records until settled
+    meter: ReadMeter = field(default_factory=ReadMeter, init=False, repr=False, compare=False)
     # what the layers of one step share (:meth:`step_shared`): (key, values by name)
     _step: tuple[Any, dict[str, Any]] | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -512,26 +513,21 @@ class ExpertRouter(Router):
             reads = StepReads(store.fp.token_nbytes(), read, routing.count, visible, b * q)
         else:
             reads = count_reads(store, routing.mask, qpos)
-        self._pending.append(_Call(layer, chosen, reads, fraction, total))
-        if len(self._pending) >= SETTLE_EVERY:
+        if self.meter.add(_Call(layer, chosen, reads, fraction, total)):
             self._settle()
 
     def _settle(self) -> None:
         """Fold the pending read records into ``reads``, ``read_tokens``, ``read_bytes`` and
         ``read_counts`` (one read of them all per device; the experts read summed per layer)."""
-        pending, self._pending = self._pending, []
-        if not pending:
+        settled = self.meter.settle()
+        if not settled:
             return
-        tensors = [c.tensors() for c in pending]
-        values = read_all([t for ts in tensors for t in ts])
-        steps = [c.reads for c in pending if isinstance(c.reads, StepReads)]
+        steps = [c.reads for c, _ in settled if isinstance(c.reads, StepReads)]
         step_sums = iter(zip(exact_sums([r.read for r in steps]), exact_sums([r.count for r in steps])))
-        at = 0
         per_layer: dict[int, list[torch.Tensor]] = {}
-        for call, ts in zip(pending, tensors):
+        for call, values in settled:
             step = next(step_sums) if isinstance(call.reads, StepReads) else None
-            (nbytes, n_read, n_visible), fraction = call.resolve(values[at : at + len(ts)], step)
-            at += len(ts)
+            (nbytes, n_read, n_visible), fraction = call.resolve(values, step)
             if fraction is not None:
                 self.read_tokens.append(fraction)
             self.read_bytes.setdefault(call.layer, []).append(nbytes)

@@ -35,7 +35,7 @@ import torch
 
 from kvbench.cache import attention as att
 from kvbench.cache import ragged
-from kvbench.cache.reads import SETTLE_EVERY, ReadCount, count_reads, resolve_all
+from kvbench.cache.reads import ReadCount, ReadMeter, count_reads
 from kvbench.cache.side import SideData
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
@@ -49,6 +49,19 @@ class PageBounds(SideData):
 
     kmin: torch.Tensor
     kmax: torch.Tensor
+
+
+@dataclass
+class _Read:
+    """One call's reads (:class:`ReadMeter`): its layer, its tokens and bytes read, and the page
+    bounds' bytes read per real query (None in a dense layer)."""
+
+    layer: int
+    count: ReadCount
+    meta: torch.Tensor | float | None
+
+    def tensors(self) -> list[torch.Tensor | float]:
+        return [*self.count.tensors(), *([] if self.meta is None else [self.meta])]
 
 
 NEVER_FITS = 2**40  # the cost of a page that is not selectable: more than any budget, summed safely
@@ -120,8 +133,7 @@ class QuestScheduler(Scheduler):
         self._steps: list[tuple[float, float]] = []
         self._tokens = [0.0, 0.0, 0.0, 0.0]  # read, visible: dense layers, then selected layers
         self._meta_bytes: dict[int, int] = {}  # page metadata stored per layer, after the last forward
-        self._last: tuple | None = None
-        self._pending: list[tuple[int, ReadCount, torch.Tensor | float | None]] = []  # reads not yet settled
+        self.meter = ReadMeter()  # the reads of its calls, as _Read records until settled
         self._shared: _Pages | None = None  # the pages of the current step, shared by its layers
         # Per store: (its ``edits``, full pages, their minimum and maximum keys ``(B * H, P, D)``)
         self._kept_bounds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -311,28 +323,24 @@ class QuestScheduler(Scheduler):
 
         ``mask`` None reads every visible token; ``meta`` is the page bounds' bytes of each
         head-row ``(B, H)``, or already their mean per real query (a host figure)."""
-        key = (id(store), layer, query.data_ptr(), tuple(query.shape), sum(store.seen_host))
-        if key == self._last:  # the KV-hit probe asks again for the same queries
-            return
-        self._last = key
+        call = (id(store), layer, query.data_ptr(), tuple(query.shape), sum(store.seen_host))
+        if not self.meter.first(call):
+            return  # the KV-hit probe asks again for the same queries
         if isinstance(meta, torch.Tensor):  # page metadata bytes read per real query
             real = (qpos >= 0).sum(-1)  # (B,)
             meta = (meta.sum(-1).double() * real).sum() / real.sum().clamp(min=1)
-        self._pending.append((layer, count_reads(store, mask, qpos), meta))
-        if len(self._pending) >= SETTLE_EVERY:
+        if self.meter.add(_Read(layer, count_reads(store, mask, qpos), meta)):
             self._settle()
 
     def _settle(self) -> None:
         """Fold the pending read records into the per-step bytes and the token counts, in call
         order (one read of them all per device)."""
-        pending, self._pending = self._pending, []
-        metas = [meta for _, _, meta in pending if meta is not None]
-        counts, values = resolve_all([count for _, count, _ in pending], metas)
-        meta_values = iter(values)
-        for (layer, _, meta), (nbytes, n_read, n_visible) in zip(pending, counts):
+        for record, values in self.meter.settle():
+            layer, meta = record.layer, record.meta
+            nbytes, n_read, n_visible = record.count.resolve(values[: len(values) - (meta is not None)])
             self._step[0] += nbytes
             if meta is not None:
-                self._step[1] += next(meta_values)
+                self._step[1] += values[-1]
             sparse = 2 * (meta is not None)
             self._tokens[sparse] += n_read
             self._tokens[sparse + 1] += n_visible
