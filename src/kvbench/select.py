@@ -39,12 +39,12 @@ def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.
     """:func:`leaving_window`, or None when no head-row has a whole group to move out: one host
     read, which takes the place of the move's own count (:meth:`LayerStore.move_out`) where a
     group leaves once in ``group_size`` decode steps, and spares the other steps the move's work."""
-    bound = _movable_bound(store, budget)
-    if bound is not None and bound < group_size:  # known on the host: no whole group yet
-        return None
     n = moving_per_row(store, budget, group_size)
     if n is not None:  # known on the host: every head-row moves n
         return _oldest(_movable(store, budget), n) if n else None
+    bound = _movable_bound(store, budget)
+    if bound is not None and bound < group_size:  # known on the host: no whole group yet
+        return None
     ok = _movable(store, budget)
     whole = (ok.sum(-1) // group_size) * group_size
     return _oldest(ok, whole) if bool(whole.any()) else None

@@ -148,20 +148,6 @@ class ReadMeter:
         return out
 
 
-def resolve_all(
-    counts: list[ReadCount], extra: list[torch.Tensor | float]
-) -> tuple[list[tuple[float, float, float]], list[float]]:
-    """:meth:`ReadCount.resolve` of every count, and the values of ``extra`` 0-d tensors, with
-    one read per device."""
-    tensors = [c.tensors() for c in counts]
-    values = read_all([t for ts in tensors for t in ts] + extra)
-    out, at = [], 0
-    for count, ts in zip(counts, tensors):
-        out.append(count.resolve(values[at : at + len(ts)]))
-        at += len(ts)
-    return out, values[at:]
-
-
 def count_reads(store: LayerStore, mask: torch.Tensor | None, qpos: torch.Tensor) -> ReadCount:
     """The reads of a selector's ``mask`` ``(B, H, q, T)`` for queries at ``qpos`` ``(B, q)``, as
     tensors (None: every visible token is read).

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from kvbench.cache import attention as att
 from kvbench.cache import devices
-from kvbench.cache.reads import ReadCount, ReadMeter, count_reads
+from kvbench.cache.reads import ReadCount, ReadMeter, count_reads, one_step
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
@@ -505,11 +505,10 @@ class ExpertRouter(Router):
         else:
             weight = (qpos >= 0)[:, None, :].expand_as(frac).float()
             fraction, total = (frac * weight).sum(), weight.sum()
-        view = store.view()
         reads: ReadCount | StepReads
-        if whole and q == 1 == store.last_qpos.shape[1] and view.dense and not store.compressed:
+        if one_step(store, qpos) and not store.compressed:
             # one step over full rows: every stored token is visible, and each costs the same bytes
-            visible = b * h * q * view.pos.shape[-1]
+            visible = b * h * q * store.columns()
             reads = StepReads(store.fp.token_nbytes(), read, routing.count, visible, b * q)
         else:
             reads = count_reads(store, routing.mask, qpos)

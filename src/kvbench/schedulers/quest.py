@@ -276,8 +276,9 @@ class QuestScheduler(Scheduler):
         # tokens of page j read only when chosen: [j p, (j + 1) p) within [sinks, hi)
         first = pos[..., : width * p : p] if width else pos[..., :0]
         cost = ((first + p).clamp(max=hi) - first.clamp(min=self.budget.sinks)).clamp(min=0)
-        blocked = (cost == 0)[:, :, None, :].expand(b, h, 1, width)
+        blocked = (cost == 0)[:, :, None, :]  # (1, 1, 1, P): one row's, broadcast
         cost = cost[:, :, None, :].masked_fill(blocked, NEVER_FITS).expand(b, h, 1, width)
+        blocked = blocked.expand(b, h, 1, width)
         base = torch.zeros(1, 1, 1, width + 2, dtype=torch.bool, device=pos.device)
         base[..., width + 1] = True
         n_full = torch.full((b, h), width, dtype=torch.long, device=pos.device)
