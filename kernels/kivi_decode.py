@@ -23,17 +23,19 @@ from kvbench.kernels.attention import (
     Partials,
     blocks,
     empty_partials,
+    no_reads,
     online_softmax,
+    row_starts,
     split_slots,
     store_partials,
 )
 from kvbench.kernels.kivi import _unpack_load
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots_per_split", "ROW_LEN", "ROW_GROUPS"])
 def _kivi_decode_kernel(
     q, kcodes, vcodes, vzero, vstep, kzero, kstep, lens, starts, gstarts, m_out, l_out, acc_out,
-    H, G, Q, D, NGV, PER_GROUP, VGROUP, slots_per_split, scaling, sq_b, sq_h, sq_q,
+    H, G, Q, D, NGV, PER_GROUP, VGROUP, slots_per_split, scaling, sq_b, sq_h, sq_q, ROW_LEN, ROW_GROUPS,
     KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr, FP32: tl.constexpr,
 ):  # fmt: skip
@@ -54,9 +56,19 @@ def _kivi_decode_kernel(
     )
     if FP32:  # the interpreter multiplies 16-bit floats as integers: it computes in float32
         qs = qs.to(tl.float32)
-    first = tl.load(starts + bh)  # the head-row's first flat token, and its first key group
-    group0 = tl.load(gstarts + bh)
-    stop = tl.minimum((split + 1) * slots_per_split, tl.load(lens + bh))
+    # the head-row's first flat token and its first key group: from the common counts where every
+    # head-row holds as many (ROW_LEN, ROW_GROUPS >= 0), else read
+    if ROW_LEN >= 0:
+        first = bh * ROW_LEN
+        held = ROW_LEN
+    else:
+        first = tl.load(starts + bh).to(tl.int32)
+        held = tl.load(lens + bh).to(tl.int32)
+    if ROW_GROUPS >= 0:  # noqa: SIM108 (a branch on a scalar in Triton)
+        group0 = bh * ROW_GROUPS
+    else:
+        group0 = tl.load(gstarts + bh).to(tl.int32)
+    stop = tl.minimum((split + 1) * slots_per_split, held)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
@@ -108,19 +120,20 @@ def partials(
     b, _, nq, d = query.shape
     h = lens.numel() // b
     query = query if query.stride(-1) == 1 else query.contiguous()
-    splits, per_split = split_slots(max(width, 1))
-    out = empty_partials(query, h, splits)
+    splits, per_split = split_slots(max(width, 1), b * h * nq)
     block_g, block_d = blocks(query, h)
-    starts = (torch.cumsum(lens, 0) - lens).to(torch.int32)
-    gstarts = (torch.cumsum(glens, 0) - glens).to(torch.int32)
-    if out.m.shape[0] and width:
-        _kivi_decode_kernel[(out.m.shape[0], splits)](
-            query, kcodes, vcodes, vzero, vstep, kzero, kstep, lens.to(torch.int32), starts, gstarts,
-            out.m, out.l, out.acc, h, query.shape[1] // h, nq, d, vzero.shape[1], per_group, group,
-            per_split, scaling, query.stride(0), query.stride(1), query.stride(2),
-            KBITS=key_bits, VBITS=value_bits, BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d,
-            FP32=dispatch.interpreted(),
-        )  # fmt: skip
+    out = empty_partials(query, h, splits, (block_g, block_d))
+    if not (out.m.shape[1] and width):
+        return no_reads(out)
+    row_len, starts = row_starts(lens)
+    row_groups, gstarts = row_starts(glens)
+    _kivi_decode_kernel[(out.m.shape[1], splits)](
+        query, kcodes, vcodes, vzero, vstep, kzero, kstep, lens, starts, gstarts,
+        out.m, out.l, out.acc, h, query.shape[1] // h, nq, d, vzero.shape[1], per_group, group,
+        per_split, scaling, query.stride(0), query.stride(1), query.stride(2), row_len, row_groups,
+        KBITS=key_bits, VBITS=value_bits, BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d,
+        FP32=dispatch.interpreted(),
+    )  # fmt: skip
     return out
 
 

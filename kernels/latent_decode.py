@@ -27,7 +27,10 @@ from kvbench.kernels.attention import (
     Partials,
     blocks,
     empty_partials,
+    no_reads,
     online_softmax,
+    pow2,
+    row_starts,
     split_slots,
     store_partials,
 )
@@ -48,11 +51,11 @@ def _rope_keys(lat, basis, h, half, at, c, s, sb_h, sb_d, BLOCK_R: tl.constexpr,
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots_per_split", "ROW_LEN"])
 def _latent_decode_kernel(
     q, klat, vlat, pos, kbasis, vbasis, inv_freq, lens, starts, m_out, l_out, acc_out,
     H, G, D, HALF, RK, RV, slots_per_split, scaling, rope_scaling,
-    sq_b, sq_h, skb_h, skb_d, svb_h, svb_d,
+    sq_b, sq_h, skb_h, skb_d, svb_h, svb_d, ROW_LEN,
     HAS_PASS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_RK: tl.constexpr, BLOCK_RV: tl.constexpr,
 ):  # fmt: skip
@@ -75,8 +78,13 @@ def _latent_decode_kernel(
     rest = (d >= rot) & (d < D)
     q3 = tl.load(q_at + d[None, :], mask=g_ok[:, None] & rest[None, :], other=0.0).to(tl.float32)
     freq = tl.load(inv_freq + j, mask=j_ok, other=0.0)
-    first = tl.load(starts + bh)  # the head-row's first flat token
-    stop = tl.minimum((split + 1) * slots_per_split, tl.load(lens + bh))
+    if ROW_LEN >= 0:  # every head-row holds ROW_LEN tokens
+        first = bh * ROW_LEN
+        held = ROW_LEN
+    else:
+        first = tl.load(starts + bh).to(tl.int32)  # the head-row's first flat token
+        held = tl.load(lens + bh).to(tl.int32)
+    stop = tl.minimum((split + 1) * slots_per_split, held)
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_RV), dtype=tl.float32)  # Σ p · vlat: values stay latent
@@ -137,23 +145,26 @@ def partials(
     h = lens.numel() // b
     query = query if query.stride(-1) == 1 else query.contiguous()
     klat, vlat, pos = (x.contiguous() for x in (klat, vlat, pos))
-    splits, per_split = split_slots(max(width, 1))
-    out = empty_partials(query, h, splits)
+    splits, per_split = split_slots(max(width, 1), b * h)
     block_g, block_d = blocks(query, h)
+    out = empty_partials(query, h, splits, (block_g, block_d))
+    if not (out.m.shape[1] and width):
+        return no_reads(out)
     half = rotary.rot_dim // 2
-    starts = (torch.cumsum(lens, 0) - lens).to(torch.int32)
-    inv_freq = rotary.inv_freq.to(device=query.device, dtype=torch.float32)
+    row_len, starts = row_starts(lens)
+    inv_freq = rotary.inv_freq
+    if inv_freq.device != query.device or inv_freq.dtype != torch.float32:
+        inv_freq = inv_freq.to(device=query.device, dtype=torch.float32)
     rk, rv = klat.shape[1], vlat.shape[1]
-    if out.m.shape[0] and width:
-        _latent_decode_kernel[(out.m.shape[0], splits)](
-            query, klat, vlat, pos, kbasis, vbasis, inv_freq, lens.to(torch.int32), starts,
-            out.m, out.l, out.acc, h, query.shape[1] // h, d, half, rk, rv, per_split, scaling,
-            rotary.scaling, query.stride(0), query.stride(1), kbasis.stride(0), kbasis.stride(1),
-            vbasis.stride(0), vbasis.stride(1),
-            HAS_PASS=2 * half < d, BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d,
-            BLOCK_H=max(16, triton.next_power_of_2(half)), BLOCK_RK=max(16, triton.next_power_of_2(rk)),
-            BLOCK_RV=max(16, triton.next_power_of_2(rv)),
-        )  # fmt: skip
+    _latent_decode_kernel[(out.m.shape[1], splits)](
+        query, klat, vlat, pos, kbasis, vbasis, inv_freq, lens, starts,
+        out.m, out.l, out.acc, h, query.shape[1] // h, d, half, rk, rv, per_split, scaling,
+        rotary.scaling, query.stride(0), query.stride(1), kbasis.stride(0), kbasis.stride(1),
+        vbasis.stride(0), vbasis.stride(1), row_len,
+        HAS_PASS=2 * half < d, BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d,
+        BLOCK_H=max(16, pow2(half)), BLOCK_RK=max(16, pow2(rk)),
+        BLOCK_RV=max(16, pow2(rv)),
+    )  # fmt: skip
     return out
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvbench.cache import attention as att
+from kvbench.kernels.attention import cdiv, pow2
 
 group_bounds_reference = att.group_bounds
 group_scores_reference = att.group_scores
@@ -72,12 +73,12 @@ def _launch(query: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor | None) -> t
     high = lo if hi is None else (hi if hi.stride(-1) == 1 else hi.contiguous())
     out = torch.empty(b, h, nq, pages, dtype=torch.float32, device=query.device)
     if out.numel():
-        _scores_kernel[(b * h * nq, triton.cdiv(pages, BLOCK_P))](
+        _scores_kernel[(b * h * nq, cdiv(pages, BLOCK_P))](
             query, lo, high, out, h, hq // h, nq, pages, d,
             query.stride(0), query.stride(1), query.stride(2),
             lo.stride(0), lo.stride(1), lo.stride(2), high.stride(0), high.stride(1), high.stride(2),
-            BOUND=hi is not None, BLOCK_G=max(16, triton.next_power_of_2(hq // h)),
-            BLOCK_P=BLOCK_P, BLOCK_D=max(16, triton.next_power_of_2(d)),
+            BOUND=hi is not None, BLOCK_G=max(16, pow2(hq // h)),
+            BLOCK_P=BLOCK_P, BLOCK_D=max(16, pow2(d)),
         )  # fmt: skip
     return out
 

@@ -12,8 +12,14 @@ here, said so).
 - ``decode.masked``: one decode step over a cache whose KV heads keep half their tokens (a ragged
   mask), against the torch path (SDPA with the mask repeated over the query group) and dense SDPA
   over every token.
+- ``decode.ragged``: the same ragged heads read by their lengths (AdaKV's and DuoAttention's rows):
+  the kernel reads no mask and no slot past a head-row's tokens, against the torch path (padded,
+  masked SDPA) and dense SDPA over every slot.
 - ``decode.sparse1/8``: one decode step reading one page in eight (Quest's pages of 16 tokens,
   and the window), against the torch path (SDPA with the mask) and dense SDPA over every token.
+- ``decode.pages1/8``: the same step with the pages named by index (:class:`att.Pages`, as Quest
+  hands them on the Triton path): the kernel's grid covers the named pages and the window only,
+  against the torch path (SDPA with the mask) and dense SDPA over every token.
 - ``decode.window``: one decode step under a sliding window of 4,096 tokens (Mistral's), the
   window computed in the kernel from the stored positions, against the torch path (SDPA with the
   mask built from the positions) and dense SDPA over every token.
@@ -28,15 +34,24 @@ here, said so).
 On a CPU there are no Triton figures: the script times the torch paths at the smaller contexts and
 says that GPU figures need a GPU.
 
-    python scripts/bench_kernels.py [--contexts 4096,32768,131072] [--batches 1,8]
+``--table kernels/dispatch_table.json`` (on a GPU) writes the torch/triton ratio of every row, per
+batch and context, as this GPU's entry of the table ``kernels=auto`` reads, with the commit, date,
+torch and Triton versions and this command (docs/kernels.md, "Which path kernels=auto takes").
+
+    python scripts/bench_kernels.py [--contexts 4096,32768,131072] [--batches 1,8] [--table PATH]
     TRITON_INTERPRET=1 python scripts/bench_kernels.py --check --contexts 128 --batches 1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+import subprocess
 import sys
 import time
+from datetime import UTC, datetime
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +65,8 @@ from kvbench.kernels import dispatch, kivi_decode, latent_decode
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 REPEATS = 5  # timed calls per figure on a CPU (--check: 1)
 PEAK_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0}  # HBM, data sheets (SXM)
+ROOT = Path(__file__).resolve().parents[1]
+RATIOS: dict[str, dict[str, dict[str, float]]] = {}  # row -> batch -> stored tokens -> torch / triton time
 
 
 def bench(fn, cuda: bool) -> float:
@@ -89,6 +106,14 @@ def row(label: str, ms: dict[str, float], moved: int | None, peak: float | None)
     return f"{label:38s} " + ", ".join(cells)
 
 
+def show(name: str, batch: int, t: int, ms: dict[str, float], moved: int | None, peak: float | None) -> None:
+    """Print one row's figures at ``batch`` and ``t`` stored tokens, and keep its torch/triton ratio
+    for ``--table`` (:data:`RATIOS`)."""
+    print(row(f"{name:<19s}batch {batch}, {t} tokens", ms, moved, peak))
+    if "triton" in ms:
+        RATIOS.setdefault(name, {}).setdefault(str(batch), {})[str(t)] = round(ms["torch"] / ms["triton"], 3)
+
+
 def case(
     batch: int, t: int, device: torch.device, gen: torch.Generator, peak: float | None, check: bool = False
 ) -> None:
@@ -101,14 +126,13 @@ def case(
 
         kernels = (kivi, attention, scoring)
     k = torch.randn(batch * KV_HEADS * t, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
-    label = f"batch {batch}, {t} tokens"
     moved = 2 * k.numel() * 2 + 2 * k.numel() // 4  # bf16 keys and values, 2-bit codes
     paths = {"torch": quant, **({"triton": kernels[0]} if kernels else {})}
     ms = {
         n: bench(lambda ops=ops: (ops.quantize_keys(k, 2, 32), ops.quantize_values(k, 2, 32)), cuda)
         for n, ops in paths.items()
     }
-    print(row(f"kivi.quantize      {label}", ms, moved, peak))
+    show("kivi.quantize", batch, t, ms, moved, peak)
     keys, values = quant.quantize_keys(k, 2, 32), quant.quantize_values(k, 2, 32)
 
     def dequant(ops) -> None:
@@ -116,7 +140,7 @@ def case(
         ops.dequantize_values(*values, 2, HEAD_DIM, 32, torch.bfloat16)
 
     ms = {n: bench(lambda ops=ops: dequant(ops), cuda) for n, ops in paths.items()}
-    print(row(f"kivi.dequantize    {label}", ms, moved, peak))
+    show("kivi.dequantize", batch, t, ms, moved, peak)
     kv = k.view(batch, KV_HEADS, t, HEAD_DIM)  # keys and values alike: the time is the same
     q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
     lens = torch.randint(t // 4, 3 * t // 4 + 1, (batch, KV_HEADS, 1, 1), generator=gen, device=device)
@@ -127,7 +151,15 @@ def case(
     if kernels:
         ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, mask, scale), cuda)
     moved = 2 * kv.numel() * 2 + mask.numel()  # every slot's key and value (bf16) and the mask
-    print(row(f"decode.masked      {label}", ms, moved, peak))
+    show("decode.masked", batch, t, ms, moved, peak)
+    # the same ragged heads read by their lengths (AdaKV's, DuoAttention's rows): no mask, and no
+    # slot past a head-row's tokens, against the torch path's padded, masked SDPA
+    ms = {"torch": bench(lambda: att.attend(q, kv, kv, mask, scale), cuda), "sdpa": sdpa}
+    held = lens.view(batch, KV_HEADS)
+    if kernels:
+        ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, None, scale, lens=held), cuda)
+    moved = 2 * int(held.sum()) * HEAD_DIM * 2  # the tokens held (bf16 keys and values)
+    show("decode.ragged", batch, t, ms, moved, peak)
     # a read selector's step: Quest's pages of 16 tokens, one in eight read (and the window)
     pages = torch.rand(batch, KV_HEADS, t // 16, generator=gen, device=device) < 1 / 8
     sparse = pages.repeat_interleave(16, -1)[..., None, :]
@@ -136,7 +168,16 @@ def case(
     if kernels:
         ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, sparse, scale), cuda)
     read = int(sparse.sum()) * HEAD_DIM * 2 * 2 + sparse.numel()  # the pages read (bf16) and the mask
-    print(row(f"decode.sparse1/8   {label}", ms, read, peak))
+    show("decode.sparse1/8", batch, t, ms, read, peak)
+    # the same selector's step as the pages it names: the grid covers those pages and the window
+    chosen = max(1, t // 16 // 8)
+    index = torch.rand(batch, KV_HEADS, 1, t // 16, generator=gen, device=device).argsort(-1)[..., :chosen]
+    named = att.Pages(index, 16, 0, t - 32)
+    ms = {"torch": bench(lambda: att.attend(q, kv, kv, named.mask(t), scale), cuda), "sdpa": sdpa}
+    if kernels:
+        ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, None, scale, pages=named), cuda)
+    read = batch * KV_HEADS * (chosen * 16 + 32) * HEAD_DIM * 2 * 2 + index.numel() * 8  # pages, index
+    show("decode.pages1/8", batch, t, ms, read, peak)
     # a sliding window of 4,096 tokens: what a step reads comes from the positions
     kpos = torch.arange(t, device=device).expand(batch, KV_HEADS, t)
     at = att.Positions(kpos, torch.full((batch, 1), t, device=device), 4096)
@@ -148,14 +189,14 @@ def case(
     if kernels:
         ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, valid, scale, positions=at), cuda)
     read = batch * KV_HEADS * min(t, 4096) * HEAD_DIM * 2 * 2 + kpos.numel() * 8  # the window, positions
-    print(row(f"decode.window      {label}", ms, read, peak))
+    show("decode.window", batch, t, ms, read, peak)
     # Quest's page bounds for the step: per-channel minimum and maximum of every page of 16 tokens
     kmin = kv.view(batch, KV_HEADS, t // 16, 16, HEAD_DIM).amin(3)
     kmax = kv.view(batch, KV_HEADS, t // 16, 16, HEAD_DIM).amax(3)
     ms = {"torch": bench(lambda: att.group_bounds(q, kmin, kmax), cuda)}
     if kernels:
         ms["triton"] = bench(lambda: kernels[2].group_bounds(q, kmin, kmax), cuda)
-    print(row(f"score.quest        {label}", ms, 2 * kmin.numel() * 2, peak))
+    show("score.quest", batch, t, ms, 2 * kmin.numel() * 2, peak)
     lens = torch.full((batch * KV_HEADS,), t, device=device)
     seg = quantize_tokens(k, k, torch.arange(k.shape[0], device=device), lens, 2, 2, 32)
     packed = (seg.kcodes, seg.vcodes, seg.vzero, seg.vstep, seg.kzero, seg.kstep)
@@ -171,7 +212,7 @@ def case(
 
         ms["triton"] = bench(fused, cuda)
     moved = sum(x.numel() * x.element_size() for x in packed)  # the codes and their parameters
-    print(row(f"decode.kivi2bit    {label}", ms, moved, peak))
+    show("decode.kivi2bit", batch, t, ms, moved, peak)
     # low-rank latents at rank 32 (lora): every token's key and value latent, bases per KV head
     rotary = Rotary(1.0 / (500000 ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM)))
     klat, vlat = (k[:, :32].contiguous() for _ in range(2))
@@ -188,7 +229,79 @@ def case(
 
         ms["triton"] = bench(fused_latent, cuda)
     moved = 2 * klat.numel() * 2 + positions.numel() * 8  # the latents (bf16) and positions
-    print(row(f"decode.latent      {label}", ms, moved, peak))
+    show("decode.latent", batch, t, ms, moved, peak)
+
+
+FIXED_TOKENS = 4096  # the fixed cost's context: short enough that reading the cache costs little
+FIXED_TARGET_US = 30.0  # issue 30: a decode kernel call at batch 1 and 4k tokens, end to end
+
+
+def fixed_cost(
+    device: torch.device, gen: torch.Generator, t: int = FIXED_TOKENS, check: bool = False
+) -> None:
+    """Where a decode kernel call's time goes at batch 1 and ``t`` tokens (ragged
+    heads read by their lengths): the call end to end (:func:`attention.attend`), and the variants
+    that leave a stage out: the arguments and workspace alone (``prepare``), the launch alone (its
+    arguments made), the merge alone (its partials written), against dense SDPA over every slot."""
+    from kvbench.kernels import attention
+
+    cuda = device.type == "cuda"
+    kv = torch.randn(1, KV_HEADS, t, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    q = torch.randn(1, Q_HEADS, 1, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
+    lens = torch.randint(t // 4, 3 * t // 4 + 1, (1, KV_HEADS), generator=gen, device=device)
+    scale = HEAD_DIM**-0.5
+    room = attention.workspace(device, attention.blocks(q, KV_HEADS)[1])
+
+    def made() -> attention.Launch:
+        launch = attention.prepare(q, kv, kv, None, scale, lens=lens)
+        room.give_back(launch.out)  # taken and given back: the room is reused, as merge does
+        return launch
+
+    launch, kernel = made(), attention._decode_kernel
+    parts = attention.partials(q, kv, kv, None, scale, lens=lens)
+    ms = {
+        "call": bench(lambda: attention.attend(q, kv, kv, None, scale, lens=lens), cuda),
+        "prepare": bench(made, cuda),
+        "launch": bench(lambda: kernel[launch.grid](*launch.args, **launch.constants), cuda),
+        "merge": bench(lambda: attention.merge([parts], q, KV_HEADS), cuda),
+        "sdpa": bench(lambda: F.scaled_dot_product_attention(q, kv, kv, scale=scale, enable_gqa=True), cuda),
+    }
+    cells = ", ".join(f"{k} {1e3 * v:.1f} us" for k, v in ms.items())
+    verdict = "" if check else f" (target: call at most {FIXED_TARGET_US:.0f} us)"
+    print(f"{'fixed cost':19s}batch 1, {t} tokens    {cells}{verdict}")
+
+
+def commit() -> str:
+    """This checkout's short commit (``unknown`` outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def write_table(path: Path, device: torch.device) -> None:
+    """Write (or replace) this GPU's entry of the dispatch table at ``path`` from :data:`RATIOS`,
+    with where and when they were measured; other GPUs' entries stay. A new file takes the shipped
+    table's module map (:mod:`kvbench.kernels.dispatch`)."""
+    import triton
+
+    shipped = dispatch.table()
+    table = json.loads(path.read_text()) if path.exists() else {k: shipped[k] for k in ("about", "modules")}
+    name = torch.cuda.get_device_name(device)
+    table.setdefault("devices", {})[name] = {
+        "commit": commit(),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": "python " + shlex.join(sys.argv),
+        "versions": dict(dispatch.VERSIONS),
+        "ratios": RATIOS,
+    }
+    path.write_text(dispatch.dumps(table) + "\n")
+    print(f"bench_kernels: wrote {name}'s entry ({len(RATIOS)} rows) to {path}")
 
 
 def main() -> int:
@@ -202,12 +315,21 @@ def main() -> int:
         action="store_true",
         help="on a CPU: the Triton rows under TRITON_INTERPRET=1, to check this script (times mean nothing)",
     )
+    ap.add_argument(
+        "--table",
+        type=Path,
+        default=None,
+        help="on a GPU: write this GPU's ratios into the dispatch table at this path "
+        "(kernels/dispatch_table.json: what kernels=auto reads)",
+    )
     args = ap.parse_args()
     if args.check and not dispatch.interpreted():
         ap.error("--check needs TRITON_INTERPRET=1 in the environment")
     global REPEATS
     REPEATS = 1 if args.check else REPEATS
     cuda = torch.cuda.is_available()
+    if args.table is not None and not cuda:
+        sys.exit("bench_kernels: --table needs CUDA: a CPU has no Triton timings to fill the table with")
     device = torch.device("cuda" if cuda else "cpu")
     contexts = [int(c) for c in (args.contexts or ("4096,32768,131072" if cuda else "1024,4096")).split(",")]
     peak = None
@@ -219,9 +341,14 @@ def main() -> int:
     else:
         print("bench_kernels: no CUDA here: the torch paths alone (Triton figures need a GPU)")
     gen = torch.Generator(device=device).manual_seed(0)
+    if cuda or args.check:
+        checking = args.check and not cuda  # the interpreter: the smallest context, to check the script
+        fixed_cost(device, gen, contexts[0] if checking else FIXED_TOKENS, check=checking)
     for batch in (int(b) for b in args.batches.split(",")):
         for t in contexts:
             case(batch, t, device, gen, peak, check=args.check and not cuda)
+    if args.table is not None:
+        write_table(args.table, device)
     return 0
 
 

@@ -145,7 +145,8 @@ def test_the_kernels_are_part_of_a_cell_and_its_record(tmp_path):
     auto = run.plan(cell(tmp_path, "kernels=auto", "device=cpu"))
     assert auto.cell_id == run.plan(cell(tmp_path, "kernels=torch")).cell_id == plain.cell_id
     triton = run.plan(cell(tmp_path, "kernels=triton", "device=cpu"))
-    assert triton.ident["kernels"] == "triton" and triton.cell_id != plain.cell_id
+    assert triton.ident["kernels"] == f"triton@{dispatch.versions_stamp()}"
+    assert triton.cell_id != plain.cell_id
     record = run.run(
         cell(tmp_path, "kernels=triton", "device=cpu", "compressor=quantized", "compressor.group_size=8")
     )
@@ -211,16 +212,18 @@ def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, techniq
     """A tiny GQA model's logits over a prefill and decode steps agree on both paths (float
     tolerance: the kernel sums in another order) for techniques whose steps read through a mask;
     the Triton path ran the kernel at every masked step (AdaKV's ragged heads by their lengths,
-    with no mask; a sliding window and merged units by positions, with no mask built from them),
-    and the read selectors scored their pages or experts by the scoring kernel."""
+    with no mask; a sliding window and merged units by positions, with no mask built from them;
+    Quest's decode steps by the pages it chose, with no mask), and the read selectors scored their
+    pages or experts by the scoring kernel."""
     ids = tokens(60)
-    calls, by_lens, by_pos, scored = [], [], [], []
+    calls, by_lens, by_pos, by_pages, scored = [], [], [], [], []
     merge, partials = ka.merge, ka.partials
     monkeypatch.setattr(ka, "merge", lambda *a: calls.append(1) or merge(*a))
 
     def spy(*a):
         by_lens.append(a[6] is not None)
         by_pos.append(len(a) > 7 and a[7] is not None)
+        by_pages.append(len(a) > 8 and a[8] is not None)
         return partials(*a)
 
     monkeypatch.setattr(ka, "partials", spy)
@@ -243,6 +246,7 @@ def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, techniq
     case = request.node.callspec.id
     assert any(by_lens) == (case == "adakv")  # by lengths: one segment's ragged rows
     assert any(by_pos) == (case in ("sliding-window", "distillation"))  # no selector: positions alone
+    assert sum(by_pages) == (20 * lm.model.config.num_hidden_layers if case == "quest" else 0)  # each step
     assert set(scored) == {"quest": {"group_bounds"}, "router-base": {"group_scores"}}.get(case, set())
 
 
@@ -370,6 +374,53 @@ def test_block_sparse_decode_reads_the_selected_pages(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
+    "b, hq, h, t, d, page, lo, hi, k",
+    [
+        (2, 32, 8, 2100, 128, 16, 4, 2064, 17),  # one page in eight, several splits
+        (1, 9, 3, 300, 80, 16, 0, 288, 5),  # no sinks, head_dim 80
+        (1, 4, 1, 100, 64, 16, 60, 40, 3),  # the sinks past hi: every slot is read, no page counts
+        (1, 4, 2, 1000, 64, 8, 3, 960, 40),  # pages cut by the sinks and by hi
+    ],
+)
+def test_decode_by_pages_reads_the_pages_named(device, b, hq, h, t, d, page, lo, hi, k):
+    """A read selector's pages as indices (:class:`att.Pages`: Quest's choice, some unused): the
+    grid covers the always-read slots and the pages named only, and gives SDPA's attention over
+    the same slots as a mask."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(2)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(b, hq, 1, d, generator=gen).to(dtype)
+        key, value = (torch.randn(b, h, t, d, generator=gen).to(dtype) for _ in range(2))
+        index = torch.stack([torch.randperm(t // page, generator=gen)[:k] for _ in range(b * h)])
+        index = index.view(b, h, 1, k)
+        index[..., -2:] = -1  # fewer pages chosen than room for
+        pages = att.Pages(index, page, min(lo, hi), hi)
+        launch = ka.prepare(q, key, value, None, 1.0, pages=pages)
+        ka.workspace(q.device, launch.out.acc.shape[-1]).give_back(launch.out)
+        assert launch.args[15] == pages.lo + t - hi + k * page  # the slots the grid covers
+        want = ka.attend_reference(q, key, value, None, d**-0.5, pages=pages)
+        on = att.Pages(index.to(device), page, pages.lo, hi)
+        got = ka.attend(q.to(device), key.to(device), value.to(device), None, d**-0.5, pages=on)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_quest_counts_the_same_reads_by_pages_as_by_its_mask(tiny_93):
+    """Quest's read figures (tokens and bytes read per query, page metadata) are the same whether
+    a decode step reads by its mask (torch path) or by the pages it names (Triton path)."""
+    ids = tokens(70)
+
+    def figures(path: str):
+        with dispatch.using(path):
+            stack = make_stack(tiny_93, scheduler=QuestScheduler(page_size=4, dense_layers=0), budget=0.4)
+            run_chunks(tiny_93, stack, ids, [40] + [1] * 12)
+            return stack.scheduler.metrics()
+
+    torch_path, by_pages = figures("torch"), figures("triton")
+    assert by_pages == torch_path
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
     "batch, q_heads, kv_heads, queries, slots, head_dim, window",
     [
         (2, 9, 3, 1, 77, 64, None),  # one step, causal over shuffled original positions
@@ -449,13 +500,16 @@ def test_bench_kernels_runs_every_row_on_both_paths():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     args = [sys.executable, str(script), "--check", "--contexts", "128", "--batches", "1"]
     out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600, check=True).stdout
-    rows = [line for line in out.splitlines() if "batch 1, 128 tokens" in line]
+    fixed, *rows = [line for line in out.splitlines() if "batch 1, 128 tokens" in line]
     names = [line.split()[0] for line in rows]
     assert names == [
-        "kivi.quantize", "kivi.dequantize", "decode.masked", "decode.sparse1/8", "decode.window",
-        "score.quest", "decode.kivi2bit", "decode.latent",
+        "kivi.quantize", "kivi.dequantize", "decode.masked", "decode.ragged", "decode.sparse1/8",
+        "decode.pages1/8",
+        "decode.window", "score.quest", "decode.kivi2bit", "decode.latent",
     ]  # fmt: skip
     assert all("torch " in line and "triton " in line for line in rows)
+    # a decode call's fixed cost, end to end and stage by stage
+    assert fixed.startswith("fixed cost") and all(f"{k} " in fixed for k in ("call", "launch", "merge"))
     env["TRITON_INTERPRET"] = "0"
     refused = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
     assert refused.returncode == 2 and "--check needs TRITON_INTERPRET=1" in refused.stderr

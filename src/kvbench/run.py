@@ -72,13 +72,22 @@ def identity(cfg: DictConfig, stack: Stack, text_sha: str) -> dict[str, Any]:
         "seed": cfg.seed,
         # the Triton path can move numbers within float tolerance; the torch path, the one every
         # cell ran before the kernels existed, keeps their ids
-        **({"kernels": path} if (path := kernel_path(cfg)) != "torch" else {}),
+        **({"kernels": kernel_identity(path)} if (path := kernel_path(cfg)) != "torch" else {}),
     }
 
 
 def kernel_path(cfg: DictConfig) -> str:
     """The cache's kernels this cell runs: ``kernels`` resolved for its device (:mod:`kvbench.kernels`)."""
     return dispatch.resolve(str(cfg.get("kernels", "auto")), models.resolve_device(cfg.device))
+
+
+def kernel_identity(path: str) -> str:
+    """A path as a cell's identity says it, with the kernels' versions (:func:`dispatch.versions_stamp`):
+    ``triton@<versions>``, or ``auto@<commit>@<versions>`` on CUDA, with the commit(s) the dispatch
+    table that decides each call was measured at (:func:`dispatch.table_stamp`)."""
+    if path == "auto":
+        return f"auto@{dispatch.table_stamp()}@{dispatch.versions_stamp()}"
+    return f"{path}@{dispatch.versions_stamp()}"
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
@@ -178,8 +187,10 @@ def execute(cfg: DictConfig, cell: CellPlan | None = None) -> Outcome:
             record["timings"]["load_s"] = time.perf_counter() - start
             record["model"].update(lm.info)
             record["device"] = device_info(lm.device)
-            with dispatch.using(record["kernels"]):
+            with dispatch.using(record["kernels"], record["device"]["name"]):
                 _evaluate(cfg, lm, cell.stack, cell.data, cell.ident, record)
+                if record["kernels"] != "torch":  # which path each kernel module took (auto: per call)
+                    record["kernel_paths"] = dispatch.taken()
             _check_finite(record["metrics"])
     except Exception as err:
         kind, reason = classify(err)

@@ -55,6 +55,29 @@ class Positions:
         return seen | (self.query < 0)[:, None, :, None]
 
 
+@dataclass
+class Pages:
+    """A read selector's choice as the pages it reads, in place of a mask over every slot: each
+    query reads the slots ``[0, lo)`` and ``[hi, T)`` (sinks, the window, the newest tokens), and,
+    of each page ``j`` named in ``index`` ``(B, H, q, K)`` (-1: none), the slots
+    ``[j size, (j + 1) size)`` that lie in ``[lo, hi)``. Slot ``t`` holds position ``t``. A kernel
+    reads the named pages only (:mod:`kvbench.kernels.attention`); :meth:`mask` is the same read
+    as a mask."""
+
+    index: torch.Tensor
+    size: int
+    lo: int
+    hi: int
+
+    def mask(self, slots: int) -> torch.Tensor:
+        """``(B, H, q, slots)`` bool: the slots read."""
+        t = torch.arange(slots, device=self.index.device)
+        always = (t < self.lo) | (t >= self.hi)
+        page = torch.where(always, -2, t // self.size)  # -2: never an index
+        chosen = (page[None, None, None, :, None] == self.index[..., None, :]).any(-1)
+        return chosen | always
+
+
 def additive(mask: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """A boolean ``(B, H, q, T)`` mask as additive logits, with a per-unit ``bias`` ``(B, H, T)``."""
     neg = torch.finfo(dtype).min if dtype != torch.float32 else float("-inf")

@@ -227,6 +227,9 @@ class KVCache(Cache):
         """Every other read: masks from positions, padding, the read selector's routing, the tiers'
         attention, the observers' probabilities and the KV-hit probe, as ``plan`` says."""
         q_len, sliding_window, padded, selector = plan.q_len, plan.window, plan.padded, plan.selector
+        paged = None if selector is None else self._paged_step(layer, store, query, scaling, plan)
+        if paged is not None:
+            return paged
         qpos = store.last_qpos  # (B, q), -1 for padding
         view = store.view()
         # Plain causal attention needs no mask: a prefill with no past, or one decode step over
@@ -300,6 +303,32 @@ class KVCache(Cache):
                     tech.observe(layer, store, probs, qpos[:, start:stop])
         if self.probe is not None and self.shadow is not None and self.shadow[layer] is not None:
             self._probe_hit(layer, store, query, qpos, mask_fn, scaling, sliding_window)
+        store.release()
+        return out
+
+    def _paged_step(
+        self, layer: int, store: LayerStore, query: torch.Tensor, scaling: float, plan: ReadPlan
+    ) -> torch.Tensor | None:
+        """One unpadded decode step over full-precision rows that every head fills, on the Triton
+        path, whose read selector names the pages it reads (``read_pages``, :class:`att.Pages`):
+        the kernel's grid covers those pages and the always-read slots only, and no mask is built.
+        None where the step needs its mask (a window, padding, tiers, an observer of the
+        probabilities, the KV-hit probe, a selector without pages)."""
+        read_pages = getattr(plan.selector, "read_pages", None)
+        if read_pages is None or plan.q_len != 1 or plan.window is not None or plan.padded:
+            return None
+        if plan.placer is not None or plan.first[layer] < 1 or self.probe is not None:
+            return None
+        kernel = dispatch.kernels("attention", store.batch, store.columns())
+        kv = None if kernel is None else store.dense_kv()
+        if kv is None or store.view().bias is not None:
+            return None
+        pages = read_pages(layer, store, query, store.last_qpos)
+        if pages is None:
+            return None
+        out = kernel.attend(query, *kv, None, scaling, pages=pages)
+        for tech in plan.query_observers:
+            tech.observe_queries(layer, store, query, store.last_qpos)
         store.release()
         return out
 
@@ -394,10 +423,11 @@ def _attend_decoded(
     (:class:`att.Positions`) and the valid slots where ``mask_fn`` would build a mask from them."""
     view = store.view()
     one_dense = len(store.segments) == 1 and view.dense
-    kernel = dispatch.kernels("attention")
+    kernel = dispatch.kernels("attention", store.batch, view.pos.shape[2])
     whole = store.batch * store.kv_heads * view.pos.shape[2] * store.head_dim <= DECODE_ELEMS
     if reads_all and not one_dense and view.bias is None and (kernel is not None or whole):
-        parts = partials.gather(store.segments, query, scaling, store.batch)
+        with dispatch.step(kernel):  # under auto, every segment's states of the kind merged here
+            parts = partials.gather(store.segments, query, scaling, store.batch)
         if parts is not None:
             return (kernel or partials).merge(parts, query, store.kv_heads)
 

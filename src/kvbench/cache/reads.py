@@ -148,9 +148,12 @@ class ReadMeter:
         return out
 
 
-def count_reads(store: LayerStore, mask: torch.Tensor | None, qpos: torch.Tensor) -> ReadCount:
+def count_reads(
+    store: LayerStore, mask: torch.Tensor | None, qpos: torch.Tensor, counted: torch.Tensor | None = None
+) -> ReadCount:
     """The reads of a selector's ``mask`` ``(B, H, q, T)`` for queries at ``qpos`` ``(B, q)``, as
-    tensors (None: every visible token is read).
+    tensors (None: every visible token is read, or ``counted`` of them where the selector counted
+    them itself, in a one-token step over one segment).
 
     Without a grouped segment every token of a segment costs the same whole bytes, so the bytes
     are each segment's per-token bytes times its tokens read: the float64 sum of
@@ -168,7 +171,11 @@ def count_reads(store: LayerStore, mask: torch.Tensor | None, qpos: torch.Tensor
         n_visible, n_queries = float(b * store.kv_heads * q * store.columns()), float(b * q)
         read = mask
         n_read = n_visible if mask is None else mask.sum()
+        if counted is not None:
+            assert mask is None and len(segs) == 1, "count_reads: counted reads are one segment's"
+            n_read = counted
     else:
+        assert counted is None, "count_reads: counted reads are a one-token step's"
         vis = visible(store, qpos)
         read = vis if mask is None else mask & vis
         n_read, n_visible, n_queries = read.sum(), vis.sum(), (qpos >= 0).sum()

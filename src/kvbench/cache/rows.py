@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
@@ -42,7 +43,9 @@ class _Compaction:
     indices of a ``(BH * stride, ...)`` view), ``dst`` their new places as (row, column) (None when
     every row keeps ``width``: then they fill ``[:, :width]`` in order), ``lens`` ``(BH,)`` kept per
     row, between ``least`` and ``width``; ``keep`` itself, which the Triton path's kernel reads
-    instead of a plan (:mod:`kvbench.kernels.compaction`: there ``src`` is empty and ``dst`` None)."""
+    instead of a plan (:mod:`kvbench.kernels.compaction`: there ``src`` is empty and ``dst`` None);
+    ``kernel``, that module on the Triton path (asked once, when planning, so the plan and its
+    application take the same path), else None."""
 
     src: torch.Tensor
     dst: tuple[torch.Tensor, torch.Tensor] | None
@@ -50,6 +53,7 @@ class _Compaction:
     least: int
     width: int
     keep: torch.Tensor
+    kernel: ModuleType | None = None
 
     @classmethod
     def of(
@@ -65,8 +69,9 @@ class _Compaction:
             lens = keep.sum(-1)
             counts = lens.tolist()  # the one synchronisation: the new width
         low, high = (min(counts), max(counts)) if counts else (0, 0)
-        if dispatch.active() == "triton":  # the kernel ranks the kept slots itself: no plan to make
-            return cls(keep.new_empty(0, dtype=torch.long), None, lens, low, high, keep)
+        kernel = dispatch.kernels("compaction", slots=keep.shape[1])
+        if kernel is not None:  # the kernel ranks the kept slots itself: no plan to make
+            return cls(keep.new_empty(0, dtype=torch.long), None, lens, low, high, keep, kernel)
         if low == high:  # every row keeps ``high``: its kept slots are its first ``high`` after a stable sort
             cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
             rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
@@ -84,8 +89,8 @@ class _Compaction:
         one ``index_select`` over a ``(BH * stride, ...)`` view; slots of a row past its length read
         as zeros. On the Triton path, one kernel pass per field (kept slots read once, written at
         their new columns)."""
-        if compaction := dispatch.kernels("compaction"):
-            compaction.compact_into(values, self.keep, out, self.width)
+        if self.kernel is not None:
+            self.kernel.compact_into(values, self.keep, out, self.width)
             return
         bh, stride, *rest = values.shape
         kept = values.reshape(bh * stride, *rest).index_select(0, self.src)

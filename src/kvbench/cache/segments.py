@@ -211,11 +211,12 @@ class FPSegment:
         :func:`kvbench.cache.partials.partial` on the torch path."""
         shape = (batch, self.rows.bh // batch, self.rows.width, query.shape[-1])
         k, v = (self.rows.get(n).view(shape) for n in KV)
-        attention_kernels = dispatch.kernels("attention")
+        attention_kernels = dispatch.kernels("attention", batch, self.rows.width)
         if attention_kernels is None:
             valid = None if self.rows.uniform else self.rows.valid().view(shape[:3])
             return partials.partial(query, k, v, scaling, valid)
-        return attention_kernels.partials(query, k, v, None, scaling, None, self.rows.lens.view(batch, -1))
+        lens = None if self.rows.uniform else self.rows.lens.view(batch, -1)  # None: every slot is held
+        return attention_kernels.partials(query, k, v, None, scaling, None, lens)
 
 
 @dataclass

@@ -197,7 +197,7 @@ class LatentSegment(RowCounts, Segment):
         rebuilt."""
         if self.kbasis.shape[0] * batch != self.lens.numel():
             return None
-        kernel = dispatch.kernels("latent_decode")
+        kernel = dispatch.kernels("latent_decode", batch, self.rows.width)
         if kernel is not None:
             if self.bits is not None:
                 return None
@@ -206,7 +206,7 @@ class LatentSegment(RowCounts, Segment):
                 self.rows.width, scaling,
             )  # fmt: skip
         n = self.row_count()
-        if n is None or n < partials.PARTIAL_MIN_SLOTS or dispatch.kernels("attention") is not None:
+        if n is None or n < partials.PARTIAL_MIN_SLOTS or dispatch.kernels("attention", batch, n) is not None:
             return None
         kl, vl = self.latents()
         k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, n)

@@ -57,8 +57,8 @@ class QuantSegment(GroupedSegment):
         """The fused kernel (:mod:`kvbench.kernels.kivi_decode`): codes dequantized in registers,
         where every key group holds the same number of tokens."""
         per_group = self.full_groups()
-        kivi_decode = dispatch.kernels("kivi_decode")
-        if per_group is None or kivi_decode is None:
+        kivi_decode = None if per_group is None else dispatch.kernels("kivi_decode", batch, self.rows.width)
+        if kivi_decode is None:
             return None
         return kivi_decode.partials(
             query, self.kcodes, self.vcodes, self.vzero, self.vstep, self.kzero, self.kstep,

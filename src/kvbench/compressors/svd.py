@@ -72,7 +72,7 @@ class SVDSegment(GroupedSegment):
         block, n = self.full_groups(), self.row_count()
         if block is None or not n or n % block or n < partials.PARTIAL_MIN_SLOTS:
             return None
-        if dispatch.kernels("attention") is not None:
+        if dispatch.kernels("attention", batch, n) is not None:
             return None
         k = self.rotary.rotate_rows(self.expand(self.ka, self.kb, block), self.pos, n)
         shape = (batch, self.lens.numel() // batch, n, -1)

@@ -150,11 +150,19 @@ class LaunchCounter(TorchDispatchMode):
             return tolist(x)
 
         torch.Tensor.tolist = counted_tolist  # type: ignore[method-assign]
+        self._runs = _count_triton(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        for cls, run in self._runs:
+            cls.run = run
         return super().__exit__(*exc)
+
+    def launched(self, name: str) -> None:
+        """One launch of ``name`` (a Triton kernel: no aten operation)."""
+        self.ops += 1
+        self.by_op[name] = self.by_op.get(name, 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -165,6 +173,34 @@ class LaunchCounter(TorchDispatchMode):
             self.bytes += _written(name, args, out)
             self.syncs += name in SYNCS
         return out
+
+
+def _count_triton(counter: LaunchCounter) -> list[tuple[type, Any]]:
+    """Count each Triton kernel launch as one operation, named ``triton.<kernel>``, while the
+    counter is on; what Triton's interpreter runs inside a launch (torch operations on the CPU,
+    standing for the kernel's work) is not counted. Returns the patched classes and their ``run``."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return []
+    patched = []
+    for cls in (InterpretedFunction, JITFunction):
+        run = cls.run
+
+        def counted_run(fn, *args, run=run, **kwargs):
+            if not counter.on or kwargs.get("warmup"):
+                return run(fn, *args, **kwargs)
+            counter.launched(f"triton.{fn.fn.__name__}")
+            counter.on = False
+            try:
+                return run(fn, *args, **kwargs)
+            finally:
+                counter.on = True
+
+        cls.run = counted_run  # type: ignore[method-assign]
+        patched.append((cls, run))
+    return patched
 
 
 @dataclass

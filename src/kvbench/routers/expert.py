@@ -470,7 +470,8 @@ class ExpertRouter(Router):
             return last[3]
         experts = self.route_experts(layer, store, qpos)
         centroid = self.summarize(layer, store, experts)
-        score = (dispatch.kernels("scoring") or att).group_scores(query, centroid)  # the cell's path
+        scoring = dispatch.kernels("scoring", query.shape[0], view.pos.shape[-1])  # the cell's path
+        score = (scoring or att).group_scores(query, centroid)
         if experts.empty is not None:
             score = score.masked_fill(experts.empty, float("-inf"))
         routing = Routing(experts, self.choose(layer, store, score, experts.count, qpos))

@@ -35,7 +35,7 @@ import torch
 
 from kvbench.cache import attention as att
 from kvbench.cache import ragged
-from kvbench.cache.reads import ReadCount, ReadMeter, count_reads
+from kvbench.cache.reads import ReadCount, ReadMeter, count_reads, one_step
 from kvbench.cache.side import SideData
 from kvbench.cache.store import LayerStore
 from kvbench.errors import ConfigError
@@ -93,17 +93,26 @@ class _Pages:
     room: torch.Tensor | int
     index: torch.Tensor
     base: torch.Tensor
+    # Where every head-row holds the same positions (:meth:`QuestScheduler._uniform_pages`): every
+    # slot before ``lo`` or from ``hi`` on is read whatever the bounds (-1: not known on the host)
+    lo: int = -1
+    hi: int = -1
 
-    def take(self, bound: torch.Tensor) -> torch.Tensor:
-        """The tokens read ``(B, H, q, T)`` where ``bound`` ``(B, H, q, P)`` bounds each page's
-        scores: the best bounds first, while at least half of the next page fits in the budget
-        left, with the tokens always read."""
+    def choose(self, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pages by ``bound`` ``(B, H, q, P)``, best first (``order``), their costs in that order,
+        and whether each is read (``fits``: a prefix of the order): the best bounds first, while
+        at least half of the next page fits in the budget left."""
         score = bound.masked_fill(self.blocked, float("-inf"))  # bounds are finite: blocked pages last
         order = score.argsort(dim=-1, descending=True, stable=True)
         c = torch.gather(self.cost.expand_as(order), -1, order)
         # half of the next page fits: before + c / 2 < extra, before = cumsum - c (whole numbers),
         # as c - 2 cumsum > -2 extra; a blocked page costs more than any budget, so never fits
-        fits = torch.sub(c, c.cumsum(-1), alpha=2) > self.room
+        return order, c, torch.sub(c, c.cumsum(-1), alpha=2) > self.room
+
+    def take(self, bound: torch.Tensor) -> torch.Tensor:
+        """The tokens read ``(B, H, q, T)`` where ``bound`` ``(B, H, q, P)`` bounds each page's
+        scores (:meth:`choose`), with the tokens always read."""
+        order, _, fits = self.choose(bound)
         b, h, q, _ = bound.shape
         pages = self.base.expand(b, h, q, self.width + 2).clone(memory_format=torch.contiguous_format)
         pages.scatter_(-1, order, fits)
@@ -214,7 +223,7 @@ class QuestScheduler(Scheduler):
             kmin = ragged.to_padded(bounds.kmin, lay.n_full.flatten())[0].view(b, h, width, d)
             kmax = ragged.to_padded(bounds.kmax, lay.n_full.flatten())[0].view(b, h, width, d)
         # (B, H, q, P): the bound's maximum over the query group, by the cell's path
-        bound = (dispatch.kernels("scoring") or att).group_bounds(query, kmin, kmax)
+        bound = (dispatch.kernels("scoring", b, t) or att).group_bounds(query, kmin, kmax)
         mask = lay.take(bound)
         per_page = 2 * d * bounds.kmin.element_size()
         if key is not None:  # every query real: the bytes of the bounds per query, from the host
@@ -223,6 +232,43 @@ class QuestScheduler(Scheduler):
             meta = lay.n_full * per_page
         self._account(layer, store, query, qpos, mask, meta)
         return mask
+
+    def read_pages(
+        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> att.Pages | None:
+        """:meth:`read_mask` as the pages each query reads (:class:`att.Pages`), for a kernel whose
+        grid covers those pages only: where every head-row holds the same positions and some full
+        page exists; None elsewhere (the engine then asks :meth:`read_mask`). The same tokens are
+        read, and counted, as the mask reads."""
+        if layer < self.dense_layers:
+            return None
+        key = store.position_key(qpos)
+        pf = store.protect_from_host
+        if key is None or not (pf is None or len(set(pf)) == 1) or not one_step(store, qpos):
+            return None
+        key = (*key, self.budget, self.page_size)
+        if self._shared is None or self._shared.key != key:
+            self._shared = self.pages(store, qpos, key)
+        lay = self._shared
+        bounds = store.side(PageBounds)
+        if lay.width == 0 or lay.hi < 0 or bounds is None or lay.total != bounds.kmin.shape[0]:
+            return None
+        b, h, t, d = store.view().k.shape
+        q = query.shape[2]
+        kmin, kmax = bounds.kmin.view(b, h, lay.width, d), bounds.kmax.view(b, h, lay.width, d)
+        bound = (dispatch.kernels("scoring", b, t) or att).group_bounds(query, kmin, kmax)
+        order, cost, fits = lay.choose(bound)
+        # at most the pages whose cost before them is under the budget left: whole pages, and the
+        # two cut by the sinks and by ``hi``
+        extra = -int(lay.room) // 2
+        k = min(lay.width, max(extra, 0) // self.page_size + 3)
+        index = torch.where(fits[..., :k], order[..., :k], -1)
+        always = b * h * q * (lay.lo + t - lay.hi)  # host figures: the slots read whatever the bounds
+        n_read = torch.where(fits, cost, 0).sum() + always
+        per_page = 2 * d * bounds.kmin.element_size()
+        meta = float(lay.total * per_page * q) / float(b * q)
+        self._account(layer, store, query, qpos, None, meta, n_read)
+        return att.Pages(index, self.page_size, lay.lo, lay.hi)
 
     def pages(self, store: LayerStore, qpos: torch.Tensor, key: tuple[Any, ...] | None) -> _Pages:
         """The pages of the tokens stored before the chunk of the queries at ``qpos``, and what every
@@ -283,8 +329,9 @@ class QuestScheduler(Scheduler):
         base[..., width + 1] = True
         n_full = torch.full((b, h), width, dtype=torch.long, device=pos.device)
         return _Pages(
-            key, n_full, b * h * width, width, always.expand(b, h, t), cost, blocked, -2 * extra, index, base
-        )
+            key, n_full, b * h * width, width, always.expand(b, h, t), cost, blocked, -2 * extra, index, base,
+            lo=min(self.budget.sinks, hi), hi=hi,
+        )  # fmt: skip
 
     def layout(
         self, pos: torch.Tensor, prior: torch.Tensor, ordered: bool = False
@@ -318,19 +365,21 @@ class QuestScheduler(Scheduler):
         qpos: torch.Tensor,
         mask: torch.Tensor | None,
         meta: torch.Tensor | float | None,
+        n_read: torch.Tensor | None = None,
     ) -> None:
         """Bytes and tokens read by the real queries of this call (repeat calls are not counted),
         kept as tensors until :meth:`metrics` (no device synchronisation per call).
 
-        ``mask`` None reads every visible token; ``meta`` is the page bounds' bytes of each
-        head-row ``(B, H)``, or already their mean per real query (a host figure)."""
+        ``mask`` None reads every visible token, or ``n_read`` of them (:meth:`read_pages`);
+        ``meta`` is the page bounds' bytes of each head-row ``(B, H)``, or already their mean per
+        real query (a host figure)."""
         call = (id(store), layer, query.data_ptr(), tuple(query.shape), sum(store.seen_host))
         if not self.meter.first(call):
             return  # the KV-hit probe asks again for the same queries
         if isinstance(meta, torch.Tensor):  # page metadata bytes read per real query
             real = (qpos >= 0).sum(-1)  # (B,)
             meta = (meta.sum(-1).double() * real).sum() / real.sum().clamp(min=1)
-        if self.meter.add(_Read(layer, count_reads(store, mask, qpos), meta)):
+        if self.meter.add(_Read(layer, count_reads(store, mask, qpos, n_read), meta)):
             self._settle()
 
     def _settle(self) -> None:
