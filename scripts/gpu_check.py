@@ -35,6 +35,8 @@ about ten minutes there, the memory part at two contexts most of it):
 
     python scripts/gpu_check.py                      # everything on cuda
     python scripts/gpu_check.py --only memory --contexts 8192,32768
+    python scripts/gpu_check.py --only memory --contexts 32768 --kernels torch,auto \
+        --techniques none,compressor/quantized,scheduler/quest,scheduler/adakv   # issue 30's TPOT
     python scripts/gpu_check.py --device cpu --only techniques,geometry,protocols   # the script itself
 """
 
@@ -363,7 +365,13 @@ def check_batching(checks: Checks, device: str, layers: int, limit: int, sizes=(
 
 
 def check_memory(
-    checks: Checks, device: str, contexts: list[int], layers: int, only: str | None, steps: int = 16
+    checks: Checks,
+    device: str,
+    contexts: list[int],
+    layers: int,
+    only: str | None,
+    steps: int = 16,
+    paths: tuple[str, ...] = ("torch",),
 ) -> None:
     import bench_overhead as bo
 
@@ -386,31 +394,34 @@ def check_memory(
             f"memory transformers at {n}", lambda n=n, ids=ids: plain_row(lm, ids, n, steps, checks)
         )
         wanted = None if only is None else set(only.split(","))
-        for tech in [t for t in [None, *bo.catalog()] if wanted is None or (t or "none") in wanted]:
+        techs = [t for t in [None, *bo.catalog()] if wanted is None or (t or "none") in wanted]
+        for tech, path in [(t, p) for t in techs for p in paths]:
 
-            def one(tech=tech, n=n, ids=ids):
+            def one(tech=tech, n=n, ids=ids, path=path):
                 stack = bo.build_cell_stack(lm, tech, 0.5, model="tiny_random")  # no GGUF needed
                 measure.reset_peak(lm.devices)
                 cache = loop.new_cache(lm, stack)
-                loop.step(lm, cache, ids[:n], keep=1)
-                times: list[float] = []
-                with timing.cell() as attn:  # every third decode step's attention, per layer
-                    for i in range(steps):  # each step timed (measure.timed) into ``times``
-                        loop.step(lm, cache, ids[n + i : n + i + 1], times, decode=True)
-                    attn_ms = attn.metrics()["decode_attn_ms"]
+                with dispatch.using(dispatch.resolve(path, torch.device(device))):
+                    loop.step(lm, cache, ids[:n], keep=1)
+                    times: list[float] = []
+                    with timing.cell() as attn:  # every third decode step's attention, per layer
+                        for i in range(steps):  # each step timed (measure.timed) into ``times``
+                            loop.step(lm, cache, ids[n + i : n + i + 1], times, decode=True)
+                        attn_ms = attn.metrics()["decode_attn_ms"]
                 mem = measure.memory(lm.devices)
                 alloc = sum(m.get("peak_allocated_mb") or 0 for m in mem.values())
                 reserved = sum(m.get("peak_reserved_mb") or 0 for m in mem.values())
                 tpot = 1000 * sum(times[1:]) / max(1, len(times) - 1)
+                label = (tech or "full cache") + (f" [{path}]" if len(paths) > 1 else "")
                 print(
-                    f"{tech or 'full cache':28s} {n:7d} {alloc:13.0f} {reserved:11.0f} "
+                    f"{label:28s} {n:7d} {alloc:13.0f} {reserved:11.0f} "
                     f"{cache.nbytes() / 2**20:9.0f} {cache.resident_bytes() / 2**20:11.0f} {tpot:8.1f} "
                     f"{'-' if attn_ms is None else format(attn_ms, '.3f'):>10s}",
                     flush=True,
                 )
                 checks.total += 1
 
-            checks.guarded(f"memory {tech or 'full cache'} at {n}", one)
+            checks.guarded(f"memory {tech or 'full cache'} ({path}) at {n}", one)
             if device == "cuda":
                 torch.cuda.empty_cache()
 
@@ -454,6 +465,11 @@ def main() -> int:
         help="memory part: only these role/name (comma-separated; none: the full cache)",
     )
     ap.add_argument("--limit", type=int, default=8, help="batching part: examples per task")
+    ap.add_argument(
+        "--kernels",
+        default="torch",
+        help="memory part: the kernels paths to time each technique on, side by side (e.g. torch,auto)",
+    )
     ap.add_argument("--results", default="/tmp/kvbench_gpu_check")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -475,7 +491,8 @@ def main() -> int:
             check_batching(checks, args.device, args.layers, args.limit)
         if "memory" in parts:
             contexts = [int(c) for c in args.contexts.split(",")]
-            check_memory(checks, args.device, contexts, args.layers, args.techniques)
+            paths = tuple(args.kernels.split(","))
+            check_memory(checks, args.device, contexts, args.layers, args.techniques, paths=paths)
     where = torch.cuda.get_device_name() if args.device == "cuda" else args.device
     print(f"{checks.total - checks.failed}/{checks.total} checks pass on {where}")
     return 1 if checks.failed else 0
