@@ -8,7 +8,7 @@ keeps its own budget of its own tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -193,6 +193,7 @@ class Allocated(Technique):
 
     allocation: str = "uniform"
     beta: float = 20.0  # pyramid: the top layer keeps 1/beta of the mean
+    weights: list[float] = field(default_factory=list, init=False, repr=False)  # per layer, once bound
 
     def check_knobs(self) -> None:
         allocation.check(f"{self.role}.allocation", self.allocation)

@@ -19,7 +19,7 @@ kept besides the window; ``pool`` defaults to 1 (the paper sums raw window atten
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,8 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
     obs_window: int = 16
     pool: int = 1
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
+    # (B, H, P) positions kept by the reuse group's first layer
+    _chosen: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def check_knobs(self) -> None:
         check_window(self.role, self.obs_window, self.pool)
@@ -92,7 +94,6 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
                 f"compressor.reuse_layers={self.reuse_layers}: needs allocation=uniform "
                 "(reusing layers keep the first layer's positions)"
             )
-        self._chosen: torch.Tensor | None = None  # (B, H, P) positions kept by the group's first layer
 
     def compress(self, layer: int, store: LayerStore) -> None:
         view = store.view()

@@ -15,7 +15,7 @@ its released code, followed here as docs/methods.md says, ranks by the last toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,12 +38,13 @@ class FastVCompressor(Compressor):
     version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     layer: int = 2
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
+    _score: torch.Tensor | None = field(default=None, init=False, repr=False)  # (B, P) the last query's
+    # (seen at planning, keep (B, P)): the plan of a step, made once for its layers
+    _plan: tuple[tuple[int, ...], torch.Tensor] | None = field(default=None, init=False, repr=False)
 
     def check_knobs(self) -> None:
         if self.layer < 1:
             raise ConfigError(f"compressor.layer={self.layer}: must be >= 1 (layer K-1 ranks the tokens)")
-        self._score: torch.Tensor | None = None  # (B, P) head-averaged attention of the last query
-        self._plan: tuple[tuple[int, ...], torch.Tensor] | None = None  # (seen at planning, keep (B, P))
 
     def on_bind(self, ctx: BindContext) -> None:
         if self.layer >= ctx.num_layers:

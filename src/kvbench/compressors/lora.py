@@ -17,7 +17,7 @@ here (see ``lora_plus_plus``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.lowrank import LatentCache, check_rank
@@ -40,6 +40,7 @@ class LoraCompressor(Compressor):
     value_rank: int = 32
     calibration_tokens: int = 2048
     flags = Flags(changes_representation=True)
+    cache: LatentCache = field(init=False, repr=False)  # the bases and the latents' accounting, once bound
 
     def check_knobs(self) -> None:
         check_rank("compressor.key_rank", self.key_rank)

@@ -9,7 +9,7 @@ quantized along its own width with one float16 (zero, step) per token and packed
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.lowrank import LatentCache, check_rank
@@ -36,6 +36,7 @@ class LoraPlusPlusCompressor(Compressor):
     latent_bits: int = 8
     calibration_tokens: int = 2048
     flags = Flags(changes_representation=True)
+    cache: LatentCache = field(init=False, repr=False)  # the bases and the latents' accounting, once bound
 
     def check_knobs(self) -> None:
         if self.latent_bits not in LATENT_BITS:

@@ -22,7 +22,7 @@ one-by-one runs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -32,7 +32,7 @@ from kvbench.cache import quant
 from kvbench.cache.rows import compact
 from kvbench.cache.side import TokenState
 from kvbench.cache.store import LayerStore
-from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
+from kvbench.compressors.quantized import QuantSegment, quantizer
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags, keep_top
 from kvbench.select import Allocated, evict_by_score, leaving_groups
@@ -60,6 +60,7 @@ class PiKVCompressor(Allocated, Compressor):
     guard: float = 0.5
     group_size: int = 32
     flags = Flags(needs_attention_scores=True, evicts_tokens=True, changes_representation=True)
+    _moved: list[int] = field(default_factory=lambda: [0, 0], init=False)  # tokens at 8 bits, low bits
 
     def check_knobs(self) -> None:
         for key in ("key_bits", "value_bits"):
@@ -70,8 +71,6 @@ class PiKVCompressor(Allocated, Compressor):
             raise ConfigError(f"compressor.guard={self.guard}: must be in [0, 1] (share kept at 8 bits)")
         if self.group_size < 1:
             raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
-        self._kivi = QuantizedCompressor(bits=GUARD_BITS, group_size=self.group_size)
-        self._moved = [0, 0]  # tokens quantized at 8 bits, at the low widths
 
     def on_bind(self, ctx: BindContext) -> None:
         self._moved = [0, 0]
@@ -90,8 +89,8 @@ class PiKVCompressor(Allocated, Compressor):
         self._moved[0] += int(high.sum())
         self._moved[1] += int(low.sum())
         stays = store.fp_valid() & ~high
-        store.move_out(high, self._kivi.builder(GUARD_BITS, GUARD_BITS))
-        store.move_out(compact(low, stays), self._kivi.builder(self.key_bits, self.value_bits))
+        store.move_out(high, quantizer(GUARD_BITS, GUARD_BITS, self.group_size))
+        store.move_out(compact(low, stays), quantizer(self.key_bits, self.value_bits, self.group_size))
 
     def guarded(self, store: LayerStore, leaving: torch.Tensor) -> torch.Tensor:
         """Mask over the full-precision rows: the most important of the ``leaving`` tokens, in whole

@@ -9,12 +9,12 @@ at full precision.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from kvbench.cache import quant
 from kvbench.cache.store import LayerStore
-from kvbench.compressors.quantized import QuantizedCompressor
+from kvbench.compressors.quantized import quantizer
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags
 from kvbench.select import leaving_groups, moving_per_row
@@ -44,6 +44,7 @@ class PyramidCompressor(Compressor):
     bits_min: int = 2
     group_size: int = 32
     flags = Flags(changes_representation=True)
+    bits: list[int] = field(default_factory=list, init=False)  # per layer, once bound
 
     def check_knobs(self) -> None:
         allowed = ", ".join(map(str, quant.SUPPORTED_BITS))
@@ -54,7 +55,6 @@ class PyramidCompressor(Compressor):
             raise ConfigError(f"compressor.bits_min={self.bits_min}: must be <= bits_max={self.bits_max}")
         if self.group_size < 1:
             raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
-        self.kivi = QuantizedCompressor(bits=self.bits_min, group_size=self.group_size)
 
     def on_bind(self, ctx: BindContext) -> None:
         self.bits = layer_bits(ctx.num_layers, self.bits_max, self.bits_min)
@@ -63,4 +63,5 @@ class PyramidCompressor(Compressor):
         move = leaving_groups(store, self.budget, self.group_size)
         if move is not None:
             per_row = moving_per_row(store, self.budget, self.group_size)
-            store.move_out(move, self.kivi.builder(self.bits[layer], self.bits[layer]), per_row=per_row)
+            quantize = quantizer(self.bits[layer], self.bits[layer], self.group_size)
+            store.move_out(move, quantize, per_row=per_row)

@@ -111,9 +111,9 @@ class QuantizedCompressor(Compressor):
     flags = Flags(changes_representation=True)
 
     def check_knobs(self) -> None:
-        self.key_bits = self.bits if self.key_bits is None else self.key_bits
-        self.value_bits = self.bits if self.value_bits is None else self.value_bits
         for key in ("bits", "key_bits", "value_bits"):
+            if key != "bits" and getattr(self, key) is None:
+                continue  # ``bits``
             if getattr(self, key) not in quant.SUPPORTED_BITS:
                 allowed = ", ".join(map(str, quant.SUPPORTED_BITS))
                 raise ConfigError(f"compressor.{key}={getattr(self, key)}: allowed {allowed}")
@@ -124,12 +124,16 @@ class QuantizedCompressor(Compressor):
         move = leaving_groups(store, self.budget, self.group_size)
         if move is not None:
             per_row = moving_per_row(store, self.budget, self.group_size)
-            store.move_out(move, self.builder(self.key_bits, self.value_bits), per_row=per_row)
+            kb = self.bits if self.key_bits is None else self.key_bits
+            vb = self.bits if self.value_bits is None else self.value_bits
+            store.move_out(move, quantizer(kb, vb, self.group_size), per_row=per_row)
 
-    def builder(self, key_bits, value_bits) -> Build:
-        """Quantizes moved tokens (whole groups per head-row) at these bit widths."""
-        kb, vb, g = int(key_bits), int(value_bits), self.group_size
-        return lambda k, v, pos, lens: quantize_tokens(k, v, pos, lens, kb, vb, g)
+
+def quantizer(key_bits: int, value_bits: int, group: int) -> Build:
+    """Quantizes moved tokens (whole groups per head-row) at these bit widths, in groups of ``group``
+    (KIVI's layout: :func:`quantize_tokens`)."""
+    kb, vb = int(key_bits), int(value_bits)
+    return lambda k, v, pos, lens: quantize_tokens(k, v, pos, lens, kb, vb, group)
 
 
 def quantize_tokens(

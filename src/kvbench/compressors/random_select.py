@@ -9,7 +9,7 @@ the capacity.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,9 +32,10 @@ class RandomCompressor(ScoredSelection, Compressor):
     version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     seed: int = 0
     flags = Flags(evicts_tokens=True)
+    _tables: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)  # per layer
 
     def on_bind(self, ctx: BindContext) -> None:
-        self._tables: dict[int, torch.Tensor] = {}
+        self._tables = {}
 
     def priorities(self, layer: int, heads: int, width: int, device: torch.device) -> torch.Tensor:
         """``(heads, width)`` random priorities of positions ``0 .. width-1`` in ``layer``."""

@@ -16,12 +16,13 @@ higher rank: they are far less low-rank), and reads every stored token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvbench.cache import partials, ragged
+from kvbench.cache.rotary import Rotary
 from kvbench.cache.segments import GroupedSegment, as_float
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
@@ -112,6 +113,8 @@ class SVDCompressor(Compressor):
     value_rank: int | None = 32
     block_size: int = 64
     flags = Flags(changes_representation=True)
+    rotary: Rotary = field(init=False, repr=False)  # the model's, once bound
+    residuals: tuple[Residual, Residual] = field(init=False, repr=False)  # keys', values' factoring error
 
     def check_knobs(self) -> None:
         if self.block_size < 1:

@@ -145,10 +145,11 @@ class CentroidExperts:
 
     num_experts: int
     budget: Budget
+    _held: dict[int, tuple[Any, torch.Tensor]]  # declared by ExpertRouter
 
     def held(self, layer: int, store: LayerStore) -> torch.Tensor:
         """:func:`held_experts`, read once per view: the read of a step and its write share it."""
-        held: dict[int, tuple[Any, torch.Tensor]] = self.__dict__.setdefault("_held", {})
+        held = self._held
         view = store.view()
         cached = held.get(layer)
         if cached is None or cached[0] is not view:
@@ -189,7 +190,7 @@ class CentroidExperts:
         """Write routing: tokens leaving the window join an expert (the routing is stale after)."""
         self.forget(layer)  # type: ignore[attr-defined]
         self.assign_new(layer, store)
-        self.__dict__.get("_held", {}).pop(layer, None)
+        self._held.pop(layer, None)
 
     def assign_new(self, layer: int, store: LayerStore) -> Assigned:
         """Assign the tokens that became routable.

@@ -219,7 +219,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     def write(self, layer: int, store: LayerStore) -> None:
         self.forget(layer)
         assigned = self.assign_new(layer, store)
-        self.__dict__.get("_held", {}).pop(layer, None)
+        self._held.pop(layer, None)
         side = self.placement(store)
         # one host read: the reads kept since the last write, and the experts of a column assigned now
         reads = self._reads.pop(layer, (store, []))[1]

@@ -218,26 +218,27 @@ class Experts:
         routed_host: int | None = None,
     ):
         self.count, self.none_empty, self.routed_host = count, none_empty, routed_host
-        if eid is not None:
-            self.__dict__["eid"] = eid
-        if column is not None:
-            self.__dict__["column"] = column
+        self._eid, self._column = eid, column  # either given; the other made from it when asked
 
     @classmethod
     def of(cls, eid: torch.Tensor, experts: int) -> Experts:
         """The experts ``eid`` ``(B, H, T)`` (-1: always read) assigns."""
         return cls(expert_counts(eid, experts), eid=eid)
 
-    @cached_property
+    @property
     def eid(self) -> torch.Tensor:
         """``(B, H, T)`` long: the expert of each routed token, -1 where always read."""
-        column = self.column[:, :, 0]
-        return column.masked_fill(column == self.count.shape[-1], -1)
+        if self._eid is None:
+            column = self.column[:, :, 0]
+            self._eid = column.masked_fill(column == self.count.shape[-1], -1)
+        return self._eid
 
-    @cached_property
+    @property
     def column(self) -> torch.Tensor:
-        eid = self.eid
-        return torch.where(eid < 0, self.count.shape[-1], eid)[:, :, None, :]
+        if self._column is None:
+            eid = self.eid
+            self._column = torch.where(eid < 0, self.count.shape[-1], eid)[:, :, None, :]
+        return self._column
 
     @cached_property
     def empty(self) -> torch.Tensor | None:
@@ -404,6 +405,13 @@ class ExpertRouter(Router):
     meter: ReadMeter = field(default_factory=ReadMeter, init=False, repr=False, compare=False)
     # what the layers of one step share (:meth:`step_shared`): (key, values by name)
     _step: tuple[Any, dict[str, Any]] | None = field(default=None, init=False, repr=False, compare=False)
+    # the mixins' state: per layer, the experts held and the view they were read from
+    # (:class:`~kvbench.routers.centroids.CentroidExperts`); the last blocks derived
+    # (:class:`PositionExperts`)
+    _held: dict[int, tuple[Any, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _blocks: _Blocks | None = field(default=None, init=False, repr=False, compare=False)
 
     def check_experts(self) -> None:
         if self.num_experts < 1:
@@ -590,6 +598,7 @@ class PositionExperts:
 
     num_experts: int
     budget: Any
+    _blocks: _Blocks | None  # declared by ExpertRouter
 
     def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
         return position_blocks(store.view().pos, routable, self.num_experts, store.in_position_order())
@@ -598,7 +607,7 @@ class PositionExperts:
         key = store.position_key(qpos)
         if key is not None:
             key = (*key, self.budget, self.num_experts)
-            cached: _Blocks | None = self.__dict__.get("_blocks")
+            cached = self._blocks
             if cached is not None and cached.key == key:
                 return cached.experts
         cols = None if key is None else routable_columns(self.budget, store, qpos)
@@ -613,7 +622,7 @@ class PositionExperts:
                 onehot.sum(2), column=column, none_empty=none_empty, routed_host=cols[1] - cols[0]
             )
         # kept for :meth:`membership` (and, with a key, for the other layers of the step)
-        self.__dict__["_blocks"] = _Blocks(key, experts, onehot)
+        self._blocks = _Blocks(key, experts, onehot)
         return experts
 
     def column_blocks(self, store: LayerStore, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
@@ -634,12 +643,12 @@ class PositionExperts:
     def none_empty(self, count: torch.Tensor) -> bool:
         """Every expert of every head-row holds a token, known on the host: ``count`` is that of
         blocks over routed columns known on the host, with at least one token a block."""
-        cached: _Blocks | None = self.__dict__.get("_blocks")
+        cached = self._blocks
         return cached is not None and cached.experts.count is count and cached.experts.none_empty
 
     def membership(self, experts: Experts) -> torch.Tensor:
         """The step's shared one-hot when ``experts`` are the step's shared blocks."""
-        cached: _Blocks | None = self.__dict__.get("_blocks")
+        cached = self._blocks
         if cached is not None and cached.experts is experts:
             return cached.onehot
         return expert_onehot(experts.eid, None, self.num_experts)

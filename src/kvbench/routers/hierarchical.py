@@ -8,7 +8,7 @@ centroids); scores are summed over the query heads of the KV head's group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -87,6 +87,7 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
     num_groups: int = 4
     top_groups: int = 2
     top_k: int = 4
+    _mass: GroupMass | None = field(default=None, init=False, repr=False, compare=False)  # the step's
 
     def check_knobs(self) -> None:
         self.check_experts()
@@ -107,9 +108,8 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
     def choose(
         self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        mass = self.__dict__.get("_mass")
+        mass = self._mass
         if mass is None or mass.count is not count:  # once per step where the layers share ``count``
-            mass = GroupMass.of(count, self.num_groups)
-            self.__dict__["_mass"] = mass
+            mass = self._mass = GroupMass.of(count, self.num_groups)
         full = self.none_empty(count)
         return group_choice(score, count, self.num_groups, self.top_groups, self.top_k, mass, full)

@@ -22,7 +22,7 @@ Differences from the paper:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,6 +56,14 @@ class DuoAttentionScheduler(Scheduler):
     l1: float = 0.05
     seed: int = 0
     flags = Flags(evicts_tokens=True)
+    gates: torch.Tensor | None = field(default=None, init=False, repr=False)  # (L, H_kv), bound or injected
+    retrieval: torch.Tensor | None = field(default=None, init=False, repr=False)  # (L, H_kv): heads kept full
+    injected: bool = field(default=False, init=False)
+    # the retrieval rows copied to each layer's device, and per layer whether some head streams
+    _on_device: dict[tuple[int, torch.device], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    _streaming: list[bool] = field(default_factory=list, init=False, repr=False)
 
     def check_knobs(self) -> None:
         if self.retrieval_ratio is not None and self.threshold is not None:
@@ -74,11 +82,6 @@ class DuoAttentionScheduler(Scheduler):
             raise ConfigError(f"scheduler.lr={self.lr}: must be > 0")
         if self.l1 < 0:
             raise ConfigError(f"scheduler.l1={self.l1}: must be >= 0")
-        self.gates: torch.Tensor | None = None  # (L, H_kv) once bound or injected
-        self.retrieval: torch.Tensor | None = None  # (L, H_kv) bool: heads kept full
-        self._on_device: dict[tuple[int, torch.device], torch.Tensor] = {}  # retrieval rows, per device
-        self._streaming: list[bool] = []  # per layer: some head streams
-        self.injected = False
 
     def inject_gates(self, gates: torch.Tensor) -> None:
         """Use ``gates`` ``(L, H_kv)`` instead of fitting them (before or after ``bind``)."""

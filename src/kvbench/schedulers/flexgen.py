@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -127,18 +127,24 @@ class FlexGenScheduler(Scheduler):
     fast_percent: float = 50.0
     flags = Flags(places_tiers=True, lossless=True)
     wants_queries = True
+    slow_device: torch.device = field(default=torch.device("cpu"), init=False)  # the slow tier's
+    pinned: bool = field(default=False, init=False)  # slow rows in pinned memory (with CUDA)
+    _seen: weakref.WeakKeyDictionary[LayerStore, torch.Tensor] = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
+    # per layer in the current step: its FIGURES, a tensor on the layer's device, read by
+    # :meth:`metrics` (no read per step)
+    _layer: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
+    _steps: list[list[torch.Tensor]] = field(default_factory=list, init=False, repr=False)  # per step
+    _hooked: bool = field(default=False, init=False, repr=False)  # attend_tiers counted this layer's reads
+    _slow_ms: list[float] = field(default_factory=list, init=False, repr=False)
+    _events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(
+        default_factory=list, init=False, repr=False
+    )
 
     def check_knobs(self) -> None:
         if not 0 <= self.fast_percent <= 100:
             raise ConfigError(f"scheduler.fast_percent={self.fast_percent}: must be in [0, 100]")
-        self._seen: weakref.WeakKeyDictionary[LayerStore, torch.Tensor] = weakref.WeakKeyDictionary()
-        # per layer in the current step: its FIGURES, a tensor on the layer's device, read by
-        # :meth:`metrics` (no read per step)
-        self._layer: dict[int, torch.Tensor] = {}
-        self._steps: list[list[torch.Tensor]] = []  # per step: its layers' figures
-        self._hooked = False  # attend_tiers counted this layer's reads exactly
-        self._slow_ms: list[float] = []
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def on_bind(self, ctx: BindContext) -> None:
         self.slow_device = torch.device("cpu")

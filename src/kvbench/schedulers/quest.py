@@ -28,7 +28,7 @@ Deviations from the paper, kvbench's choices:
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -132,20 +132,24 @@ class QuestScheduler(Scheduler):
     page_size: int = 16
     dense_layers: int = 2
     flags = Flags(selects_reads=True)
+    meter: ReadMeter = field(default_factory=ReadMeter, init=False, repr=False)  # reads until settled
+    # bytes read per query in this step (K/V, page metadata), and per step
+    _step: list[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
+    _steps: list[tuple[float, float]] = field(default_factory=list, init=False, repr=False)
+    # tokens read and visible: in the dense layers, then in the selected layers
+    _tokens: list[float] = field(default_factory=lambda: [0.0] * 4, init=False, repr=False)
+    _meta_bytes: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # per layer, stored
+    _shared: _Pages | None = field(default=None, init=False, repr=False)  # the step's pages, for its layers
+    # per store: (its ``edits``, full pages, their minimum and maximum keys ``(B * H, P, D)``)
+    _kept_bounds: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False
+    )
 
     def check_knobs(self) -> None:
         if self.page_size < 1:
             raise ConfigError(f"scheduler.page_size={self.page_size}: must be >= 1")
         if self.dense_layers < 0:
             raise ConfigError(f"scheduler.dense_layers={self.dense_layers}: must be >= 0")
-        self._step = [0.0, 0.0]  # bytes read per query in this step: K/V, page metadata
-        self._steps: list[tuple[float, float]] = []
-        self._tokens = [0.0, 0.0, 0.0, 0.0]  # read, visible: dense layers, then selected layers
-        self._meta_bytes: dict[int, int] = {}  # page metadata stored per layer, after the last forward
-        self.meter = ReadMeter()  # the reads of its calls, as _Read records until settled
-        self._shared: _Pages | None = None  # the pages of the current step, shared by its layers
-        # Per store: (its ``edits``, full pages, their minimum and maximum keys ``(B * H, P, D)``)
-        self._kept_bounds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def evict(self, layer: int, store: LayerStore) -> None:
         """Nothing is evicted: the min/max keys of every full page of every head-row."""
