@@ -1,16 +1,20 @@
 """One way to hold a technique's state (issue 31): its knobs are the dataclass's fields, set from
 the YAML; what it derives is declared as a field with ``field(init=False)`` and built in
 ``on_bind``; ``check_knobs`` only checks; and no technique writes its ``__dict__``. Checked on every
-technique of the catalog after a prefill and decode steps on a tiny random model."""
+technique of the catalog after a prefill and decode steps on a tiny random model. And what
+technique code touches of a layer's store is the surface :mod:`kvbench.cache.store` lists."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvbench import config, models
+from kvbench.cache.store import TECHNIQUE_ACTS, TECHNIQUE_READS, LayerStore
 from kvbench.eval import loop, stepcost
 from kvbench.roles import Technique
 
@@ -69,3 +73,20 @@ def test_no_technique_writes_its_dict():
         if "__dict__" in line
     ]
     assert not writes, f"__dict__ in technique code: {writes}"
+
+
+def test_techniques_touch_only_the_stores_listed_surface():
+    """Every ``store.<member>`` in technique code is in ``TECHNIQUE_READS`` or ``TECHNIQUE_ACTS``,
+    each listed member is one of the store's and is still used (the lists only shrink)."""
+    files = [*SRC.glob("compressors/*.py"), *SRC.glob("routers/*.py"), *SRC.glob("schedulers/*.py")]
+    used: dict[str, list[str]] = {}
+    for f in [*files, SRC / "select.py"]:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            for member in re.findall(r"\bstore\.([A-Za-z_]\w*)", line):
+                used.setdefault(member, []).append(f"{f.name}:{n}")
+    surface = TECHNIQUE_READS | TECHNIQUE_ACTS
+    outside = {m: at[:3] for m, at in used.items() if m not in surface}
+    assert not outside, f"technique code touches store members outside the surface: {outside}"
+    assert not surface - set(used), f"listed but unused (remove them): {sorted(surface - set(used))}"
+    store = LayerStore(1, 2, 4, torch.float32, torch.device("cpu"))
+    assert all(hasattr(store, m) for m in surface), sorted(m for m in surface if not hasattr(store, m))
