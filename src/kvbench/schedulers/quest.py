@@ -206,13 +206,7 @@ class QuestScheduler(Scheduler):
             self._account(layer, store, query, qpos, None, None)
             return view.valid[:, :, None, :].expand(b, h, q, t)
         key = store.position_key(qpos)
-        if key is not None:  # the layers of a step share the pages: they derive from positions alone
-            key = (*key, self.budget, self.page_size)
-            if self._shared is None or self._shared.key != key:
-                self._shared = self.pages(store, qpos, key)
-            lay = self._shared
-        else:
-            lay = self.pages(store, qpos, None)
+        lay = self.pages(store, qpos, None) if key is None else self._step_pages(store, qpos, key)
         bounds = store.side(PageBounds)
         if bounds is None or lay.total != bounds.kmin.shape[0]:
             raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
@@ -244,17 +238,12 @@ class QuestScheduler(Scheduler):
         grid covers those pages only: where every head-row holds the same positions and some full
         page exists; None elsewhere (the engine then asks :meth:`read_mask`). The same tokens are
         read, and counted, as the mask reads."""
-        if layer < self.dense_layers:
-            return None
         key = store.position_key(qpos)
-        pf = store.protect_from_host
-        if key is None or not (pf is None or len(set(pf)) == 1) or not one_step(store, qpos):
+        if layer < self.dense_layers or key is None or not one_step(store, qpos):
             return None
-        key = (*key, self.budget, self.page_size)
-        if self._shared is None or self._shared.key != key:
-            self._shared = self.pages(store, qpos, key)
-        lay = self._shared
+        lay = self._step_pages(store, qpos, key)  # read_mask reuses it where this gives None
         bounds = store.side(PageBounds)
+        # ``hi`` is known where the pages are every head-row's alike (:meth:`_uniform_pages`)
         if lay.width == 0 or lay.hi < 0 or bounds is None or lay.total != bounds.kmin.shape[0]:
             return None
         b, h, t, d = store.view().k.shape
@@ -273,6 +262,14 @@ class QuestScheduler(Scheduler):
         meta = float(lay.total * per_page * q) / float(b * q)
         self._account(layer, store, query, qpos, None, meta, n_read)
         return att.Pages(index, self.page_size, lay.lo, lay.hi)
+
+    def _step_pages(self, store: LayerStore, qpos: torch.Tensor, key: tuple[Any, ...]) -> _Pages:
+        """:meth:`pages` where they derive from positions alone (``key``: :meth:`LayerStore.position_key`):
+        made at a step's first layer and shared by the others."""
+        key = (*key, self.budget, self.page_size)
+        if self._shared is None or self._shared.key != key:
+            self._shared = self.pages(store, qpos, key)
+        return self._shared
 
     def pages(self, store: LayerStore, qpos: torch.Tensor, key: tuple[Any, ...] | None) -> _Pages:
         """The pages of the tokens stored before the chunk of the queries at ``qpos``, and what every
