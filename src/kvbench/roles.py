@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.cache.rotary import Rotary
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 
 
@@ -95,11 +95,11 @@ class Budget:
         prot = (pos < self.sinks) | (pos >= seen - self.window)
         return prot if protect_from is None else prot | (pos >= protect_from)
 
-    def protected_view(self, store: LayerStore) -> torch.Tensor:
+    def protected_view(self, store: TechniqueStore) -> torch.Tensor:
         """:meth:`protected` over ``store.view()``: ``(B, H, T)``."""
         return self.protected(store.view().pos, store.seen[:, None, None], store.view_protect_from())
 
-    def protected_fp(self, store: LayerStore) -> torch.Tensor:
+    def protected_fp(self, store: TechniqueStore) -> torch.Tensor:
         """:meth:`protected` over the full-precision rows: ``(B * H, W)``."""
         start = store.protect_from
         start = None if start is None else start.repeat_interleave(store.kv_heads)[:, None]
@@ -187,7 +187,7 @@ class Technique:
         """This technique's budget (bound by the stack; scaled for its place among selections)."""
         return self.ctx.budget
 
-    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe(self, layer: int, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         """Attention probabilities of a block of queries (only for ``needs_attention_scores``).
 
         Args:
@@ -207,11 +207,13 @@ class Technique:
         a sequence's last queries are not the chunk's last columns."""
         return 0
 
-    def observe_queries(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe_queries(
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> None:
         """The rotated queries ``(B, H_q, q, D)`` of a forward (only for ``wants_queries``)."""
 
     def read_mask(
-        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         """Which stored tokens each query may read (only for ``selects_reads``).
 
@@ -225,7 +227,12 @@ class Technique:
         raise NotImplementedError
 
     def attend_tiers(
-        self, layer: int, store: LayerStore, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
+        self,
+        layer: int,
+        store: TechniqueStore,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
     ) -> torch.Tensor:
         """Attention computed per cache tier (only for ``places_tiers``): ``(B, H_q, q, D)``."""
         raise NotImplementedError
@@ -240,7 +247,7 @@ class Scheduler(Technique):
 
     role = "scheduler"
 
-    def evict(self, layer: int, store: LayerStore) -> None:
+    def evict(self, layer: int, store: TechniqueStore) -> None:
         """Called after every forward chunk, after the compressor."""
         raise NotImplementedError
 
@@ -250,7 +257,7 @@ class Compressor(Technique):
 
     role = "compressor"
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         """Called after every forward chunk, before the scheduler."""
         raise NotImplementedError
 
@@ -260,7 +267,7 @@ class Router(Technique):
 
     role = "router"
 
-    def write(self, layer: int, store: LayerStore) -> None:
+    def write(self, layer: int, store: TechniqueStore) -> None:
         """Called after every forward chunk, last: update shard assignment of stored tokens."""
 
 

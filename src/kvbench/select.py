@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from kvbench import allocation
 from kvbench.cache import attention as att
 from kvbench.cache.side import TokenState
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Budget, Technique, keep_top
 
 
 def leaving_window(
-    store: LayerStore, budget: Budget, group_size: int, eligible: torch.Tensor | None = None
+    store: TechniqueStore, budget: Budget, group_size: int, eligible: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``(B * H, W)`` over the full-precision rows: the oldest whole groups of ``group_size``
     unprotected tokens per head-row, the tokens a representation compressor moves out.
@@ -35,7 +35,7 @@ def leaving_window(
     return _oldest(ok, (ok.sum(-1) // group_size) * group_size if n is None else n)
 
 
-def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.Tensor | None:
+def leaving_groups(store: TechniqueStore, budget: Budget, group_size: int) -> torch.Tensor | None:
     """:func:`leaving_window`, or None when no head-row has a whole group to move out: one host
     read, which takes the place of the move's own count (:meth:`LayerStore.move_out`) where a
     group leaves once in ``group_size`` decode steps, and spares the other steps the move's work."""
@@ -50,7 +50,7 @@ def leaving_groups(store: LayerStore, budget: Budget, group_size: int) -> torch.
     return _oldest(ok, whole) if bool(whole.any()) else None
 
 
-def moving_per_row(store: LayerStore, budget: Budget, group_size: int) -> int | None:
+def moving_per_row(store: TechniqueStore, budget: Budget, group_size: int) -> int | None:
     """The tokens every head-row moves out in :func:`leaving_window` (whole groups of
     ``group_size``), from host figures: where no position is protected beyond the sinks and the
     window, the unprotected tokens of full rows in position order are exactly those of
@@ -61,7 +61,7 @@ def moving_per_row(store: LayerStore, budget: Budget, group_size: int) -> int | 
     return (bound // group_size) * group_size
 
 
-def _movable_bound(store: LayerStore, budget: Budget) -> int | None:
+def _movable_bound(store: TechniqueStore, budget: Budget) -> int | None:
     """The most unprotected tokens a head-row's full-precision rows hold, from host figures: their
     width less the sinks and the window of its sequence, which arrive there and never leave (every
     selection and move keeps them: they are protected at every step, as they are now). None where
@@ -78,7 +78,7 @@ def _movable_bound(store: LayerStore, budget: Budget) -> int | None:
     return most
 
 
-def _movable(store: LayerStore, budget: Budget, eligible: torch.Tensor | None = None) -> torch.Tensor:
+def _movable(store: TechniqueStore, budget: Budget, eligible: torch.Tensor | None = None) -> torch.Tensor:
     """``(B * H, W)``: the unprotected full-precision tokens (and ``eligible`` ones, if given)."""
     ok = ~budget.protected_fp(store) & store.fp_valid()
     return ok if eligible is None else ok & eligible
@@ -89,7 +89,7 @@ def _oldest(ok: torch.Tensor, n: torch.Tensor | int) -> torch.Tensor:
     return ok & (ok.long().cumsum(-1) <= (n[:, None] if isinstance(n, torch.Tensor) else n))
 
 
-def within(store: LayerStore, capacity: Callable[[int], int]) -> bool:
+def within(store: TechniqueStore, capacity: Callable[[int], int]) -> bool:
     """True when every head-row provably holds at most ``capacity(seen)`` tokens of its sequence, from
     host figures alone: a selection would keep every token and can be skipped (half the decode
     steps at budget 0.5). False when unsure (rows of different lengths)."""
@@ -98,7 +98,7 @@ def within(store: LayerStore, capacity: Callable[[int], int]) -> bool:
 
 
 def evict_by_score(
-    store: LayerStore, budget: Budget, score: Callable[[], torch.Tensor], capacity: Callable[[int], int]
+    store: TechniqueStore, budget: Budget, score: Callable[[], torch.Tensor], capacity: Callable[[int], int]
 ) -> None:
     """Keep the ``capacity(seen)`` best-scored tokens per head-row of each sequence, sinks, the window
     and protected positions always kept.
@@ -138,7 +138,7 @@ class ScoredSelection(Technique):
     across layers instead (``capacity = Allocated.layer_capacity_host``).
     """
 
-    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` scores aligned with ``store.view()``, the highest kept; asked only where some
         head-row holds more tokens than its capacity."""
         raise NotImplementedError
@@ -147,13 +147,13 @@ class ScoredSelection(Technique):
         """The tokens a head-row of ``layer`` keeps after ``seen`` tokens of its sequence, on the host."""
         return self.budget.capacity_host(seen)
 
-    def select(self, layer: int, store: LayerStore) -> None:
+    def select(self, layer: int, store: TechniqueStore) -> None:
         evict_by_score(store, self.budget, lambda: self.score(layer, store), partial(self.capacity, layer))
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         self.select(layer, store)
 
-    def evict(self, layer: int, store: LayerStore) -> None:
+    def evict(self, layer: int, store: TechniqueStore) -> None:
         self.select(layer, store)
 
 
@@ -168,7 +168,7 @@ def lowest(scores: torch.Tensor, by_pos: torch.Tensor | None, kept: int) -> torc
     return torch.gather(by_pos, -1, rank[..., kept:])
 
 
-def kept_host(store: LayerStore, budget: Budget, capacity: Callable[[int], int]) -> list[int] | None:
+def kept_host(store: TechniqueStore, budget: Budget, capacity: Callable[[int], int]) -> list[int] | None:
     """The tokens every head-row keeps after :func:`keep_top` at ``capacity(seen)``, when host figures
     prove it (one full segment, sequences at one length, and fewer protected positions than the
     capacity: sinks, the window and those from ``protect_from`` on), so that :meth:`LayerStore.keep`
@@ -203,10 +203,10 @@ class Allocated(Technique):
     def on_bind(self, ctx: BindContext) -> None:
         self.weights = allocation.layer_weights(self.allocation, ctx, self.beta, ctx.seed).tolist()
 
-    def layer_capacity(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def layer_capacity(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         return self.budget.capacity(store.seen, self.weights[layer])
 
-    def allocated_capacity(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def allocated_capacity(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """``(B,)`` the layer's capacity, or every seen token where the uniform capacity already keeps
         them all (PyramidKV keeps the whole prompt when it fits the budget, so a budget of 1 stays
         lossless under any allocation)."""
@@ -251,7 +251,7 @@ class ObservationWindow:
     def observed_from(self, layer: int, q: int, padded: bool) -> int:
         return 0 if padded else max(0, q - self.obs_window)  # unpadded: the last queries are the newest
 
-    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe(self, layer: int, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         w = self.obs_window
         if qpos.shape[1] == 1 and not store.last_padded and len(set(store.seen_host)) == 1:
             # one unpadded step: each sequence's query is its newest token, whose slot the host knows
@@ -264,7 +264,7 @@ class ObservationWindow:
         summed = att.widen(probs.sum(2), store.columns()).transpose(1, 2)  # (B, q, H, T)
         store.put_state(self.ring, (seq, slice(None), slice(None), qpos[seq, query] % w), summed[seq, query])
 
-    def window_scores(self, store: LayerStore) -> torch.Tensor:
+    def window_scores(self, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV)."""
         view = store.view()
         score = store.state(self.ring).sum(-1)

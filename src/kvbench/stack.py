@@ -12,7 +12,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError, IllegalStack
 from kvbench.paths import CONF_DIR
 from kvbench.roles import BindContext, Budget, Compressor, Router, Scheduler, Technique
@@ -88,7 +88,7 @@ class Stack:
         self.ctx = ctx
         return ctx
 
-    def apply(self, layer: int, store: LayerStore) -> None:
+    def apply(self, layer: int, store: TechniqueStore) -> None:
         """After a forward chunk: the compressors, then the scheduler's eviction, then router writes."""
         for comp in self.compressors:
             comp.compress(layer, store)

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from kvbench.cache.segments import GroupedSegment
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import StoreView
 
 
-def token_bytes(store: LayerStore) -> torch.Tensor:
+def token_bytes(store: StoreView) -> torch.Tensor:
     """Stored bytes of every token, aligned with ``store.view()``: ``(B, H, T)`` float64.
 
     A token costs its per-token data fields; a grouped segment's per-group fields (scales, zero
@@ -35,7 +35,7 @@ def token_bytes(store: LayerStore) -> torch.Tensor:
     return torch.cat(parts, dim=1).view(store.batch, store.kv_heads, -1)
 
 
-def one_step(store: LayerStore, qpos: torch.Tensor) -> bool:
+def one_step(store: StoreView, qpos: torch.Tensor) -> bool:
     """The queries at ``qpos`` are a whole unpadded one-token step and every slot of ``view()`` holds
     a token (from host figures): every query is real and sees every stored token."""
     return (
@@ -46,7 +46,7 @@ def one_step(store: LayerStore, qpos: torch.Tensor) -> bool:
     )
 
 
-def visible(store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+def visible(store: StoreView, qpos: torch.Tensor) -> torch.Tensor:
     """``(B, H, q, T)``: the stored tokens each real query may attend to (causal by position)."""
     view = store.view()
     real = (qpos >= 0)[:, None, :, None]
@@ -149,7 +149,7 @@ class ReadMeter:
 
 
 def count_reads(
-    store: LayerStore, mask: torch.Tensor | None, qpos: torch.Tensor, counted: torch.Tensor | None = None
+    store: StoreView, mask: torch.Tensor | None, qpos: torch.Tensor, counted: torch.Tensor | None = None
 ) -> ReadCount:
     """The reads of a selector's ``mask`` ``(B, H, q, T)`` for queries at ``qpos`` ``(B, q)``, as
     tensors (None: every visible token is read, or ``counted`` of them where the selector counted

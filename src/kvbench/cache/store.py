@@ -40,30 +40,6 @@ S = TypeVar("S", bound=SideData)
 Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
 
 
-# What a technique may touch of a :class:`LayerStore` (issue 31), held to by
-# ``tests/test_technique_state.py``: code under ``compressors/``, ``routers/``, ``schedulers/`` and
-# ``select.py`` that reaches any other member fails, and so does a member listed here that no
-# technique uses any more (the lists only shrink). What it reads:
-TECHNIQUE_READS = frozenset(
-    {
-        # the stored tokens and their layout
-        "view", "fp_view", "fp_valid", "flat_rows", "segments", "fp", "compressed", "columns",
-        "uniform_tokens", "every_position", "in_position_order", "position_key", "by_position",
-        "batch", "kv_heads", "head_dim", "dtype", "device", "local", "nbytes", "edits", "copies",
-        # what was fed and what is protected
-        "seen", "seen_host", "seen_max", "last_qpos", "last_padded", "chunk_start", "protect_from",
-        "protect_from_host", "view_protect_from", "can_drop",
-        # per-token state and side data
-        "state", "states", "side",
-    }
-)  # fmt: skip
-# ... and what it does: keep or drop tokens, move them into a representation or replace them, and
-# keep per-token state and side data.
-TECHNIQUE_ACTS = frozenset(
-    {"keep", "drop", "move_out", "replace", "set_state", "put_state", "add_state", "set_side"}
-)
-
-
 class LayerStore:
     """All cached tokens of one layer, for ``batch`` sequences and ``kv_heads`` heads.
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
 from kvbench.select import Allocated, ObservationWindow, check_window
@@ -95,7 +95,7 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
                 "(reusing layers keep the first layer's positions)"
             )
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         view = store.view()
         protected = self.budget.protected_view(store) & view.valid
         chosen = None if self._chosen is None else store.local(self._chosen)  # the group's first layer's

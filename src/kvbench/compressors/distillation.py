@@ -28,7 +28,7 @@ import torch
 
 from kvbench.cache import ragged
 from kvbench.cache.segments import Segment
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.compressors.kmeans import kmeans
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
@@ -96,7 +96,7 @@ class _Units:
     munit: torch.Tensor  # (Mm,) owning selected unit
 
 
-def _padded(store: LayerStore, flats: list[torch.Tensor]) -> torch.Tensor:
+def _padded(store: TechniqueStore, flats: list[torch.Tensor]) -> torch.Tensor:
     """Per-segment flat tensors laid out like ``store.view()``: ``(B * H, T)``."""
     parts = []
     for seg, flat in zip(store.segments, flats):
@@ -107,7 +107,7 @@ def _padded(store: LayerStore, flats: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _members(store: LayerStore, seg, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _members(store: TechniqueStore, seg, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Member positions of a segment's units with the (head-row, view column) owning each."""
     rows, col = seg.rows.valid().nonzero(as_tuple=True)
     col = col + start
@@ -118,13 +118,13 @@ def _members(store: LayerStore, seg, start: int) -> tuple[torch.Tensor, torch.Te
     return mpos, rows[owner], col[owner]
 
 
-def _leading_merged(store: LayerStore) -> MergedSegment | None:
+def _leading_merged(store: TechniqueStore) -> MergedSegment | None:
     """The store's first segment when it holds merged units, else None."""
     first = store.segments[0]
     return first if isinstance(first, MergedSegment) else None
 
 
-def same_everywhere(store: LayerStore, merged: MergedSegment | None, figures: list[list[int]]) -> bool:
+def same_everywhere(store: TechniqueStore, merged: MergedSegment | None, figures: list[list[int]]) -> bool:
     """Whether a merge can go in rectangles (:func:`gather_rows`, ``merge_units(whole=)``): the
     store holds the full-precision rows after at most ``merged``, every segment's head-rows hold the
     same number of units, and ``figures`` (per head-row: old units, slots, old units of ``merged``)
@@ -143,7 +143,7 @@ def same_everywhere(store: LayerStore, merged: MergedSegment | None, figures: li
     )
 
 
-def gather_units(store: LayerStore, sel: torch.Tensor) -> _Units:
+def gather_units(store: TechniqueStore, sel: torch.Tensor) -> _Units:
     """Keys, values, member counts, positions, state and members of the units where ``sel`` ``(B, H, T)``."""
     view = store.view()
     bh = store.batch * store.kv_heads
@@ -172,7 +172,9 @@ def gather_units(store: LayerStore, sel: torch.Tensor) -> _Units:
     )
 
 
-def gather_rows(store: LayerStore, sel: torch.Tensor, per_row: int, merged: MergedSegment | None) -> _Units:
+def gather_rows(
+    store: TechniqueStore, sel: torch.Tensor, per_row: int, merged: MergedSegment | None
+) -> _Units:
     """:func:`gather_units` where every head-row selects ``per_row`` units, every unit of ``merged``
     (the store's first segment, its member count per head-row known) among them, and every
     segment's head-rows hold the same number: known on the host, so no synchronisation. The same
@@ -288,7 +290,7 @@ class DistillationCompressor(Compressor):
         if self.iters < 0:
             raise ConfigError(f"compressor.iters={self.iters}: must be >= 0")
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         if within(store, self.budget.capacity_host):  # no head-row over budget: nothing to merge
             return
         view = store.view()
@@ -308,7 +310,7 @@ class DistillationCompressor(Compressor):
             self._merge(store, old, slots)
 
     def _merge_rows(
-        self, store: LayerStore, sel: torch.Tensor, merged: MergedSegment | None, per_row: int, width: int
+        self, store: TechniqueStore, sel: torch.Tensor, merged: MergedSegment | None, per_row: int, width: int
     ) -> None:
         """Re-merge the ``per_row`` old units ``sel`` of every head-row into ``width`` centroids, in
         rectangles (:func:`same_everywhere`): one read, whether every centroid has members."""
@@ -336,7 +338,7 @@ class DistillationCompressor(Compressor):
         store.replace(sel, seg, state, kept=[0, fp_kept] if merged is not None else [fp_kept], per_row=width)
         self._account(bh * width, bh * seg.member_rows)
 
-    def _merge(self, store: LayerStore, old: torch.Tensor, slots: torch.Tensor) -> None:
+    def _merge(self, store: TechniqueStore, old: torch.Tensor, slots: torch.Tensor) -> None:
         """Re-merge every head-row over budget, in any layout (ragged head-rows, several segments)."""
         need = old.sum(-1) > slots
         sel = old & need[..., None]
@@ -346,7 +348,7 @@ class DistillationCompressor(Compressor):
         merged, state = merge_units(units, slot, max(1, int(slots.max())), store.dtype)
         self._replace(store, sel, merged, state)
 
-    def _replace(self, store: LayerStore, sel: torch.Tensor, seg: MergedSegment, state) -> None:
+    def _replace(self, store: TechniqueStore, sel: torch.Tensor, seg: MergedSegment, state) -> None:
         """Store ``seg`` in place of the units ``sel``, in any layout; the merged segment then learns
         its member tokens per head-row (read once), so that the next merge can go uniform."""
         store.replace(sel, seg, state)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import attention as att
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags, keep_top
 
@@ -58,7 +58,7 @@ class FastVCompressor(Compressor):
             return q  # FastV reads one layer's scores
         return 0 if padded else q - 1  # of the last query
 
-    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe(self, layer: int, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         if layer != self.layer - 1:
             return
         b, h, g = probs.shape[:3]
@@ -83,7 +83,7 @@ class FastVCompressor(Compressor):
             score = torch.where(rows[:, None], score, old)
         self._score = score
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         if layer < self.layer:
             return
         plan = self._plan
@@ -99,7 +99,7 @@ class FastVCompressor(Compressor):
             keep = keep & view.valid
         store.keep(keep)  # nothing moves where every token stays
 
-    def _keep_positions(self, store: LayerStore) -> torch.Tensor:
+    def _keep_positions(self, store: TechniqueStore) -> torch.Tensor:
         """``(B, P)`` bool: protected positions plus the best-ranked stored ones, up to the capacity."""
         view = store.view()
         b, width = store.batch, store.seen_max

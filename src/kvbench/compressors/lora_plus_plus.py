@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.compressors.lowrank import LatentCache, check_rank
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags
@@ -54,7 +54,7 @@ class LoraPlusPlusCompressor(Compressor):
             ctx, self.name, self.key_rank, self.value_rank, self.calibration_tokens, bits=self.latent_bits
         )
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         self.cache.compress(layer, store, self.budget)
 
     def metrics(self) -> dict[str, float | list[float] | None]:

@@ -20,7 +20,7 @@ from kvbench.cache import partials, quant
 from kvbench.cache.rotary import Rotary
 from kvbench.cache.segments import RowCounts, Segment, as_float, joined_on_read
 from kvbench.cache.side import SideData
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
@@ -79,7 +79,7 @@ class LayerBases(SideData):
 
 
 def layer_bases(
-    store: LayerStore, bases: dict[str, torch.Tensor], layer: int, prefix: str
+    store: TechniqueStore, bases: dict[str, torch.Tensor], layer: int, prefix: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """This layer's key and value bases ``(H_kv, D, r)``, placed in the store's side data (counted in
     its bytes) in the model dtype on first use."""
@@ -296,7 +296,7 @@ class LatentCache:
         check_rank("compressor.value_rank", value_rank, ctx.head_dim, "head_dim")
         return cls(prefix, rotary, calibrated_bases(ctx, key_rank, value_rank, tokens), bits)
 
-    def compress(self, layer: int, store: LayerStore, budget: Budget) -> None:
+    def compress(self, layer: int, store: TechniqueStore, budget: Budget) -> None:
         def build(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> Segment:
             kb, vb = layer_bases(store, self.bases, layer, self.prefix)
             return LatentSegment.encode(self.rotary, kb, vb, self.bits, k, v, pos, lens, self.residuals)

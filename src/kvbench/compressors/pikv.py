@@ -31,7 +31,7 @@ from kvbench.cache import attention as att
 from kvbench.cache import quant
 from kvbench.cache.rows import compact
 from kvbench.cache.side import TokenState
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.compressors.quantized import QuantSegment, quantizer
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags, keep_top
@@ -75,10 +75,10 @@ class PiKVCompressor(Allocated, Compressor):
     def on_bind(self, ctx: BindContext) -> None:
         self._moved = [0, 0]
 
-    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe(self, layer: int, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         store.add_state(AUX, att.widen(probs.sum((2, 3)), store.columns()))
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         capacity = partial(self.allocated_capacity_host, layer)
         evict_by_score(store, self.budget, lambda: store.state(AUX), capacity)
         leaving = leaving_groups(store, self.budget, self.group_size)
@@ -92,11 +92,11 @@ class PiKVCompressor(Allocated, Compressor):
         store.move_out(high, quantizer(GUARD_BITS, GUARD_BITS, self.group_size))
         store.move_out(compact(low, stays), quantizer(self.key_bits, self.value_bits, self.group_size))
 
-    def guarded(self, store: LayerStore, leaving: torch.Tensor) -> torch.Tensor:
+    def guarded(self, store: TechniqueStore, leaving: torch.Tensor) -> torch.Tensor:
         """Mask over the full-precision rows: the most important of the ``leaving`` tokens, in whole
         groups, as many as bring each head-row's stored 8-bit share closest to ``guard``."""
         fp, g = store.fp, self.group_size
-        stored = {(s.key_bits, s.value_bits): s.lens for s in store.compressed if isinstance(s, QuantSegment)}
+        stored = {(s.key_bits, s.value_bits): s.lens for s in store.segments if isinstance(s, QuantSegment)}
         zero = torch.zeros_like(fp.lens)
         q8 = stored.get((GUARD_BITS, GUARD_BITS), zero)
         low_bits = (self.key_bits, self.value_bits)

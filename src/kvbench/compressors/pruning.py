@@ -30,7 +30,7 @@ import torch
 from kvbench.cache.ragged import segment_ids
 from kvbench.cache.segments import RowCounts, Segment, joined_on_read
 from kvbench.cache.side import SideData
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
 from kvbench.select import leaving_window, moving_per_row
@@ -148,7 +148,9 @@ class PruningCompressor(Compressor):
     def kept_channels(self, head_dim: int) -> int:
         return max(1, math.ceil(self.keep_ratio * head_dim - 1e-9))
 
-    def observe_queries(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe_queries(
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> None:
         """Keep the ``obs_window`` latest real queries of each sequence (padding has ``qpos`` -1), until
         every head-row of the layer has chosen its channels (no score is computed after)."""
         if store in self._settled:
@@ -162,7 +164,7 @@ class PruningCompressor(Compressor):
         queries = torch.gather(query, 2, top[:, None, :, None].expand(b, hq, -1, d))
         self._queries[store] = (queries, torch.gather(qpos, 1, top))
 
-    def channel_scores(self, store: LayerStore) -> torch.Tensor:
+    def channel_scores(self, store: TechniqueStore) -> torch.Tensor:
         """``(B * H, D)``: ‖Q_obs[:, j]‖ over the group's window queries times ‖K[:, j]‖ over stored keys."""
         view = store.view()
         b, h, _, d = view.k.shape
@@ -176,7 +178,7 @@ class PruningCompressor(Compressor):
         qnorm = q.view(b, h, -1, q.shape[2], d).pow(2).sum((2, 3)).sqrt()  # (B, H, D)
         return (qnorm * knorm).reshape(b * h, d)
 
-    def _channels(self, store: LayerStore, move: torch.Tensor) -> torch.Tensor:
+    def _channels(self, store: TechniqueStore, move: torch.Tensor) -> torch.Tensor:
         """Kept channels ``(BH, d_keep)`` int16, chosen now for head-rows with tokens in ``move``
         ``(BH, W)`` and no set yet."""
         kept = store.side(KeptChannels)
@@ -203,7 +205,7 @@ class PruningCompressor(Compressor):
         store.set_side(KeptChannels(side))
         return side
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         per_row = moving_per_row(store, self.budget, 1)
         if per_row == 0:  # known on the host: every token is a sink or in the window
             return

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 from kvbench.cache import quant
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.compressors.quantized import quantizer
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags
@@ -59,7 +59,7 @@ class PyramidCompressor(Compressor):
     def on_bind(self, ctx: BindContext) -> None:
         self.bits = layer_bits(ctx.num_layers, self.bits_max, self.bits_min)
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         move = leaving_groups(store, self.budget, self.group_size)
         if move is not None:
             per_row = moving_per_row(store, self.budget, self.group_size)

@@ -17,7 +17,8 @@ import torch
 
 from kvbench.cache import quant, ragged
 from kvbench.cache.segments import GroupedSegment
-from kvbench.cache.store import Build, LayerStore
+from kvbench.cache.store import Build
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
@@ -120,7 +121,7 @@ class QuantizedCompressor(Compressor):
         if self.group_size < 1:
             raise ConfigError(f"compressor.group_size={self.group_size}: must be >= 1")
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         move = leaving_groups(store, self.budget, self.group_size)
         if move is not None:
             per_row = moving_per_row(store, self.budget, self.group_size)

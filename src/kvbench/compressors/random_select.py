@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.roles import BindContext, Compressor, Flags
 from kvbench.select import ScoredSelection
 
@@ -47,7 +47,7 @@ class RandomCompressor(ScoredSelection, Compressor):
         self._tables[layer] = table
         return table[:, :width]
 
-    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` the random priority of each stored token's position."""
         prio = self.priorities(layer, store.kv_heads, store.seen_max, store.device)
         return torch.gather(prio.expand(store.batch, -1, -1), -1, store.view().pos.clamp(min=0))

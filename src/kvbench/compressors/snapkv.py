@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.roles import Compressor, Flags
 from kvbench.select import Allocated, ObservationWindow, ScoredSelection, check_window
 
@@ -49,5 +49,5 @@ class SnapKVCompressor(ScoredSelection, Allocated, ObservationWindow, Compressor
 
     capacity = Allocated.allocated_capacity_host
 
-    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         return self.window_scores(store)

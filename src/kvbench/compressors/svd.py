@@ -24,7 +24,7 @@ import torch
 from kvbench.cache import partials, ragged
 from kvbench.cache.rotary import Rotary
 from kvbench.cache.segments import GroupedSegment, as_float
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.compressors.lowrank import Residual, check_rank, pre_rope
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
@@ -128,7 +128,7 @@ class SVDCompressor(Compressor):
         check_rank("compressor.value_rank", self.value_rank, ctx.head_dim, "head_dim", nullable=True)
         self.residuals = (Residual(), Residual())
 
-    def compress(self, layer: int, store: LayerStore) -> None:
+    def compress(self, layer: int, store: TechniqueStore) -> None:
         move = leaving_groups(store, self.budget, self.block_size)
         if move is not None:
             store.move_out(move, self._factor, per_row=moving_per_row(store, self.budget, self.block_size))

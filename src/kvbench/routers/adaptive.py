@@ -13,7 +13,7 @@ from typing import Any, cast
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.routers.expert import ExpertRouter, PositionExperts
 
@@ -89,7 +89,7 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
             )
 
     def choose(
-        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         scaled = score * store.head_dim**-0.5
         full = self.none_empty(count)

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvbench.cache.side import SideData, TokenState
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.roles import Budget
 from kvbench.routers.expert import (
     ExpertRouter,
@@ -69,18 +69,18 @@ class Assigned:
 LLOYD_ITERS = 3
 
 
-def held_experts(store: LayerStore, experts: int) -> torch.Tensor:
+def held_experts(store: TechniqueStore, experts: int) -> torch.Tensor:
     """Stored assignment ``(B, H, T)`` aligned with ``store.view()``: expert id, -1 if none."""
     return store.state(EXPERT).round().long().clamp(0, experts) - 1
 
 
-def held_columns(store: LayerStore, experts: int) -> torch.Tensor:
+def held_columns(store: TechniqueStore, experts: int) -> torch.Tensor:
     """:func:`held_experts` with ``experts`` (not -1) where none: the column of a padded choice
     each token reads (:attr:`Experts.column`) where the assigned tokens are the routed ones."""
     return (store.state(EXPERT).round().long().clamp(0, experts) + experts) % (experts + 1)
 
 
-def write_columns(budget: Budget, store: LayerStore) -> tuple[int, int] | None:
+def write_columns(budget: Budget, store: TechniqueStore) -> tuple[int, int] | None:
     """The tokens a write routes (valid, not protected) as the columns ``lo .. hi - 1`` of every
     head-row, where every slot holds its own position (:meth:`LayerStore.every_position`) with one
     protected start; None elsewhere."""
@@ -147,7 +147,7 @@ class CentroidExperts:
     budget: Budget
     _held: dict[int, tuple[Any, torch.Tensor]]  # declared by ExpertRouter
 
-    def held(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def held(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """:func:`held_experts`, read once per view: the read of a step and its write share it."""
         held = self._held
         view = store.view()
@@ -156,10 +156,10 @@ class CentroidExperts:
             cached = held[layer] = (view, held_experts(store, self.num_experts))
         return cached[1]
 
-    def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
+    def experts(self, layer: int, store: TechniqueStore, routable: torch.Tensor) -> torch.Tensor:
         return torch.where(routable, self.held(layer, store), -1)
 
-    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> Experts:
+    def route_experts(self, layer: int, store: TechniqueStore, qpos: torch.Tensor) -> Experts:
         """Where every slot has held its own position since the first write (the assigned columns
         are known, :attr:`Centroids.assigned`) and all of them are routable now, the routed tokens
         are exactly the assigned ones: the experts' sizes are the centroids' counts and, once every
@@ -171,10 +171,10 @@ class CentroidExperts:
         column = held_columns(store, self.num_experts)[:, :, None, :]
         return Experts(side.count, column=column, none_empty=True, routed_host=side.assigned - cols[0])
 
-    def summarize(self, layer: int, store: LayerStore, experts: Experts) -> torch.Tensor:
+    def summarize(self, layer: int, store: TechniqueStore, experts: Experts) -> torch.Tensor:
         return self.state(store)[0]
 
-    def state(self, store: LayerStore) -> tuple[torch.Tensor, torch.Tensor]:
+    def state(self, store: TechniqueStore) -> tuple[torch.Tensor, torch.Tensor]:
         """Running centroids ``(B, H, E, D)`` and counts ``(B, H, E)`` (zeros before any write)."""
         side = store.side(Centroids)
         if side is None:
@@ -186,13 +186,13 @@ class CentroidExperts:
             store.set_side(side)
         return side.centroid, side.count
 
-    def write(self, layer: int, store: LayerStore) -> None:
+    def write(self, layer: int, store: TechniqueStore) -> None:
         """Write routing: tokens leaving the window join an expert (the routing is stale after)."""
         self.forget(layer)  # type: ignore[attr-defined]
         self.assign_new(layer, store)
         self._held.pop(layer, None)
 
-    def assign_new(self, layer: int, store: LayerStore) -> Assigned:
+    def assign_new(self, layer: int, store: TechniqueStore) -> Assigned:
         """Assign the tokens that became routable.
 
         Where every slot holds its own position, the columns that became routable since the last
@@ -220,7 +220,7 @@ class CentroidExperts:
                 after.assigned = cols[1] if side is None else max(cols[1], side.assigned or 0)
         return out
 
-    def _assign_read(self, layer: int, store: LayerStore, side: Centroids | None) -> Assigned:
+    def _assign_read(self, layer: int, store: TechniqueStore, side: Centroids | None) -> Assigned:
         """:meth:`assign_new` with one host read: anything to assign, every expert defined, and at
         most one new token per head-row (a decode step)."""
         view = store.view()
@@ -250,13 +250,13 @@ class CentroidExperts:
         return Assigned(torch.where(view.valid, held, torch.full_like(held, -1)), new)
 
     @staticmethod
-    def _set_centroids(store: LayerStore, cent: torch.Tensor, count: torch.Tensor) -> None:
+    def _set_centroids(store: TechniqueStore, cent: torch.Tensor, count: torch.Tensor) -> None:
         """Store updated centroids and counts, with the host figures of the ones they replace."""
         side = store.side(Centroids)
         full, assigned = (False, None) if side is None else (side.full, side.assigned)
         store.set_side(Centroids(cent.contiguous(), count.contiguous(), full, assigned))
 
-    def _assign_column(self, layer: int, store: LayerStore, side: Centroids, col: int) -> Assigned:
+    def _assign_column(self, layer: int, store: TechniqueStore, side: Centroids, col: int) -> Assigned:
         """:meth:`assign_new` of the one token that became routable in every head-row, at column
         ``col`` (known on the host), every expert holding a centroid: as :meth:`_assign_one` (the
         same arithmetic on the same values), without finding the column on the device.
@@ -273,7 +273,7 @@ class CentroidExperts:
         return Assigned(column=col, expert=placed)
 
     def _assign_one(
-        self, layer: int, store: LayerStore, new: torch.Tensor, cent: torch.Tensor, count: torch.Tensor
+        self, layer: int, store: TechniqueStore, new: torch.Tensor, cent: torch.Tensor, count: torch.Tensor
     ) -> torch.Tensor:
         """:meth:`assign_new` when every expert holds a centroid (nothing to seed) and each head-row
         has at most one new token (a decode step): the new token's distances, placement
@@ -315,7 +315,7 @@ class CentroidExperts:
         return torch.where(seeded >= 0, seeded, dist.argmin(-1))
 
     def place_one(
-        self, layer: int, store: LayerStore, dist: torch.Tensor, new: torch.Tensor | None
+        self, layer: int, store: TechniqueStore, dist: torch.Tensor, new: torch.Tensor | None
     ) -> torch.Tensor:
         """:meth:`place` of at most one new token per head-row when every centroid is defined and
         nothing is seeded: ``dist`` ``(B, H, 1, E)`` its distances, ``new`` ``(B, H, 1)`` whether

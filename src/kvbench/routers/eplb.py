@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvbench.cache.side import SideData
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import Assigned, CentroidExperts, held_experts
 from kvbench.routers.expert import ExpertRouter, top_k_choice
@@ -198,7 +198,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     before: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     # per layer: its store and the reads per expert ``(E,)`` float64 of the calls not yet in the
     # plan's loads
-    _reads: dict[int, tuple[LayerStore, list[torch.Tensor]]] = field(
+    _reads: dict[int, tuple[TechniqueStore, list[torch.Tensor]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -216,7 +216,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
                 f"router.replicas={self.replicas}: must be in 0..num_experts*(num_devices-1) ({most})"
             )
 
-    def write(self, layer: int, store: LayerStore) -> None:
+    def write(self, layer: int, store: TechniqueStore) -> None:
         self.forget(layer)
         assigned = self.assign_new(layer, store)
         self._held.pop(layer, None)
@@ -240,7 +240,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
             self._copy_replicas(store, side, assigned, grow)
         side.replica_key = key
 
-    def _copy_replicas(self, store: LayerStore, side: Placement, assigned: Assigned, grow: bool) -> None:
+    def _copy_replicas(self, store: TechniqueStore, side: Placement, assigned: Assigned, grow: bool) -> None:
         """Replicas of the tokens assigned now (``grow``: the same plan over the same stored tokens,
         appends aside), else of every assigned token, made anew."""
         held, new = assigned.held, assigned.new
@@ -260,7 +260,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         self._append_replicas(side, k, v, grow)
 
     def _grow_column(
-        self, store: LayerStore, side: Placement, col: int, expert: torch.Tensor, placed: list[int]
+        self, store: TechniqueStore, side: Placement, col: int, expert: torch.Tensor, placed: list[int]
     ) -> None:
         """:meth:`_copy_replicas` of the one column assigned now in every head-row, its experts
         ``expert`` ``(B, H, 1)`` also read on the host (``placed``): the copies are counted there,
@@ -284,12 +284,12 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
             side.room[name] = buf = _appended(side.room.get(name) if kept else None, kept, new)
             setattr(side, f"replica_{name}", buf[: kept + new.shape[0]])
 
-    def placement(self, store: LayerStore) -> Placement:
+    def placement(self, store: TechniqueStore) -> Placement:
         """The layer's plan, made from the loads so far where it has none yet."""
         side = store.side(Placement)
         return side if side is not None and side.slot_expert is not None else self.plan(store)
 
-    def plan(self, store: LayerStore) -> Placement:
+    def plan(self, store: TechniqueStore) -> Placement:
         """Refresh the placement from the loads so far (created empty on first use), on the host.
 
         The plan's tensors (slots' experts and devices, the unreplicated placement, the copies of
@@ -323,7 +323,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         return side
 
     def choose(
-        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         chosen = top_k_choice(score, self.top_k)
         self.placement(store)  # the plan the reads go to

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kvbench.cache import attention as att
 from kvbench.cache import devices
 from kvbench.cache.reads import ReadCount, ReadMeter, count_reads, one_step
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Flags, Router
@@ -51,7 +51,7 @@ def host_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
     return held[1]
 
 
-def routable_tokens(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+def routable_tokens(budget, store: TechniqueStore, qpos: torch.Tensor) -> torch.Tensor:
     """``(B, H, T)``: the stored tokens a router routes, every valid one but those always read (the
     sinks, the window before the chunk, protected positions and the chunk itself).
 
@@ -66,7 +66,7 @@ def routable_tokens(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tens
     return out if protect_from is None else out & (pos < protect_from)
 
 
-def unprotected_columns(budget, store: LayerStore, seen: int) -> tuple[int, int] | None:
+def unprotected_columns(budget, store: TechniqueStore, seen: int) -> tuple[int, int] | None:
     """The columns ``lo .. hi - 1`` of every head-row that hold the unprotected tokens of a store
     whose slots each hold their own position, for protection at ``seen`` tokens (sinks, the window
     before ``seen``, one protected start): host figures; None where sequences protect from
@@ -80,7 +80,7 @@ def unprotected_columns(budget, store: LayerStore, seen: int) -> tuple[int, int]
     return budget.sinks, max(hi, budget.sinks)
 
 
-def routable_columns(budget, store: LayerStore, qpos: torch.Tensor) -> tuple[int, int] | None:
+def routable_columns(budget, store: TechniqueStore, qpos: torch.Tensor) -> tuple[int, int] | None:
     """:func:`routable_tokens` as host figures where every slot holds its own position and ``qpos``
     is the whole last chunk (:meth:`LayerStore.position_key`) with one protected start: the
     routable tokens are then the columns ``lo .. hi - 1`` of every head-row. None elsewhere."""
@@ -89,7 +89,7 @@ def routable_columns(budget, store: LayerStore, qpos: torch.Tensor) -> tuple[int
     return unprotected_columns(budget, store, store.seen_max - qpos.shape[1])  # the chunk starts at seen - q
 
 
-def routable_mask(budget, store: LayerStore, qpos: torch.Tensor) -> torch.Tensor:
+def routable_mask(budget, store: TechniqueStore, qpos: torch.Tensor) -> torch.Tensor:
     """:func:`routable_tokens`, made from the host's columns where they are known
     (:func:`routable_columns`): one row, viewed as every head-row's."""
     cols = routable_columns(budget, store, qpos)
@@ -417,7 +417,7 @@ class ExpertRouter(Router):
         if self.num_experts < 1:
             raise ConfigError(f"router.num_experts={self.num_experts}: must be >= 1")
 
-    def step_shared(self, store: LayerStore, qpos: torch.Tensor, name: str, make: Callable[[], T]) -> T:
+    def step_shared(self, store: TechniqueStore, qpos: torch.Tensor, name: str, make: Callable[[], T]) -> T:
         """``make()``, made once for the layers of a step where whatever derives from positions
         alone is the same (:meth:`LayerStore.position_key`), else at every call."""
         key = store.position_key(qpos)
@@ -431,17 +431,17 @@ class ExpertRouter(Router):
             values[name] = make()
         return values[name]
 
-    def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
+    def experts(self, layer: int, store: TechniqueStore, routable: torch.Tensor) -> torch.Tensor:
         """``(B, H, T)`` expert of each routed token, -1 elsewhere (every token not ``routable``)."""
         raise NotImplementedError
 
-    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> Experts:
+    def route_experts(self, layer: int, store: TechniqueStore, qpos: torch.Tensor) -> Experts:
         """The :meth:`experts` of the tokens routable for the queries at ``qpos`` (those derived
         once per step where the layers share them, :meth:`step_shared`)."""
         routable = self.step_shared(store, qpos, "routable", lambda: routable_mask(self.budget, store, qpos))
         return Experts.of(self.experts(layer, store, routable), self.num_experts)
 
-    def summarize(self, layer: int, store: LayerStore, experts: Experts) -> torch.Tensor:
+    def summarize(self, layer: int, store: TechniqueStore, experts: Experts) -> torch.Tensor:
         """The experts' centroids ``(B, H, E, D)`` fp32.
 
         Default: the mean key of each expert's routed tokens (zero for an empty expert).
@@ -453,18 +453,18 @@ class ExpertRouter(Router):
         return expert_onehot(experts.eid, None, self.num_experts)
 
     def choose(
-        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         """``(B, H, q, E)`` bool from ``score`` ``(B, H, q, E)`` (-inf for empty experts, which are
         never chosen: nor is any expert whose score is not finite)."""
         raise NotImplementedError
 
     def read_mask(
-        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         return self.route(layer, store, query, qpos).mask
 
-    def route(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> Routing:
+    def route(self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor) -> Routing:
         """Route a block of queries ``(B, Hq, q, D)``.
 
         A repeated call for the same block (the engine's KV-hit probe: the same view, and the same
@@ -491,10 +491,10 @@ class ExpertRouter(Router):
         """Drop the remembered routing of ``layer`` (router state is about to change)."""
         self._last.pop(layer, None)
 
-    def write(self, layer: int, store: LayerStore) -> None:
+    def write(self, layer: int, store: TechniqueStore) -> None:
         self.forget(layer)
 
-    def _account(self, layer: int, store: LayerStore, routing: Routing, qpos: torch.Tensor) -> None:
+    def _account(self, layer: int, store: TechniqueStore, routing: Routing, qpos: torch.Tensor) -> None:
         """Keep the reads of one call: the experts read, the routable fraction, bytes and tokens.
 
         Where every query is real (the whole last chunk, unpadded), the counts of queries and
@@ -515,7 +515,7 @@ class ExpertRouter(Router):
             weight = (qpos >= 0)[:, None, :].expand_as(frac).float()
             fraction, total = (frac * weight).sum(), weight.sum()
         reads: ReadCount | StepReads
-        if one_step(store, qpos) and not store.compressed:
+        if one_step(store, qpos) and len(store.segments) == 1:
             # one step over full rows: every stored token is visible, and each costs the same bytes
             visible = b * h * q * store.columns()
             reads = StepReads(store.fp.token_nbytes(), read, routing.count, visible, b * q)
@@ -600,10 +600,10 @@ class PositionExperts:
     budget: Any
     _blocks: _Blocks | None  # declared by ExpertRouter
 
-    def experts(self, layer: int, store: LayerStore, routable: torch.Tensor) -> torch.Tensor:
+    def experts(self, layer: int, store: TechniqueStore, routable: torch.Tensor) -> torch.Tensor:
         return position_blocks(store.view().pos, routable, self.num_experts, store.in_position_order())
 
-    def route_experts(self, layer: int, store: LayerStore, qpos: torch.Tensor) -> Experts:
+    def route_experts(self, layer: int, store: TechniqueStore, qpos: torch.Tensor) -> Experts:
         key = store.position_key(qpos)
         if key is not None:
             key = (*key, self.budget, self.num_experts)
@@ -625,7 +625,7 @@ class PositionExperts:
         self._blocks = _Blocks(key, experts, onehot)
         return experts
 
-    def column_blocks(self, store: LayerStore, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
+    def column_blocks(self, store: TechniqueStore, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
         """The blocks of the routed columns ``lo .. hi - 1`` of every head-row (:func:`routable_columns`):
         column ``t`` holds the token of rank ``t - lo``, in block ``(t - lo) · E // n``.
 

@@ -13,7 +13,7 @@ from functools import cached_property
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.routers.expert import ExpertRouter, PositionExperts, top_k_choice
 
@@ -106,7 +106,7 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
             )
 
     def choose(
-        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         mass = self._mass
         if mass is None or mass.count is not count:  # once per step where the layers share ``count``

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.routers.expert import ExpertRouter, PositionExperts, top_k_choice
 
@@ -28,6 +28,6 @@ class BaseRouter(PositionExperts, ExpertRouter):
             raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")
 
     def choose(
-        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         return top_k_choice(score, self.top_k, finite=self.none_empty(count))

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache.side import SideData
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts
 from kvbench.routers.expert import ExpertRouter, expert_ids, expert_onehot, expert_sums, top_k_choice
@@ -104,7 +104,7 @@ class PikvRouter(CentroidExperts, ExpertRouter):
         return torch.where(hit[..., None], ema, cent), count + hit
 
     def choose(
-        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         b, h, _, e = score.shape
         side = store.side(PreviousChoice)

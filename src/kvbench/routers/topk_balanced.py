@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts, Centroids, sq_dist, write_columns
 from kvbench.routers.expert import ExpertRouter, expert_counts, expert_onehot, fill_by_preference
@@ -102,7 +102,7 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         return torch.where(seeded >= 0, seeded, self.take(dist, want, room))
 
     def place_one(
-        self, layer: int, store: LayerStore, dist: torch.Tensor, new: torch.Tensor | None
+        self, layer: int, store: TechniqueStore, dist: torch.Tensor, new: torch.Tensor | None
     ) -> torch.Tensor:
         # Tokens that want no expert offer nothing, so the greedy over the one new token alone
         # takes what the greedy over every token gives it.
@@ -149,7 +149,7 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         return k, capacity(self.capacity_factor, k * queries, nonempty)
 
     def choose(
-        self, layer: int, store: LayerStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         if qpos.shape[1] == 1 and not store.last_padded and qpos.shape == store.last_qpos.shape:
             # One real query per head-row: every expert gets one offer at most, and has room for it

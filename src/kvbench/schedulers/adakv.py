@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler, keep_top
 from kvbench.select import ObservationWindow, within
@@ -60,7 +60,7 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
         if self.pool < 1 or self.pool % 2 == 0:
             raise ConfigError(f"scheduler.pool={self.pool}: must be an odd integer >= 1 (1: no pooling)")
 
-    def evict(self, layer: int, store: LayerStore) -> None:
+    def evict(self, layer: int, store: TechniqueStore) -> None:
         if within(store, self.budget.capacity_host):  # every head-row within the mean: nothing over
             return
         cap = self.budget.capacity(store.seen)  # (B,) per head on average
@@ -68,7 +68,7 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
         if bool((total > cap * store.kv_heads).any()):
             store.keep(self.select(store, self.window_scores(store), cap))
 
-    def select(self, store: LayerStore, score: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    def select(self, store: TechniqueStore, score: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
         """Tokens kept: ``(B, H, T)`` bool, aligned with ``store.view()``.
 
         Args:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench import calibration
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Flags, Scheduler
 
@@ -143,7 +143,7 @@ class DuoAttentionScheduler(Scheduler):
         chosen[top] = True
         return chosen.view_as(gates)
 
-    def evict(self, layer: int, store: LayerStore) -> None:
+    def evict(self, layer: int, store: TechniqueStore) -> None:
         """The streaming heads keep their sinks and window (and the protected positions); the
         retrieval heads keep every token."""
         assert self.retrieval is not None, "duo_attention: bind before the first forward"

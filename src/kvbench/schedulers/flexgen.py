@@ -37,13 +37,13 @@ import torch
 from kvbench.cache import attention as att
 from kvbench.cache.reads import read_all
 from kvbench.cache.segments import GroupedSegment
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.cache.view import PaddedView
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Flags, Scheduler
 
 
-def row_bytes(store: LayerStore) -> torch.Tensor:
+def row_bytes(store: TechniqueStore) -> torch.Tensor:
     """Stored bytes of every head-row ``(B * H,)`` int64, from each segment's fields."""
     rows = torch.zeros(store.batch * store.kv_heads, dtype=torch.long, device=store.device)
     for seg in store.segments:
@@ -89,7 +89,7 @@ class SlowTier:
         self.copied = 0  # columns copied in all (a test's count of the traffic)
 
     def update(
-        self, store: LayerStore, view: PaddedView, k: torch.Tensor, v: torch.Tensor
+        self, store: TechniqueStore, view: PaddedView, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The slow tier's copy of ``k``, ``v`` ``(rows, 1, T, D)`` (slices of the view on the store's
         device), its first ``T`` columns."""
@@ -129,7 +129,7 @@ class FlexGenScheduler(Scheduler):
     wants_queries = True
     slow_device: torch.device = field(default=torch.device("cpu"), init=False)  # the slow tier's
     pinned: bool = field(default=False, init=False)  # slow rows in pinned memory (with CUDA)
-    _seen: weakref.WeakKeyDictionary[LayerStore, torch.Tensor] = field(
+    _seen: weakref.WeakKeyDictionary[TechniqueStore, torch.Tensor] = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False
     )
     # per layer in the current step: its FIGURES, a tensor on the layer's device, read by
@@ -150,16 +150,16 @@ class FlexGenScheduler(Scheduler):
         self.slow_device = torch.device("cpu")
         self.pinned = torch.cuda.is_available()
 
-    def fast_count(self, store: LayerStore) -> int:
+    def fast_count(self, store: TechniqueStore) -> int:
         """Head-rows in the fast tier: the first ones of ``B * H``."""
         return math.floor(self.fast_percent * store.batch * store.kv_heads / 100 + 1e-9)
 
-    def fast_rows(self, store: LayerStore) -> torch.Tensor:
+    def fast_rows(self, store: TechniqueStore) -> torch.Tensor:
         """``(B, H)`` bool: the head-rows in the fast tier."""
         fast = torch.arange(store.batch * store.kv_heads, device=store.device) < self.fast_count(store)
         return fast.view(store.batch, store.kv_heads)
 
-    def _add(self, layer: int, store: LayerStore, **figures: torch.Tensor | int) -> None:
+    def _add(self, layer: int, store: TechniqueStore, **figures: torch.Tensor | int) -> None:
         """Add ``figures`` (named as :data:`FIGURES`) to the layer's step, in place on its device."""
         step = self._layer.get(layer)
         if step is None:
@@ -167,7 +167,7 @@ class FlexGenScheduler(Scheduler):
         for name, value in figures.items():
             step[FIGURES.index(name)] += value
 
-    def evict(self, layer: int, store: LayerStore) -> None:
+    def evict(self, layer: int, store: TechniqueStore) -> None:
         """Nothing is evicted: measure the tiers' bytes and the new slow-row tokens written."""
         n_fast = self.fast_count(store)  # the fast rows come first
         per_row = row_bytes(store)
@@ -188,7 +188,9 @@ class FlexGenScheduler(Scheduler):
             self._close_timings()
         self._seen[store] = store.seen.clone()
 
-    def observe_queries(self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe_queries(
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> None:
         """Queries sent to the slow tier and outputs returned; tokens read per tier."""
         b, hq, q, d = query.shape
         fast = self.fast_rows(store)
@@ -203,12 +205,17 @@ class FlexGenScheduler(Scheduler):
         visible = view.valid[:, :, None, :] & (view.pos[:, :, None, :] <= qpos[:, None, :, None])
         self._count_reads(layer, store, (visible & real[:, None, :, None]).sum((2, 3)))
 
-    def _count_reads(self, layer: int, store: LayerStore, per_row: torch.Tensor) -> None:
+    def _count_reads(self, layer: int, store: TechniqueStore, per_row: torch.Tensor) -> None:
         flat = per_row.flatten()
         self._add(layer, store, fast_reads=flat[: self.fast_count(store)].sum(), reads=flat.sum())
 
     def attend_tiers(
-        self, layer: int, store: LayerStore, query: torch.Tensor, mask: torch.Tensor | None, scaling: float
+        self,
+        layer: int,
+        store: TechniqueStore,
+        query: torch.Tensor,
+        mask: torch.Tensor | None,
+        scaling: float,
     ) -> torch.Tensor:
         """Split attention (the engine hook): fast rows on the store's device, slow rows on the slow
         tier, outputs merged. Same arguments as :func:`kvbench.cache.attention.attend`.
@@ -252,7 +259,7 @@ class FlexGenScheduler(Scheduler):
             out[n_fast:] = self._attend_slow(slow, scaling)
         return out.view(b, h * g, q, -1)
 
-    def separate_tier(self, store: LayerStore) -> bool:
+    def separate_tier(self, store: TechniqueStore) -> bool:
         """The slow tier is other memory than the store's (a GPU's store, the host's tier)."""
         return self.slow_device != store.device
 

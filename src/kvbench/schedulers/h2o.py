@@ -8,7 +8,7 @@ import torch
 
 from kvbench.cache import attention as att
 from kvbench.cache.side import TokenState
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.roles import Flags, Scheduler
 from kvbench.select import Allocated, ScoredSelection
 
@@ -28,10 +28,10 @@ class H2OScheduler(ScoredSelection, Allocated, Scheduler):
     version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
-    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe(self, layer: int, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         store.add_state(SCORE, att.widen(probs.sum((2, 3)), store.columns()))
 
     capacity = Allocated.layer_capacity_host
 
-    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         return store.state(SCORE)

@@ -14,7 +14,7 @@ import torch
 
 from kvbench.cache import attention as att
 from kvbench.cache.side import TokenState
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 from kvbench.select import ScoredSelection
@@ -62,7 +62,7 @@ class LRUScheduler(ScoredSelection, Scheduler):
         if not 0.0 < self.tau <= 1.0:
             raise ConfigError(f"scheduler.tau={self.tau}: must be in (0, 1]")
 
-    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe(self, layer: int, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         pos = store.view().pos
         hit = probs.amax(2) >= self.tau  # a padding query's position is -1: no use either way
         if hit.shape[2] == 1:  # one query: used at its position, else last used as before (a
@@ -75,10 +75,10 @@ class LRUScheduler(ScoredSelection, Scheduler):
         state = torch.maximum(store.state(self.LAST), pos.float())  # arrival position initially
         store.set_state(self.LAST, torch.maximum(state, att.widen(last.float(), pos.shape[2], -1.0)))
 
-    def last_used(self, store: LayerStore) -> torch.Tensor:
+    def last_used(self, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` last position at which each stored token was used (arrival if never)."""
         return torch.maximum(store.state(self.LAST), store.view().pos.float())
 
-    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` eviction scores: rank by last use, then by arrival."""
         return ranked(self.last_used(store), store.by_position())

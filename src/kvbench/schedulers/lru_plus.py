@@ -19,7 +19,7 @@ import torch
 
 from kvbench.cache import attention as att
 from kvbench.cache.side import TokenState
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 from kvbench.schedulers.lru import ranked, used
@@ -52,7 +52,7 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
         if not 0.0 < self.tau <= 1.0:
             raise ConfigError(f"scheduler.tau={self.tau}: must be in (0, 1]")
 
-    def observe(self, layer: int, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+    def observe(self, layer: int, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         if qpos.shape[1] == 1:
             self._observe_one(store, probs, qpos)
             return
@@ -72,7 +72,7 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
         store.set_state(self.SCORE, torch.logaddexp(old + (delta * log_decay)[:, None, None], gained))
         store.set_state(self.SEEN, torch.ones_like(old))
 
-    def _observe_one(self, store: LayerStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
+    def _observe_one(self, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         """:meth:`observe` of one query per sequence, without reading the device: a real query
         moves ``now`` by one and adds a use of weight 1 (log 0) to each token it uses; a padding
         one moves nothing and uses nothing (its tokens' scores stay as they were)."""
@@ -83,10 +83,10 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
         store.set_state(self.SCORE, torch.logaddexp(old + moved[:, None, None], gained))
         store.set_state(self.SEEN, torch.ones_like(old))
 
-    def log_scores(self, store: LayerStore) -> torch.Tensor:
+    def log_scores(self, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` log score of every stored token at its sequence's latest query (-inf: unused)."""
         return torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
 
-    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` eviction scores: rank by decayed use, then by arrival."""
         return ranked(self.log_scores(store), store.by_position())

@@ -37,7 +37,7 @@ from kvbench.cache import attention as att
 from kvbench.cache import ragged
 from kvbench.cache.reads import ReadCount, ReadMeter, count_reads, one_step
 from kvbench.cache.side import SideData
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Flags, Scheduler
@@ -151,7 +151,7 @@ class QuestScheduler(Scheduler):
         if self.dense_layers < 0:
             raise ConfigError(f"scheduler.dense_layers={self.dense_layers}: must be >= 0")
 
-    def evict(self, layer: int, store: LayerStore) -> None:
+    def evict(self, layer: int, store: TechniqueStore) -> None:
         """Nothing is evicted: the min/max keys of every full page of every head-row."""
         if layer < self.dense_layers:
             return
@@ -171,11 +171,11 @@ class QuestScheduler(Scheduler):
         self._set_bounds(layer, store, kmin, kmax)
         self._kept_bounds.pop(store, None)
 
-    def _set_bounds(self, layer: int, store: LayerStore, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
+    def _set_bounds(self, layer: int, store: TechniqueStore, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
         store.set_side(PageBounds(kmin, kmax))
         self._meta_bytes[layer] = (kmin.numel() + kmax.numel()) * kmin.element_size()
 
-    def _grow_pages(self, layer: int, store: LayerStore) -> None:
+    def _grow_pages(self, layer: int, store: TechniqueStore) -> None:
         """:meth:`evict` when every slot is a token in position order: the pages are the view's
         consecutive ``page_size`` slots. Pages bounded at the last call are kept while no stored
         token changed since (``store.edits``); only pages filled since are reduced (a minimum
@@ -197,7 +197,7 @@ class QuestScheduler(Scheduler):
         self._set_bounds(layer, store, kmin.view(-1, d), kmax.view(-1, d))
 
     def read_mask(
-        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         view = store.view()
         b, h, t, d = view.k.shape
@@ -232,7 +232,7 @@ class QuestScheduler(Scheduler):
         return mask
 
     def read_pages(
-        self, layer: int, store: LayerStore, query: torch.Tensor, qpos: torch.Tensor
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> att.Pages | None:
         """:meth:`read_mask` as the pages each query reads (:class:`att.Pages`), for a kernel whose
         grid covers those pages only: where every head-row holds the same positions and some full
@@ -263,7 +263,7 @@ class QuestScheduler(Scheduler):
         self._account(layer, store, query, qpos, None, meta, n_read)
         return att.Pages(index, self.page_size, lay.lo, lay.hi)
 
-    def _step_pages(self, store: LayerStore, qpos: torch.Tensor, key: tuple[Any, ...]) -> _Pages:
+    def _step_pages(self, store: TechniqueStore, qpos: torch.Tensor, key: tuple[Any, ...]) -> _Pages:
         """:meth:`pages` where they derive from positions alone (``key``: :meth:`LayerStore.position_key`):
         made at a step's first layer and shared by the others."""
         key = (*key, self.budget, self.page_size)
@@ -271,7 +271,7 @@ class QuestScheduler(Scheduler):
             self._shared = self.pages(store, qpos, key)
         return self._shared
 
-    def pages(self, store: LayerStore, qpos: torch.Tensor, key: tuple[Any, ...] | None) -> _Pages:
+    def pages(self, store: TechniqueStore, qpos: torch.Tensor, key: tuple[Any, ...] | None) -> _Pages:
         """The pages of the tokens stored before the chunk of the queries at ``qpos``, and what every
         query reads whatever its bounds (sinks, window, protected positions, the chunk, the partial
         last page)."""
@@ -299,7 +299,7 @@ class QuestScheduler(Scheduler):
         room = -2 * extra[:, :, None, None]
         return _Pages(key, n_full, int(n_full.sum()), width, always, cost, blocked, room, index, base)
 
-    def _uniform_pages(self, store: LayerStore, qpos: torch.Tensor, key: tuple[Any, ...]) -> _Pages:
+    def _uniform_pages(self, store: TechniqueStore, qpos: torch.Tensor, key: tuple[Any, ...]) -> _Pages:
         """:meth:`pages` where every head-row holds the same positions, slot ``t`` position ``t``
         (:meth:`LayerStore.position_key`), and one ``protect_from``: the counts are host figures
         (no read from the device) and the masks are one row's, broadcast.
@@ -361,7 +361,7 @@ class QuestScheduler(Scheduler):
     def _account(
         self,
         layer: int,
-        store: LayerStore,
+        store: TechniqueStore,
         query: torch.Tensor,
         qpos: torch.Tensor,
         mask: torch.Tensor | None,

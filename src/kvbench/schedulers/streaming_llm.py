@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.cache.store import LayerStore
+from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 from kvbench.select import ScoredSelection
@@ -33,5 +33,5 @@ class StreamingLLMScheduler(ScoredSelection, Scheduler):
                 f"scheduler.position_mode={self.position_mode!r}: only 'original' is implemented"
             )
 
-    def score(self, layer: int, store: LayerStore) -> torch.Tensor:
+    def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         return store.view().pos.float()  # the newest first
