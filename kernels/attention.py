@@ -62,12 +62,12 @@ MAX_SPLITS = 64
 PROGRAMS = 264
 
 
-@triton.jit(do_not_specialize=["T", "slots_per_split", "window", "LO", "HI", "N_DENSE", "K"])
+@triton.jit(do_not_specialize=["T", "slots_per_split", "window", "LO", "HI", "N_DENSE", "START", "SPAN", "K"])
 def _decode_kernel(
     q, k, v, mask, bias, lens, kpos, qpos, pages, m_out, l_out, acc_out,
     H, G, Q, T, D, slots_per_split, scaling, window,
     sq_b, sq_h, sq_q, skv_b, skv_h, sm_b, sm_h, sm_q, sb_b, sb_h, skp_b, skp_h, sqp_b,
-    LO, HI, N_DENSE, PAGE, K,
+    LO, HI, N_DENSE, PAGE, START, SPAN, PARTS, K,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr, HAS_POS: tl.constexpr,
     HAS_PAGES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,
@@ -106,9 +106,11 @@ def _decode_kernel(
         if HAS_PAGES:  # T counts the slots read: [0, LO), [HI, HI + N_DENSE - LO), then K pages
             w = t - N_DENSE  # the slot's place among the chosen pages' (negative: a dense slot)
             page = tl.load(pages + (row * K) + w // PAGE, mask=t_ok & (w >= 0), other=-1)
-            paged = page * PAGE + w % PAGE
+            # page j: the slots START + ceil(j SPAN / PARTS) up to the next page's first (at most PAGE)
+            paged = START + (page * SPAN + PARTS - 1) // PARTS + w % PAGE
+            after = START + ((page + 1) * SPAN + PARTS - 1) // PARTS
             dense = tl.where(t < LO, t, HI + t - LO)
-            t_ok = t_ok & ((w < 0) | ((page >= 0) & (paged >= LO) & (paged < HI)))
+            t_ok = t_ok & ((w < 0) | ((page >= 0) & (paged < after) & (paged >= LO) & (paged < HI)))
             t = tl.where(w < 0, dense, paged)
         if HAS_MASK:
             read = t_ok & (tl.load(mask + b * sm_b + h * sm_h + qi * sm_q + t, mask=t_ok, other=0) != 0)
@@ -374,8 +376,10 @@ def prepare(
         mask = mask.view(torch.uint8) if mask.stride(-1) == 1 else mask.contiguous().view(torch.uint8)
     read = t  # the slots the grid covers: every slot, or the dense ranges and the chosen pages
     index, lo, hi, n_dense, page, k_pages = None, 0, 0, 0, 1, 0
+    start, span, parts = 0, 1, 1
     if pages is not None:
-        lo, hi, page = pages.lo, pages.hi, pages.size
+        lo, hi, start, span, parts = pages.lo, pages.hi, pages.start, pages.size, pages.parts
+        page = -(-span // parts)  # the longest page
         n_dense, k_pages = lo + max(t - hi, 0), pages.index.shape[-1]
         index = pages.index.contiguous()  # (B, H, q, K): a row's K pages in a row
         read = n_dense + k_pages * page
@@ -400,7 +404,7 @@ def prepare(
         m if index is None else index, m, out.l, out.acc,
         h, hq // h, nq, read, d, per_split, scaling, window,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1),
-        *mask_strides, *bias_strides, *pos_strides, lo, hi, n_dense, page, k_pages,
+        *mask_strides, *bias_strides, *pos_strides, lo, hi, n_dense, page, start, span, parts, k_pages,
     )  # fmt: skip
     constants = dict(
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LENS=held is not None,

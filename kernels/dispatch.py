@@ -27,7 +27,20 @@ PATHS = ("auto", "torch", "triton")
 # module's version when its kernel changes, and refill the table.
 # 2: attention, kivi_decode and latent_decode write their splits into a workspace that one merge
 # kernel reads, with splits from the rows and the length (issue 30)
-VERSIONS = {"kivi": 1, "kivi_decode": 2, "latent_decode": 2, "scoring": 1, "attention": 2, "compaction": 1}
+# 3: attention reads pages of any fraction of slots (att.Pages' ``parts``): the position routers
+# name their blocks by index; merged units are read in place with their bias (no mask, no decoded
+# view): both sum in another order than before
+# 3: latent_decode reads quantized latents (lora_plus_plus), codes dequantized in registers (issue 30)
+VERSIONS = {
+    "kivi": 1,
+    "kivi_decode": 2,
+    "latent_decode": 3,
+    "pruned_decode": 1,
+    "scoring": 1,
+    "svd_decode": 1,
+    "attention": 3,
+    "compaction": 1,
+}
 
 TABLE = Path(__file__).with_name("dispatch_table.json")
 _DECIDED_MAX = 1 << 16  # memoized decisions kept before the memo starts afresh (contexts grow per step)
@@ -35,7 +48,7 @@ _DECIDED_MAX = 1 << 16  # memoized decisions kept before the memo starts afresh 
 
 # The fused decodes: their softmax states are the attention kernels' (kvbench.kernels.attention),
 # which only that module's merge reads.
-FUSED = ("kivi_decode", "latent_decode")
+FUSED = ("kivi_decode", "latent_decode", "pruned_decode", "svd_decode")
 
 
 @dataclass

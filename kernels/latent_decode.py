@@ -10,8 +10,12 @@ in the kernel), then scores. Values are never rebuilt: the output is linear in t
 accumulates ``p · vlat`` (rank ``rv`` instead of ``head_dim``) and multiplies by ``Bvᵀ`` once at
 the end. The split's softmax state (:class:`kvbench.kernels.attention.Partials`) merges with the
 full-precision window's by log-sum-exp (:func:`kvbench.kernels.attention.merge`). It serves steps
-that read every stored token (no read selector, window or padding); quantized latents
-(``lora_plus_plus``) take the decoded path.
+that read every stored token (no read selector, window or padding).
+
+Quantized latents (``lora_plus_plus``: each token's latent packed as 4- or 8-bit codes with one
+float16 zero and step per token and latent) are read as codes and dequantized in registers, as
+:mod:`kvbench.kernels.kivi_decode` reads KIVI's: ``code * step + zero`` in float32, the latents
+:meth:`kvbench.compressors.lowrank.LatentSegment.latents` gives; nothing decoded is written.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kvbench.cache import attention as att
+from kvbench.cache import quant
 from kvbench.cache.rotary import Rotary
 from kvbench.kernels.attention import (
     BLOCK_T,
@@ -34,6 +39,23 @@ from kvbench.kernels.attention import (
     split_slots,
     store_partials,
 )
+from kvbench.kernels.kivi import _unpack_load
+
+
+@triton.jit
+def _latents(lat, zero, step, at, t_ok, r, R, BITS: tl.constexpr):
+    """A block's latents ``(BLOCK_T, BLOCK_R)`` of the flat tokens ``at``: as stored (``BITS`` 0),
+    or their ``BITS``-bit codes packed along the latent times each token's step plus its zero, in
+    float32 (zero where not read)."""
+    tile = t_ok[:, None] & (r[None, :] < R)
+    if BITS == 0:
+        out = tl.load(lat + at[:, None] * R + r[None, :], mask=tile, other=0.0)
+    else:
+        z = tl.load(zero + at, mask=t_ok, other=0.0).to(tl.float32)
+        s = tl.load(step + at, mask=t_ok, other=0.0).to(tl.float32)
+        codes = _unpack_load(lat, at, tile, r, R, BITS).to(tl.float32)
+        out = tl.where(tile, codes * s[:, None] + z[:, None], 0.0)
+    return out
 
 
 @triton.jit
@@ -53,11 +75,12 @@ def _rope_keys(lat, basis, h, half, at, c, s, sb_h, sb_d, BLOCK_R: tl.constexpr,
 
 @triton.jit(do_not_specialize=["slots_per_split", "ROW_LEN"])
 def _latent_decode_kernel(
-    q, klat, vlat, pos, kbasis, vbasis, inv_freq, lens, starts, m_out, l_out, acc_out,
+    q, klat, vlat, kzero, kstep, vzero, vstep, pos, kbasis, vbasis, inv_freq, lens, starts,
+    m_out, l_out, acc_out,
     H, G, D, HALF, RK, RV, slots_per_split, scaling, rope_scaling,
     sq_b, sq_h, skb_h, skb_d, svb_h, svb_d, ROW_LEN,
     HAS_PASS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_RK: tl.constexpr, BLOCK_RV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_RK: tl.constexpr, BLOCK_RV: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
     bh = tl.program_id(0)  # the head-row: b * H + h (one query position)
     split = tl.program_id(1)
@@ -92,9 +115,7 @@ def _latent_decode_kernel(
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < stop  # past the split or the head-row's tokens: not read
         at = first + t
-        kl = tl.load(
-            klat + at[:, None] * RK + rk[None, :], mask=t_ok[:, None] & (rk[None, :] < RK), other=0.0
-        )
+        kl = _latents(klat, kzero, kstep, at, t_ok, rk, RK, BITS)  # BITS 0: as stored
         angle = tl.load(pos + at, mask=t_ok, other=0).to(tl.float32)[:, None] * freq[None, :]
         c = tl.cos(angle) * rope_scaling
         s = tl.sin(angle) * rope_scaling
@@ -110,9 +131,7 @@ def _latent_decode_kernel(
             k3 = tl.dot(kl.to(tl.float32), tl.trans(bk), out_dtype=tl.float32, input_precision="ieee")
             sc += tl.dot(q3, tl.trans(k3), out_dtype=tl.float32, input_precision="ieee")
         sc = tl.where(t_ok[None, :], sc * scaling, float("-inf"))
-        vl = tl.load(
-            vlat + at[:, None] * RV + rv[None, :], mask=t_ok[:, None] & (rv[None, :] < RV), other=0.0
-        )
+        vl = _latents(vlat, vzero, vstep, at, t_ok, rv, RV, BITS)
         m_i, l_i, acc = online_softmax(m_i, l_i, acc, sc, vl.to(tl.float32))
     # the values' basis once: (BLOCK_G, rv) · Bvᵀ -> (BLOCK_G, BLOCK_D)
     bv = tl.load(
@@ -135,16 +154,27 @@ def partials(
     lens: torch.Tensor,
     width: int,
     scaling: float,
+    bits: int | None = None,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> Partials:
     """The softmax state of one decode step (query ``(B, Hq, 1, D)``) over a latent segment: flat
     head-major latents ``klat`` ``(N, rk)`` and ``vlat`` ``(N, rv)`` at original positions ``pos``
     ``(N,)``, ``lens`` ``(B * H,)`` tokens per head-row (at most ``width``, known on the host),
-    bases ``(H, D, r)`` shared by the batch's sequences."""
+    bases ``(H, D, r)`` shared by the batch's sequences. With ``bits`` (4 or 8: ``lora_plus_plus``),
+    ``klat`` and ``vlat`` are the codes packed along each latent ``(N, r * bits / 8)`` (uint8) and
+    ``params`` their float16 ``(kzero, kstep, vzero, vstep)`` ``(N, 1)``, one per token."""
     b, _, nq, d = query.shape
     assert nq == 1, "latent decode: one query step"
     h = lens.numel() // b
     query = query if query.stride(-1) == 1 else query.contiguous()
     klat, vlat, pos = (x.contiguous() for x in (klat, vlat, pos))
+    if bits is None:
+        rk, rv = klat.shape[1], vlat.shape[1]
+        kzero = kstep = vzero = vstep = klat  # not read
+    else:
+        assert bits in (4, 8) and params is not None, "quantized latents: 4 or 8 bits, with their parameters"
+        rk, rv = klat.shape[1] * 8 // bits, vlat.shape[1] * 8 // bits
+        kzero, kstep, vzero, vstep = (x.contiguous() for x in params)
     splits, per_split = split_slots(max(width, 1), b * h)
     block_g, block_d = blocks(query, h)
     out = empty_partials(query, h, splits, (block_g, block_d))
@@ -155,15 +185,14 @@ def partials(
     inv_freq = rotary.inv_freq
     if inv_freq.device != query.device or inv_freq.dtype != torch.float32:
         inv_freq = inv_freq.to(device=query.device, dtype=torch.float32)
-    rk, rv = klat.shape[1], vlat.shape[1]
     _latent_decode_kernel[(out.m.shape[1], splits)](
-        query, klat, vlat, pos, kbasis, vbasis, inv_freq, lens, starts,
+        query, klat, vlat, kzero, kstep, vzero, vstep, pos, kbasis, vbasis, inv_freq, lens, starts,
         out.m, out.l, out.acc, h, query.shape[1] // h, d, half, rk, rv, per_split, scaling,
         rotary.scaling, query.stride(0), query.stride(1), kbasis.stride(0), kbasis.stride(1),
         vbasis.stride(0), vbasis.stride(1), row_len,
         HAS_PASS=2 * half < d, BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d,
         BLOCK_H=max(16, pow2(half)), BLOCK_RK=max(16, pow2(rk)),
-        BLOCK_RV=max(16, pow2(rv)),
+        BLOCK_RV=max(16, pow2(rv)), BITS=bits or 0,
     )  # fmt: skip
     return out
 
@@ -178,10 +207,19 @@ def attend_reference(
     rotary: Rotary,
     lens: torch.Tensor,
     scaling: float,
+    bits: int | None = None,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The torch path for one decode step over a latent segment whose head-rows hold the same
     number of tokens: rebuild every key (``rotate(klat · Bkᵀ)``) and value (``vlat · Bvᵀ``), then
-    attention (SDPA). ``(B, Hq, 1, D)``."""
+    attention (SDPA). ``(B, Hq, 1, D)``. With ``bits``, ``klat`` and ``vlat`` are packed codes
+    (:func:`partials`), dequantized first as the segment's latents are
+    (:func:`kvbench.cache.quant.dequantize_rows`)."""
+    if bits is not None:
+        assert params is not None
+        kzero, kstep, vzero, vstep = params
+        klat = quant.dequantize_rows(klat, kzero, kstep, bits)
+        vlat = quant.dequantize_rows(vlat, vzero, vstep, bits)
     b, _, _, d = query.shape
     bh = lens.numel()
     h = bh // b

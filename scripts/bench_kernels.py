@@ -28,8 +28,21 @@ here, said so).
 - ``decode.latent``: one decode step over low-rank latents (``lora``: rank 32 keys and values on
   per-head bases), keys rebuilt and rotated in registers and values kept latent, against the torch
   path (rebuild every key and value, then SDPA) and bf16 SDPA over the full cache.
+- ``decode.latent8bit``: the same step over ``lora_plus_plus``'s quantized latents (its defaults:
+  rank 16 keys, rank 32 values, 8-bit codes with a float16 zero and step per token and latent),
+  the codes dequantized in registers, against the torch path (dequantize the latents, rebuild every
+  key and value, then SDPA) and bf16 SDPA over the full cache.
 - ``decode.kivi2bit``: one decode step over a 2-bit KIVI cache, codes dequantized in registers,
   against the torch path (dequantize, then SDPA) and bf16 SDPA over the full cache.
+- ``decode.blocks2/8``: a position router's step (``router=base``): 8 blocks split the routed
+  slots, each query reads 2, named by index (:class:`att.Pages` with ``parts``), against the torch
+  path (SDPA with the mask) and dense SDPA over every token.
+- ``decode.pruned``: one decode step over ThinK's pruned keys (half the key channels kept), the
+  query's kept channels read in the kernel, against the torch path (keys rebuilt with zeros, then
+  SDPA) and bf16 SDPA over the full cache.
+- ``decode.svd``: one decode step over SVD's per-block factors (``compressor=svd``'s ranks and
+  blocks), keys rebuilt and rotated in registers, against the torch path (rebuild every key and
+  value, then SDPA) and bf16 SDPA over the full cache.
 
 On a CPU there are no Triton figures: the script times the torch paths at the smaller contexts and
 says that GPU figures need a GPU.
@@ -60,7 +73,7 @@ from kvbench.cache import attention as att
 from kvbench.cache import quant
 from kvbench.cache.rotary import Rotary
 from kvbench.compressors.quantized import quantize_tokens
-from kvbench.kernels import dispatch, kivi_decode, latent_decode
+from kvbench.kernels import dispatch, kivi_decode, latent_decode, pruned_decode, svd_decode
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 REPEATS = 5  # timed calls per figure on a CPU (--check: 1)
@@ -178,6 +191,16 @@ def case(
         ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, None, scale, pages=named), cuda)
     read = batch * KV_HEADS * (chosen * 16 + 32) * HEAD_DIM * 2 * 2 + index.numel() * 8  # pages, index
     show("decode.pages1/8", batch, t, ms, read, peak)
+    # a position router's step (router=base): 8 blocks split the routed slots (all but 4 sinks and
+    # the window of 32), each query reads 2 of them, named by index (att.Pages with parts)
+    lo, hi = 4, t - 32
+    index = torch.rand(batch, KV_HEADS, 1, 8, generator=gen, device=device).argsort(-1)[..., :2]
+    blocks = att.Pages(index, hi - lo, lo, hi, start=lo, parts=8)
+    ms = {"torch": bench(lambda: att.attend(q, kv, kv, blocks.mask(t), scale), cuda), "sdpa": sdpa}
+    if kernels:
+        ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, None, scale, pages=blocks), cuda)
+    read = batch * KV_HEADS * (2 * (hi - lo) // 8 + t - hi + lo) * HEAD_DIM * 2 * 2  # blocks, the rest
+    show("decode.blocks2/8", batch, t, ms, read, peak)
     # a sliding window of 4,096 tokens: what a step reads comes from the positions
     kpos = torch.arange(t, device=device).expand(batch, KV_HEADS, t)
     at = att.Positions(kpos, torch.full((batch, 1), t, device=device), 4096)
@@ -230,6 +253,55 @@ def case(
         ms["triton"] = bench(fused_latent, cuda)
     moved = 2 * klat.numel() * 2 + positions.numel() * 8  # the latents (bf16) and positions
     show("decode.latent", batch, t, ms, moved, peak)
+    # lora_plus_plus's defaults: keys at rank 16, values at rank 32, each token's latents as 8-bit
+    # codes with a float16 zero and step (the bases above, the keys' cut to rank 16)
+    qbits, qrk = 8, 16
+    (kc, kz, ks), (vc, vz, vs) = (quant.quantize(k[:, :r], qbits, dim=-1) for r in (qrk, 32))
+    coded = (quant.pack(kc, qbits), quant.pack(vc, qbits), positions, bases[0][..., :qrk].contiguous())
+    coded += (bases[1], rotary, lens)
+    params = (kz, ks, vz, vs)
+    ms = {
+        "torch": bench(lambda: latent_decode.attend_reference(q, *coded, scale, qbits, params), cuda),
+        "sdpa": sdpa,
+    }
+    if kernels:
+
+        def fused_coded() -> None:
+            kernels[1].merge([latent_decode.partials(q, *coded, t, scale, qbits, params)], q, KV_HEADS)
+
+        ms["triton"] = bench(fused_coded, cuda)
+    moved = sum(x.numel() * x.element_size() for x in (*coded[:3], *params))  # codes, parameters, positions
+    show("decode.latent8bit", batch, t, ms, moved, peak)
+    # ThinK's pruned keys: half the key channels of every head-row kept (64 of 128), values whole
+    keep = HEAD_DIM // 2
+    picks = [torch.randperm(HEAD_DIM, generator=gen)[:keep].sort().values for _ in range(batch * KV_HEADS)]
+    channels = torch.stack(picks).to(device=device, dtype=torch.int16)
+    pruned = (k[:, :keep].contiguous(), k, channels, lens)
+    ms = {"torch": bench(lambda: pruned_decode.attend_reference(q, *pruned, scale), cuda), "sdpa": sdpa}
+    if kernels:
+
+        def fused_pruned() -> None:
+            kernels[1].merge([pruned_decode.partials(q, *pruned, t, scale)], q, KV_HEADS)
+
+        ms["triton"] = bench(fused_pruned, cuda)
+    moved = (keep + HEAD_DIM) * k.shape[0] * 2  # the kept key channels and the values (bf16)
+    show("decode.pruned", batch, t, ms, moved, peak)
+    # SVD's per-block factors (compressor=svd's defaults): keys at rank 16, values at rank 32,
+    # blocks of 64 tokens with their own bases
+    block, rk, rv = 64, 16, 32
+    m = k.shape[0] // block
+    factors = (k[:, :rk].contiguous(), k[:, :rv].contiguous(), positions)
+    svd_bases = [torch.randn(m, HEAD_DIM, r, generator=gen, device=device).bfloat16() for r in (rk, rv)]
+    svd = (*factors, *svd_bases, rotary, KV_HEADS, block)
+    ms = {"torch": bench(lambda: svd_decode.attend_reference(q, *svd, scale), cuda), "sdpa": sdpa}
+    if kernels:
+
+        def fused_svd() -> None:
+            kernels[1].merge([svd_decode.partials(q, *svd, scale)], q, KV_HEADS)
+
+        ms["triton"] = bench(fused_svd, cuda)
+    moved = k.shape[0] * (rk + rv) * 2 + sum(x.numel() for x in svd_bases) * 2  # factors, bases (bf16)
+    show("decode.svd", batch, t, ms, moved, peak)
 
 
 def host_ms(fn, calls: int = 2000) -> float:

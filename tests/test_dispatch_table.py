@@ -49,19 +49,35 @@ def measured(table):
     return table["devices"][H200]["versions"]
 
 
+@pytest.fixture
+def timed(table):
+    """The table with each module's rows those the H200 timed (a row added since, as
+    ``decode.latent8bit``, it never timed: the module is torch there): the rule's tests stand on
+    its figures whatever rows came after."""
+    ratios = table["devices"][H200]["ratios"]
+    modules = {name: [r for r in rows if r in ratios] for name, rows in table["modules"].items()}
+    return {**table, "modules": modules}
+
+
 def test_the_shipped_table_names_the_h200_with_its_provenance_and_the_docs_figures(table):
     entry = table["devices"][H200]
     assert (entry["commit"], entry["date"], entry["torch"], entry["triton"]) == (
         "e8ec299", "2026-11-26", "2.11", "3.6"
     )  # fmt: skip
     assert entry["command"] == "python scripts/bench_kernels.py"
-    assert set(table["modules"]) == set(dispatch.VERSIONS) == set(entry["versions"])
+    # every module has its rows; the H200 measured the modules of its day (pruned_decode and
+    # svd_decode came after it: ``auto`` takes torch for them there, as for any module unmeasured)
+    later_modules = {"pruned_decode", "svd_decode"}
+    assert set(table["modules"]) == set(dispatch.VERSIONS) == {*entry["versions"], *later_modules}
     assert table["modules"]["compaction"] == []
     for row, figures in DOCS.items():
         for (b1, b8), context in zip(figures, ("4096", "32768", "131072"), strict=True):
             assert entry["ratios"][row]["1"][context] == b1 and entry["ratios"][row]["8"][context] == b8
-    # every row the H200 timed speaks for a module; decode.ragged and pages1/8 came after it
-    later = {"decode.ragged", "decode.pages1/8"}
+    # every row the H200 timed speaks for a module; these came after it
+    later = {
+        "decode.ragged", "decode.pages1/8", "decode.blocks2/8", "decode.pruned", "decode.svd",
+        "decode.latent8bit",
+    }  # fmt: skip
     assert {r for rows in table["modules"].values() for r in rows} == {*DOCS, *later}
     assert set(DOCS) == set(entry["ratios"])
     assert dispatch.TABLE.read_text() == dispatch.dumps(table) + "\n"  # as bench_kernels --table writes it
@@ -101,17 +117,22 @@ def test_brackets_are_the_nearest_measured_points_on_each_side():
     ],
 )
 def test_auto_takes_triton_only_where_every_bracketing_point_was_faster(
-    table, measured, name, batch, slots, triton
+    timed, measured, name, batch, slots, triton
 ):
-    assert dispatch.choose(table, H200, name, batch, slots, measured) is triton
+    assert dispatch.choose(timed, H200, name, batch, slots, measured) is triton
 
 
-def test_a_version_or_a_device_the_table_did_not_measure_takes_torch(table, measured):
+def test_a_version_or_a_device_the_table_did_not_measure_takes_torch(table, timed, measured):
     assert dispatch.choose(table, H200, "kivi", 8, 32 * K, measured)
     assert not dispatch.choose(table, H200, "kivi", 8, 32 * K, {**measured, "kivi": measured["kivi"] + 1})
     assert not dispatch.choose(table, "NVIDIA H100 80GB HBM3", "kivi", 8, 32 * K, measured)
     assert not dispatch.choose(table, None, "kivi", 8, 32 * K, measured)
     assert not dispatch.choose(table, H200, "unknown", 8, 32 * K, measured)
+    for name in ("pruned_decode", "svd_decode"):  # on the table, never measured on the H200
+        assert not dispatch.choose(table, H200, name, 1, 32 * K)
+    # latent_decode won at batch 1 and 32k there, but its row over quantized latents came after
+    assert dispatch.choose(timed, H200, "latent_decode", 1, 32 * K, measured)
+    assert not dispatch.choose(table, H200, "latent_decode", 1, 32 * K, measured)
     partial = copy.deepcopy(table)
     del partial["devices"][H200]["ratios"]["kivi.dequantize"]
     assert not dispatch.choose(partial, H200, "kivi", 8, 32 * K, measured)  # a row not measured
@@ -195,7 +216,7 @@ def test_auto_with_a_fused_decode_faster_and_attention_slower_keeps_the_torch_lo
     the logits are the torch path's, bit for bit, and the paths taken say so."""
     fake = copy.deepcopy(dispatch.table())
     fake["devices"]["Fake GPU"] = entry = fake["devices"][H200]
-    entry["ratios"]["decode.latent"] = {"1": {"4096": 2.0}}
+    entry["ratios"]["decode.latent"] = entry["ratios"]["decode.latent8bit"] = {"1": {"4096": 2.0}}
     monkeypatch.setattr(dispatch, "table", lambda: fake)
     monkeypatch.setattr(dispatch, "VERSIONS", dict(measured))
     monkeypatch.setattr(dispatch, "_DECIDED", {})

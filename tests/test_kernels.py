@@ -27,6 +27,8 @@ from kvbench.kernels import attention as ka
 from kvbench.kernels import compaction as kc
 from kvbench.kernels import dispatch, kivi, kivi_decode, latent_decode
 from kvbench.kernels import scoring as ks
+from kvbench.routers.adaptive import AdaptiveRouter
+from kvbench.routers.hierarchical import HierarchicalRouter
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
 from kvbench.schedulers.h2o import H2OScheduler
@@ -212,9 +214,10 @@ def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, techniq
     """A tiny GQA model's logits over a prefill and decode steps agree on both paths (float
     tolerance: the kernel sums in another order) for techniques whose steps read through a mask;
     the Triton path ran the kernel at every masked step (AdaKV's ragged heads by their lengths,
-    with no mask; a sliding window and merged units by positions, with no mask built from them;
-    Quest's decode steps by the pages it chose, with no mask), and the read selectors scored their
-    pages or experts by the scoring kernel."""
+    with no mask; a sliding window by positions, with no mask built from them; merged units
+    read in place with their bias, beside the window's state: tests/test_kernel_merged.py; Quest's
+    and the router's decode steps by the pages or blocks chosen, with no mask), and the read
+    selectors scored their pages or experts by the scoring kernel."""
     ids = tokens(60)
     calls, by_lens, by_pos, by_pages, scored = [], [], [], [], []
     merge, partials = ka.merge, ka.partials
@@ -245,8 +248,9 @@ def test_masked_steps_give_the_same_logits_on_either_path(tiny_93, role, techniq
     assert len(calls) >= 20  # at least once a decode step
     case = request.node.callspec.id
     assert any(by_lens) == (case == "adakv")  # by lengths: one segment's ragged rows
-    assert any(by_pos) == (case in ("sliding-window", "distillation"))  # no selector: positions alone
-    assert sum(by_pages) == (20 * lm.model.config.num_hidden_layers if case == "quest" else 0)  # each step
+    assert any(by_pos) == (case == "sliding-window")  # no selector: positions alone
+    paged = case in ("quest", "router-base")  # each decode step, every layer
+    assert sum(by_pages) == (20 * lm.model.config.num_hidden_layers if paged else 0)
     assert set(scored) == {"quest": {"group_bounds"}, "router-base": {"group_scores"}}.get(case, set())
 
 
@@ -374,49 +378,80 @@ def test_block_sparse_decode_reads_the_selected_pages(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "b, hq, h, t, d, page, lo, hi, k",
+    "b, hq, h, t, d, page, lo, hi, k, parts",
     [
-        (2, 32, 8, 2100, 128, 16, 4, 2064, 17),  # one page in eight, several splits
-        (1, 9, 3, 300, 80, 16, 0, 288, 5),  # no sinks, head_dim 80
-        (1, 4, 1, 100, 64, 16, 60, 40, 3),  # the sinks past hi: every slot is read, no page counts
-        (1, 4, 2, 1000, 64, 8, 3, 960, 40),  # pages cut by the sinks and by hi
+        (2, 32, 8, 2100, 128, 16, 4, 2064, 17, 1),  # one page in eight, several splits
+        (1, 9, 3, 300, 80, 16, 0, 288, 5, 1),  # no sinks, head_dim 80
+        (1, 4, 1, 100, 64, 16, 60, 40, 3, 1),  # the sinks past hi: every slot is read, no page counts
+        (1, 4, 2, 1000, 64, 8, 3, 960, 40, 1),  # pages cut by the sinks and by hi
+        (2, 8, 2, 1000, 64, 988, 4, 992, 3, 8),  # a router's 8 blocks of 123.5 routed slots from lo
+        (1, 9, 3, 300, 80, 37, 2, 39, 4, 16),  # 16 blocks of 37 / 16 slots: some of 2, some of 3
+        (1, 4, 2, 700, 64, 3, 4, 7, 2, 8),  # fewer routed slots than blocks: empty blocks
     ],
 )
-def test_decode_by_pages_reads_the_pages_named(device, b, hq, h, t, d, page, lo, hi, k):
-    """A read selector's pages as indices (:class:`att.Pages`: Quest's choice, some unused): the
-    grid covers the always-read slots and the pages named only, and gives SDPA's attention over
-    the same slots as a mask."""
+def test_decode_by_pages_reads_the_pages_named(device, b, hq, h, t, d, page, lo, hi, k, parts):
+    """A read selector's pages as indices (:class:`att.Pages`: Quest's pages of ``page`` slots
+    from slot 0, or a position router's ``parts`` blocks splitting ``page`` slots from ``lo``;
+    some unused): the grid covers the always-read slots and the pages named only, and gives SDPA's
+    attention over the same slots as a mask."""
     _skip_without(device)
     gen = torch.Generator().manual_seed(2)
+    start = 0 if parts == 1 else lo
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         q = torch.randn(b, hq, 1, d, generator=gen).to(dtype)
         key, value = (torch.randn(b, h, t, d, generator=gen).to(dtype) for _ in range(2))
-        index = torch.stack([torch.randperm(t // page, generator=gen)[:k] for _ in range(b * h)])
+        n = t // page if parts == 1 else parts
+        index = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(b * h)])
         index = index.view(b, h, 1, k)
-        index[..., -2:] = -1  # fewer pages chosen than room for
-        pages = att.Pages(index, page, min(lo, hi), hi)
+        index[..., -1:] = -1  # fewer pages chosen than room for
+        pages = att.Pages(index, page, min(lo, hi), hi, start, parts)
         launch = ka.prepare(q, key, value, None, 1.0, pages=pages)
         ka.workspace(q.device, launch.out.acc.shape[-1]).give_back(launch.out)
-        assert launch.args[15] == pages.lo + t - hi + k * page  # the slots the grid covers
-        want = ka.attend_reference(q, key, value, None, d**-0.5, pages=pages)
-        on = att.Pages(index.to(device), page, pages.lo, hi)
+        longest = -(-page // parts)
+        assert launch.args[15] == pages.lo + t - hi + k * longest  # the slots the grid covers
+        mask = pages.mask(t)
+        if parts > 1:  # the blocks the mask reads are the routers' (rank r in block r parts // page)
+            rank = torch.arange(t) - lo
+            block = torch.where((rank >= 0) & (rank < hi - lo), rank * parts // page, -1)
+            chosen = (block[None, None, None, :, None] == index[..., None, :]).any(-1)
+            assert torch.equal(mask, chosen | (block < 0))
+        want = ka.attend_reference(q, key, value, mask, d**-0.5)
+        on = att.Pages(index.to(device), page, pages.lo, hi, start, parts)
         got = ka.attend(q.to(device), key.to(device), value.to(device), None, d**-0.5, pages=on)
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
 
 
-def test_quest_counts_the_same_reads_by_pages_as_by_its_mask(tiny_93):
-    """Quest's read figures (tokens and bytes read per query, page metadata) are the same whether
-    a decode step reads by its mask (torch path) or by the pages it names (Triton path)."""
+@pytest.mark.parametrize(
+    "role, technique",
+    [
+        ("scheduler", lambda: QuestScheduler(page_size=4, dense_layers=0)),
+        ("router", lambda: BaseRouter(num_experts=8, top_k=2)),
+        ("router", lambda: HierarchicalRouter(num_experts=8, num_groups=4, top_groups=2, top_k=3)),
+        ("router", lambda: AdaptiveRouter(num_experts=6, k_min=1, k_max=3)),
+    ],
+    ids=["quest", "base", "hierarchical", "adaptive"],
+)
+def test_read_selectors_count_the_same_reads_by_pages_as_by_their_mask(tiny_93, role, technique, monkeypatch):
+    """A read selector's figures (tokens and bytes read per query, page metadata, experts read)
+    are the same whether a decode step reads by its mask (torch path) or by the pages or blocks
+    it names (Triton path), every decode step of every layer reads by them, and the logits agree
+    within float tolerance."""
     ids = tokens(70)
+    paged, partials = [], ka.partials
+    monkeypatch.setattr(
+        ka, "partials", lambda *a: paged.append(len(a) > 8 and a[8] is not None) or partials(*a)
+    )
 
     def figures(path: str):
         with dispatch.using(path):
-            stack = make_stack(tiny_93, scheduler=QuestScheduler(page_size=4, dense_layers=0), budget=0.4)
-            run_chunks(tiny_93, stack, ids, [40] + [1] * 12)
-            return stack.scheduler.metrics()
+            stack = make_stack(tiny_93, **{role: technique()}, budget=0.4, window=4, sinks=2)
+            logits = run_chunks(tiny_93, stack, ids, [40] + [1] * 12)[0]
+            return logits, getattr(stack, role).metrics()
 
-    torch_path, by_pages = figures("torch"), figures("triton")
+    (want, torch_path), (got, by_pages) = figures("torch"), figures("triton")
     assert by_pages == torch_path
+    assert sum(paged) == 12 * tiny_93.model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -504,8 +539,8 @@ def test_bench_kernels_runs_every_row_on_both_paths():
     names = [line.split()[0] for line in rows]
     assert names == [
         "kivi.quantize", "kivi.dequantize", "decode.masked", "decode.ragged", "decode.sparse1/8",
-        "decode.pages1/8",
-        "decode.window", "score.quest", "decode.kivi2bit", "decode.latent",
+        "decode.pages1/8", "decode.blocks2/8", "decode.window", "score.quest", "decode.kivi2bit",
+        "decode.latent", "decode.latent8bit", "decode.pruned", "decode.svd",
     ]  # fmt: skip
     assert all("torch " in line and "triton " in line for line in rows)
     # a decode call's fixed cost, end to end and stage by stage

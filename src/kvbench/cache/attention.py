@@ -59,21 +59,27 @@ class Positions:
 class Pages:
     """A read selector's choice as the pages it reads, in place of a mask over every slot: each
     query reads the slots ``[0, lo)`` and ``[hi, T)`` (sinks, the window, the newest tokens), and,
-    of each page ``j`` named in ``index`` ``(B, H, q, K)`` (-1: none), the slots
-    ``[j size, (j + 1) size)`` that lie in ``[lo, hi)``. Slot ``t`` holds position ``t``. A kernel
-    reads the named pages only (:mod:`kvbench.kernels.attention`); :meth:`mask` is the same read
-    as a mask."""
+    of each page ``j`` named in ``index`` ``(B, H, q, K)`` (-1: none), the slots that lie in
+    ``[lo, hi)``. Slot ``t`` holds position ``t``. A kernel reads the named pages only
+    (:mod:`kvbench.kernels.attention`); :meth:`mask` is the same read as a mask.
+
+    Page ``j`` holds the slots from ``start + ceil(j size / parts)`` to the next page's first:
+    ``parts`` pages share each ``size`` slots. Quest's pages are ``size`` slots from slot 0
+    (``parts`` 1); the position routers' ``E`` blocks split the ``n`` routed slots from ``lo``
+    (``size`` n, ``parts`` E), a slot of rank ``r`` in block ``r E // n``."""
 
     index: torch.Tensor
     size: int
     lo: int
     hi: int
+    start: int = 0
+    parts: int = 1
 
     def mask(self, slots: int) -> torch.Tensor:
         """``(B, H, q, slots)`` bool: the slots read."""
         t = torch.arange(slots, device=self.index.device)
         always = (t < self.lo) | (t >= self.hi)
-        page = torch.where(always, -2, t // self.size)  # -2: never an index
+        page = torch.where(always, -2, (t - self.start) * self.parts // self.size)  # -2: never an index
         chosen = (page[None, None, None, :, None] == self.index[..., None, :]).any(-1)
         return chosen | always
 

@@ -418,14 +418,16 @@ def _attend_decoded(
     and dropped: the layer's keys and values never exist decoded whole, unless a technique reads
     them (``view().k``). A step reading every token (``reads_all``) of a layer that is not one
     dense segment is attended segment by segment where every segment can (:mod:`.partials`; on the
-    torch path, only within :data:`DECODE_ELEMS`). On the Triton path, other masked steps of at most
+    torch path, only within :data:`DECODE_ELEMS` and without a bias; on the Triton path merged units
+    too, read in place with their bias). On the Triton path, other masked steps of at most
     :data:`KERNEL_QUERIES` queries run the decode kernel, which takes ``positions``
     (:class:`att.Positions`) and the valid slots where ``mask_fn`` would build a mask from them."""
     view = store.view()
     one_dense = len(store.segments) == 1 and view.dense
     kernel = dispatch.kernels("attention", store.batch, view.pos.shape[2])
     whole = store.batch * store.kv_heads * view.pos.shape[2] * store.head_dim <= DECODE_ELEMS
-    if reads_all and not one_dense and view.bias is None and (kernel is not None or whole):
+    # a bias (merged units' log(count)): only the kernels' states carry it (the torch path's take none)
+    if reads_all and not one_dense and (kernel is not None or (whole and view.bias is None)):
         with dispatch.step(kernel):  # under auto, every segment's states of the kind merged here
             parts = partials.gather(store.segments, query, scaling, store.batch)
         if parts is not None:

@@ -123,7 +123,8 @@ class Segment:
         (:class:`kvbench.kernels.attention.Partials`), on the torch path
         :class:`kvbench.cache.partials.Partial` where reading the encoded form saves work over
         decoding it. None where the representation has neither (the step is then decoded and
-        attended whole)."""
+        attended whole). A segment with a :meth:`bias` adds it to each token's logit: only the
+        Triton path's states do (the engine gathers a step with a bias on that path alone)."""
         return None
 
     def aux_nbytes(self) -> int:

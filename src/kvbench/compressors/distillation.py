@@ -23,6 +23,7 @@ the budget binds): a few ``S x M x D`` distance passes per head-row, blocked to 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from kvbench.cache.segments import Segment
 from kvbench.cache.surface import TechniqueStore
 from kvbench.compressors.kmeans import kmeans
 from kvbench.errors import ConfigError
+from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
 from kvbench.select import within
 
@@ -61,6 +63,27 @@ class MergedSegment(Segment):
     def members(self) -> tuple[torch.Tensor, torch.Tensor]:
         owner = torch.repeat_interleave(torch.arange(self.size, device=self.count.device), self.count.long())
         return self.mpos, owner
+
+    def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
+        """On the Triton path, the decode kernel's state over the units as stored (their keys and
+        values are full precision: nothing decoded), each unit's logit plus its ``log(count)`` (the
+        rows' ``bias``), each head-row read to its length as :meth:`FPSegment.attend_partials` reads
+        the window: no mask, no positions (the engine asks only for a step that reads every stored
+        unit, and a unit stands at its latest member's position, in the query's past). None on the
+        torch path: the step is decoded and attended whole with the bias, as before."""
+        attention_kernels = dispatch.kernels("attention", batch, self.rows.width)
+        if attention_kernels is None:
+            return None
+        rows = self.rows
+        shape = (batch, rows.bh // batch, rows.width, query.shape[-1])
+        if rows.uniform:  # every head-row holds ``width`` units: the flat units are the rectangle
+            k, v, lens = self.k.view(shape), self.v.view(shape), None
+        else:  # each head-row's units at its first slots (past its length: the next row's, unread)
+            first = ragged.starts(self.lens)[:, None] + torch.arange(rows.width, device=self.k.device)
+            at = first.clamp_(max=self.size - 1)
+            k, v, lens = self.k[at].view(shape), self.v[at].view(shape), rows.lens.view(batch, -1)
+        bias = rows.get("bias").view(shape[:3])
+        return attention_kernels.partials(query, k, v, None, scaling, bias, lens)
 
     def aux_nbytes(self) -> int:
         return super().aux_nbytes() + self.mpos.numel() * self.mpos.element_size()

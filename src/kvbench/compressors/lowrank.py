@@ -190,8 +190,8 @@ class LatentSegment(RowCounts, Segment):
         """Attention over the latents, for bases shared by the batch's sequences (not a part of one
         sequence's heads). On the Triton path, the fused kernel
         (:mod:`kvbench.kernels.latent_decode`: keys rebuilt and rotated in registers, values kept
-        latent; latents stored unquantized). On the torch path, for head-rows of the same length
-        (at least :data:`kvbench.cache.partials.PARTIAL_MIN_SLOTS`):
+        latent; quantized latents' codes dequantized in registers). On the torch path, for
+        head-rows of the same length (at least :data:`kvbench.cache.partials.PARTIAL_MIN_SLOTS`):
         keys rebuilt and rotated as :meth:`read` does, values kept latent, the output summed in
         latent space and expanded once (:func:`kvbench.cache.partials.partial`): a value is never
         rebuilt."""
@@ -199,11 +199,10 @@ class LatentSegment(RowCounts, Segment):
             return None
         kernel = dispatch.kernels("latent_decode", batch, self.rows.width)
         if kernel is not None:
-            if self.bits is not None:
-                return None
+            params = None if self.bits is None else (self.kzero, self.kstep, self.vzero, self.vstep)
             return kernel.partials(
                 query, self.klat, self.vlat, self.pos, self.kbasis, self.vbasis, self.rotary, self.lens,
-                self.rows.width, scaling,
+                self.rows.width, scaling, self.bits, params,
             )  # fmt: skip
         n = self.row_count()
         if n is None or n < partials.PARTIAL_MIN_SLOTS or dispatch.kernels("attention", batch, n) is not None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -32,6 +33,7 @@ from kvbench.cache.segments import RowCounts, Segment, joined_on_read
 from kvbench.cache.side import SideData
 from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
+from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
 from kvbench.select import leaving_window, moving_per_row
 
@@ -83,6 +85,17 @@ class PrunedSegment(RowCounts, Segment):
         if out is not None:
             return out.scatter_(2, index, rows)
         return k.new_zeros(bh, n, self.head_dim).scatter_(2, index, rows).view(-1, self.head_dim)
+
+    def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
+        """On the Triton path, the fused kernel (:mod:`kvbench.kernels.pruned_decode`: the query's
+        kept channels read by each head-row's indices, scored against the kept keys as stored, no
+        full key rebuilt). None on the torch path (the step is decoded: keys scattered into zeros)."""
+        pruned_decode = dispatch.kernels("pruned_decode", batch, self.rows.width)
+        if pruned_decode is None:
+            return None
+        return pruned_decode.partials(
+            query, self.kp, self.v, self.channels, self.lens, self.rows.width, scaling
+        )
 
     def writes_into(self) -> tuple[bool, bool]:
         """Keys are scattered straight into the slots given (zeros: :attr:`Segment.ZEROED`); values

@@ -65,13 +65,23 @@ class SVDSegment(GroupedSegment):
         return ragged.from_padded(torch.bmm(p, as_float(b).transpose(1, 2)), valid)
 
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
-        """On the torch path, for head-rows of the same length in full blocks (at least
-        :data:`kvbench.cache.partials.PARTIAL_MIN_SLOTS`): keys rebuilt and
+        """For head-rows of the same length in full blocks. On the Triton path, the fused kernel
+        (:mod:`kvbench.kernels.svd_decode`: keys rebuilt from the factors and rotated in registers,
+        values summed in factor space and expanded once per block). On the torch path (at least
+        :data:`kvbench.cache.partials.PARTIAL_MIN_SLOTS` tokens a head-row): keys rebuilt and
         rotated as :meth:`read` does; values kept factored, the output summed per block in factor
         space and expanded once per block (:func:`kvbench.cache.partials.partial`). None otherwise
         (the step is decoded)."""
         block, n = self.full_groups(), self.row_count()
-        if block is None or not n or n % block or n < partials.PARTIAL_MIN_SLOTS:
+        if block is None or not n or n % block:
+            return None
+        kernel = dispatch.kernels("svd_decode", batch, n)
+        if kernel is not None:
+            heads = self.lens.numel() // batch
+            return kernel.partials(
+                query, self.ka, self.va, self.pos, self.kb, self.vb, self.rotary, heads, block, scaling
+            )
+        if n < partials.PARTIAL_MIN_SLOTS:
             return None
         if dispatch.kernels("attention", batch, n) is not None:
             return None

@@ -88,6 +88,9 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
                 f"router.k_max={self.k_max}: must be in k_min..num_experts ({self.k_min}..{self.num_experts})"
             )
 
+    def most_read(self) -> int:
+        return self.k_max
+
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:

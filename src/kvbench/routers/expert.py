@@ -640,6 +640,32 @@ class PositionExperts:
             column[lo:hi] = torch.arange(0, n * experts, experts, device=store.device) // n
         return column.expand(store.batch, store.kv_heads, 1, width), n >= experts
 
+    def most_read(self) -> int:
+        """The most experts a query reads (a host bound from the knobs): :meth:`read_pages` hands
+        that many blocks at most."""
+        return self.num_experts
+
+    def read_pages(
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> att.Pages | None:
+        """:meth:`read_mask` as the blocks each query reads (:class:`att.Pages`: ``E`` blocks
+        splitting the routed columns), for a kernel whose grid covers those blocks and the columns
+        always read only. Where the routed columns are known on the host (:func:`routable_columns`),
+        in a one-token step, and a query reads fewer than ``E`` blocks (:meth:`most_read`); None
+        elsewhere (the engine then asks :meth:`read_mask`). The same tokens are read, and counted,
+        as the mask reads."""
+        k, experts = self.most_read(), self.num_experts
+        if k >= experts or not one_step(store, qpos):
+            return None
+        cols = routable_columns(self.budget, store, qpos)
+        if cols is None:
+            return None
+        chosen = self.route(layer, store, query, qpos).chosen  # type: ignore[attr-defined]
+        # the chosen experts in order, then E (none): the first k of them
+        first = torch.where(chosen, expert_ids(experts, chosen), experts).topk(k, largest=False).values
+        lo, hi = cols
+        return att.Pages(first.masked_fill_(first == experts, -1), hi - lo, lo, hi, start=lo, parts=experts)
+
     def none_empty(self, count: torch.Tensor) -> bool:
         """Every expert of every head-row holds a token, known on the host: ``count`` is that of
         blocks over routed columns known on the host, with at least one token a block."""

@@ -105,6 +105,9 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
                 f"router.top_k={self.top_k}: must be in 1..top_groups*num_experts/num_groups ({inside})"
             )
 
+    def most_read(self) -> int:
+        return self.top_k
+
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:

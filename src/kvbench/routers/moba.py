@@ -27,6 +27,9 @@ class BaseRouter(PositionExperts, ExpertRouter):
         if not 1 <= self.top_k <= self.num_experts:
             raise ConfigError(f"router.top_k={self.top_k}: must be in 1..num_experts ({self.num_experts})")
 
+    def most_read(self) -> int:
+        return self.top_k
+
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
