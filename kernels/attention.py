@@ -153,6 +153,16 @@ def online_softmax(m_i, l_i, acc, s, v):
 
 
 @triton.jit
+def attend_block(m_i, l_i, acc, qs, k, v, read, scaling):
+    """One block of keys ``k`` (BLOCK_T, BLOCK_D) and values ``v`` scored against the query group
+    ``qs`` (BLOCK_G, BLOCK_D) and taken into the running state (:func:`online_softmax`); slots not
+    ``read`` (BLOCK_T,) have no weight."""
+    s = tl.dot(qs, tl.trans(k), out_dtype=tl.float32, input_precision="ieee") * scaling
+    s = tl.where(read[None, :], s, float("-inf"))
+    return online_softmax(m_i, l_i, acc, s, v)
+
+
+@triton.jit
 def store_partials(
     m_out, l_out, acc_out, row, split, m_i, l_i, acc, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr
 ):

@@ -21,10 +21,10 @@ from kvbench.kernels import dispatch
 from kvbench.kernels.attention import (
     BLOCK_T,
     Partials,
+    attend_block,
     blocks,
     empty_partials,
     no_reads,
-    online_softmax,
     row_starts,
     split_slots,
     store_partials,
@@ -90,9 +90,7 @@ def _kivi_decode_kernel(
         if not FP32:  # at the cache's dtype, as the torch path attends
             k = k.to(qs.dtype)
             v = v.to(qs.dtype)
-        s = tl.dot(qs, tl.trans(k), out_dtype=tl.float32, input_precision="ieee") * scaling
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, v)
+        m_i, l_i, acc = attend_block(m_i, l_i, acc, qs, k, v, t_ok, scaling)
     store_partials(m_out, l_out, acc_out, row, split, m_i, l_i, acc, BLOCK_G, BLOCK_D)
 
 

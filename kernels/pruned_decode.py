@@ -25,10 +25,10 @@ from kvbench.kernels import dispatch
 from kvbench.kernels.attention import (
     BLOCK_T,
     Partials,
+    attend_block,
     blocks,
     empty_partials,
     no_reads,
-    online_softmax,
     pow2,
     row_starts,
     split_slots,
@@ -86,9 +86,7 @@ def _pruned_decode_kernel(
         else:  # at the query's dtype, as the torch path attends
             k = k.to(qs.dtype)
             vt = vt.to(qs.dtype)
-        s = tl.dot(qs, tl.trans(k), out_dtype=tl.float32, input_precision="ieee") * scaling
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_i, l_i, acc = online_softmax(m_i, l_i, acc, s, vt)
+        m_i, l_i, acc = attend_block(m_i, l_i, acc, qs, k, vt, t_ok, scaling)
     store_partials(m_out, l_out, acc_out, row, split, m_i, l_i, acc, BLOCK_G, BLOCK_D)
 
 

@@ -92,7 +92,7 @@ def test_the_reference_dequantizes_as_the_segment_does():
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("bits", LATENT_BITS)
+@pytest.mark.parametrize("bits", [8])  # the default; 4 bits at the kernel's level (above), for CI's time
 def test_lora_plus_plus_gives_the_same_logits_on_either_path(tiny, bits, monkeypatch):
     """A tiny model under ``lora_plus_plus`` stores the same bytes with ``kernels=triton``
     (interpreted here) as with ``kernels=torch``, and its logits agree within float tolerance: each

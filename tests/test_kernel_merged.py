@@ -110,7 +110,8 @@ def test_merged_units_read_in_place_equal_attention_with_their_bias(
         torch.testing.assert_close(got.cpu().float(), want.cpu().float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny_93"], ids=["heads-6-2", "heads-9-3"])
+# GQA 3 at the kernel's level (above); one model end to end, for CI's time
+@pytest.mark.parametrize("model", ["tiny"], ids=["heads-6-2"])
 def test_merged_units_give_the_same_logits_on_either_path(model, monkeypatch, request):
     """A tiny model under distillation gives logits within float tolerance on both paths (the
     kernels sum in another order than SDPA): on the Triton path every decode step of every layer

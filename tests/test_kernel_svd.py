@@ -91,7 +91,8 @@ def test_ragged_blocks_take_the_decoded_path():
         assert seg.attend_partials(q, 0.25, 1) is None
 
 
-@pytest.mark.parametrize("value_rank", [5, None], ids=["factored-values", "full-values"])
+# full values at the kernel's level (above); factored end to end, for CI's time
+@pytest.mark.parametrize("value_rank", [5], ids=["factored-values"])
 def test_svd_gives_the_same_logits_on_either_path(tiny, value_rank, monkeypatch):
     """A tiny model under an svd compressor stores the same bytes with ``kernels=triton``
     (interpreted here) as with ``kernels=torch``, and its logits agree within float tolerance:
