@@ -42,6 +42,14 @@ from kvbench.kernels.attention import (
 from kvbench.kernels.kivi import _unpack_load
 
 
+def frequencies(rotary: Rotary, device: torch.device) -> torch.Tensor:
+    """The rotary's inverse frequencies as the kernels read them: float32 on ``device``."""
+    inv_freq = rotary.inv_freq
+    if inv_freq.device != device or inv_freq.dtype != torch.float32:
+        inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+    return inv_freq
+
+
 @triton.jit
 def _latents(lat, zero, step, at, t_ok, r, R, BITS: tl.constexpr):
     """A block's latents ``(BLOCK_T, BLOCK_R)`` of the flat tokens ``at``: as stored (``BITS`` 0),
@@ -182,9 +190,7 @@ def partials(
         return no_reads(out)
     half = rotary.rot_dim // 2
     row_len, starts = row_starts(lens)
-    inv_freq = rotary.inv_freq
-    if inv_freq.device != query.device or inv_freq.dtype != torch.float32:
-        inv_freq = inv_freq.to(device=query.device, dtype=torch.float32)
+    inv_freq = frequencies(rotary, query.device)
     _latent_decode_kernel[(out.m.shape[1], splits)](
         query, klat, vlat, kzero, kstep, vzero, vstep, pos, kbasis, vbasis, inv_freq, lens, starts,
         out.m, out.l, out.acc, h, query.shape[1] // h, d, half, rk, rv, per_split, scaling,

@@ -37,7 +37,7 @@ from kvbench.kernels.attention import (
     split_slots,
     store_partials,
 )
-from kvbench.kernels.latent_decode import _rope_keys
+from kvbench.kernels.latent_decode import _rope_keys, frequencies
 
 
 @triton.jit(do_not_specialize=["blocks_per_split", "ROW_BLOCKS"])
@@ -162,9 +162,7 @@ def partials(
     elif vb.stride(-1) != 1:
         vb = vb.contiguous()
     half = rotary.rot_dim // 2
-    inv_freq = rotary.inv_freq
-    if inv_freq.device != query.device or inv_freq.dtype != torch.float32:
-        inv_freq = inv_freq.to(device=query.device, dtype=torch.float32)
+    inv_freq = frequencies(rotary, query.device)
     rk, rv = ka.shape[1], va.shape[1]
     _svd_decode_kernel[(out.m.shape[1], splits)](
         query, ka, va, pos, kb, vb, inv_freq, out.m, out.l, out.acc,

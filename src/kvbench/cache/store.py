@@ -23,7 +23,6 @@ reported apart as ``aux_nbytes()``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -33,11 +32,10 @@ from kvbench.cache.positions import step_positions
 from kvbench.cache.rows import Rows
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
 from kvbench.cache.side import SideData, TokenState
+from kvbench.cache.surface import Build
 from kvbench.cache.view import JoinedRows, PaddedView, decode_rows, padded_view
 
 S = TypeVar("S", bound=SideData)
-
-Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
 
 
 class LayerStore:

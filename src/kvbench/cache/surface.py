@@ -30,6 +30,8 @@ from kvbench.cache.view import PaddedView
 
 S = TypeVar("S", bound=SideData)
 
+# what a representation builds from the tokens moved out of the full-precision rows: k (n, D), v (n, D),
+# pos (n,), lens (BH,) -> its segment (:meth:`LayerStore.move_out`)
 Build = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], Segment]
 
 

@@ -17,8 +17,7 @@ import torch
 
 from kvbench.cache import quant, ragged
 from kvbench.cache.segments import GroupedSegment
-from kvbench.cache.store import Build
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import Build, TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
