@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.cache.rotary import Rotary
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, protected_from
 from kvbench.errors import ConfigError
 
 
@@ -97,13 +97,13 @@ class Budget:
 
     def protected_view(self, store: TechniqueStore) -> torch.Tensor:
         """:meth:`protected` over ``store.view()``: ``(B, H, T)``."""
-        return self.protected(store.view().pos, store.seen[:, None, None], store.view_protect_from())
+        return self.protected(store.view().pos, store.seen[:, None, None], protected_from(store))
 
     def protected_fp(self, store: TechniqueStore) -> torch.Tensor:
         """:meth:`protected` over the full-precision rows: ``(B * H, W)``."""
-        start = store.protect_from
-        start = None if start is None else start.repeat_interleave(store.kv_heads)[:, None]
-        return self.protected(store.fp_view("pos"), store.row_seen()[:, None], start)
+        start, heads = store.protect_from, store.kv_heads
+        start = None if start is None else start.repeat_interleave(heads)[:, None]
+        return self.protected(store.fp_view("pos"), store.seen.repeat_interleave(heads)[:, None], start)
 
     def scaled(self, depth: int) -> Budget:
         """The budget of the ``depth``-th selection of a stack: selections compose multiplicatively."""

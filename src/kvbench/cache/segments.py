@@ -32,6 +32,12 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def flat_rows(seg: Segment | FPSegment) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head-row and original position of every token of ``seg``, flat and head-major."""
+    valid = seg.rows.valid()
+    return valid.nonzero(as_tuple=True)[0], seg.rows.get("pos")[valid]
+
+
 @dataclass
 class Segment:
     """Tokens of one compressed representation, stored flat and head-major.

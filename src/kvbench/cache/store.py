@@ -32,7 +32,7 @@ from kvbench.cache.positions import step_positions
 from kvbench.cache.rows import Rows
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
 from kvbench.cache.side import SideData, TokenState
-from kvbench.cache.surface import Build
+from kvbench.cache.surface import Build, every_position
 from kvbench.cache.view import JoinedRows, PaddedView, decode_rows, padded_view
 
 S = TypeVar("S", bound=SideData)
@@ -355,11 +355,6 @@ class LayerStore:
             start += seg.rows.width
         return out.view(self.batch, self.kv_heads, positions)
 
-    def flat_rows(self, seg: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head-row and original position of every token of ``seg``, flat and head-major."""
-        valid = seg.rows.valid()
-        return valid.nonzero(as_tuple=True)[0], seg.rows.get("pos")[valid]
-
     def _split(self, padded: torch.Tensor) -> list[torch.Tensor]:
         """Split a ``(B, H, T, ...)`` tensor aligned with ``view()`` into per-segment ``(BH, w, ...)``."""
         flat = padded.reshape(self.batch * self.kv_heads, padded.shape[2], *padded.shape[3:])
@@ -368,10 +363,6 @@ class LayerStore:
             out.append(flat[:, start : start + seg.rows.width])
             start += seg.rows.width
         return out
-
-    def local(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` on this layer's device (itself if there): state another layer made, across GPUs."""
-        return x.to(self.device)
 
     # --- per-token technique state --------------------------------------------------------
     def state(self, st: TokenState) -> torch.Tensor:
@@ -419,37 +410,13 @@ class LayerStore:
         self._side[type(data)] = data
 
     # --- sequences ------------------------------------------------------------------------
-    def row_seen(self) -> torch.Tensor:
-        """``seen`` of each head-row ``(B * H,)``."""
-        return self.seen.repeat_interleave(self.kv_heads)
-
-    def view_protect_from(self) -> torch.Tensor | None:
-        return None if self.protect_from is None else self.protect_from[:, None, None]
-
-    def chunk_start(self, qpos: torch.Tensor) -> torch.Tensor:
-        """First position of each sequence's current chunk ``(B,)``: its first real query (``qpos``
-        ``(B, q)``, -1 for padding), else ``seen`` (every real query lies below ``seen``)."""
-        return torch.where(qpos >= 0, qpos, self.seen[:, None]).amin(-1)
-
-    def every_position(self) -> bool:
-        """Every stored slot holds the token of its own position (row ``t`` of ``view()`` is position
-        ``t`` in every head-row), from host figures: one in-order segment, nothing evicted, every
-        sequence at the same length and the last chunk unpadded. Layers of one step then share
-        the layout, and whatever derives from positions alone."""
-        rows = self._fp.rows
-        return (
-            self.in_position_order()
-            and not self.last_padded
-            and rows.uniform
-            and all(n == rows.width for n in self.seen_host)
-        )
-
     def position_key(self, qpos: torch.Tensor) -> tuple[Any, ...] | None:
         """A host key of what derives from positions alone for the queries at ``qpos``: set where
-        every slot holds its own position (:meth:`every_position`) and ``qpos`` is the whole last
-        chunk, else None. Stores with the same key (the layers of one step) have the same stored
-        positions, chunk and protected positions, so such derivations can be shared."""
-        if not self.every_position() or qpos.shape != self.last_qpos.shape:
+        every slot holds its own position (:func:`kvbench.cache.surface.every_position`) and
+        ``qpos`` is the whole last chunk, else None. Stores with the same key (the layers of one
+        step) have the same stored positions, chunk and protected positions, so such derivations
+        can be shared."""
+        if not every_position(self) or qpos.shape != self.last_qpos.shape:
             return None
         return (self.device, self.batch, self.kv_heads, self._seen_max, qpos.shape[1], self.protect_from_host)
 

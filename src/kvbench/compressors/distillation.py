@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import ragged
-from kvbench.cache.segments import Segment
+from kvbench.cache.segments import Segment, flat_rows
 from kvbench.cache.surface import TechniqueStore
 from kvbench.compressors.kmeans import kmeans
 from kvbench.errors import ConfigError
@@ -136,7 +136,7 @@ def _members(store: TechniqueStore, seg, start: int) -> tuple[torch.Tensor, torc
     col = col + start
     members = seg.members()
     if members is None:
-        return store.flat_rows(seg)[1], rows, col
+        return flat_rows(seg)[1], rows, col
     mpos, owner = members
     return mpos, rows[owner], col[owner]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.cache.engine import KVCache
+from kvbench.cache.segments import flat_rows
 
 
 def _row_positions(store, seq: int) -> list[torch.Tensor]:
@@ -18,7 +19,7 @@ def _row_positions(store, seq: int) -> list[torch.Tensor]:
     rows = range(seq * store.kv_heads, (seq + 1) * store.kv_heads)
     parts: list[list[torch.Tensor]] = [[] for _ in rows]
     for seg in store.segments:
-        unit_rows, pos = store.flat_rows(seg)
+        unit_rows, pos = flat_rows(seg)
         merged = seg.members()
         if merged is None:
             owner = unit_rows

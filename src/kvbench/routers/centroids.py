@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvbench.cache.side import SideData, TokenState
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, every_position
 from kvbench.roles import Budget
 from kvbench.routers.expert import (
     ExpertRouter,
@@ -82,9 +82,9 @@ def held_columns(store: TechniqueStore, experts: int) -> torch.Tensor:
 
 def write_columns(budget: Budget, store: TechniqueStore) -> tuple[int, int] | None:
     """The tokens a write routes (valid, not protected) as the columns ``lo .. hi - 1`` of every
-    head-row, where every slot holds its own position (:meth:`LayerStore.every_position`) with one
-    protected start; None elsewhere."""
-    return unprotected_columns(budget, store, store.seen_max) if store.every_position() else None
+    head-row, where every slot holds its own position
+    (:func:`kvbench.cache.surface.every_position`) with one protected start; None elsewhere."""
+    return unprotected_columns(budget, store, store.seen_max) if every_position(store) else None
 
 
 def sq_dist(keys: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kvbench.cache import attention as att
 from kvbench.cache import devices
 from kvbench.cache.reads import ReadCount, ReadMeter, count_reads, one_step
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, chunk_start, protected_from
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Flags, Router
@@ -60,9 +60,9 @@ def routable_tokens(budget, store: TechniqueStore, qpos: torch.Tensor) -> torch.
     """
     view = store.view()
     pos = view.pos
-    start = store.chunk_start(qpos)[:, None, None]
+    start = chunk_start(store, qpos)[:, None, None]
     out = view.valid & (pos >= budget.sinks) & (pos < start - budget.window)
-    protect_from = store.view_protect_from()
+    protect_from = protected_from(store)
     return out if protect_from is None else out & (pos < protect_from)
 
 
@@ -589,9 +589,10 @@ class PositionExperts:
     """Mixin: write = contiguous position blocks over the routed tokens, derived at read time
     (a token's block follows from its rank, so nothing is stored and ``write`` keeps nothing).
 
-    Where every stored slot holds its own position (:meth:`LayerStore.every_position`), the blocks
-    depend on the positions alone, so they are the same in every layer of a step: the first
-    layer derives them (and their one-hot and sizes) and the others reuse those very tensors.
+    Where every stored slot holds its own position
+    (:func:`kvbench.cache.surface.every_position`), the blocks depend on the positions alone, so
+    they are the same in every layer of a step: the first layer derives them (and their one-hot
+    and sizes) and the others reuse those very tensors.
     The routed tokens are then a range of columns known on the host (:func:`routable_columns`),
     and so is the block of each.
     """

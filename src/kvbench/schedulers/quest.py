@@ -37,7 +37,7 @@ from kvbench.cache import attention as att
 from kvbench.cache import ragged
 from kvbench.cache.reads import ReadCount, ReadMeter, count_reads, one_step
 from kvbench.cache.side import SideData
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, chunk_start, protected_from
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Flags, Scheduler
@@ -279,10 +279,10 @@ class QuestScheduler(Scheduler):
         if key is not None and (pf is None or len(set(pf)) == 1):
             return self._uniform_pages(store, qpos, key)
         view = store.view()
-        start = store.chunk_start(qpos)[:, None, None]
+        start = chunk_start(store, qpos)[:, None, None]
         prior = view.valid & (view.pos < start)
         page, in_page, n_full = self.layout(view.pos, prior, store.in_position_order())
-        protected = self.budget.protected(view.pos, start, store.view_protect_from())
+        protected = self.budget.protected(view.pos, start, protected_from(store))
         always = view.valid & (protected | ~in_page)  # with the chunk and the partial last page
         pageable = in_page & ~always
         width = int(n_full.max()) if n_full.numel() else 0
