@@ -62,15 +62,28 @@ MAX_SPLITS = 64
 PROGRAMS = 264
 
 
-@triton.jit(do_not_specialize=["T", "slots_per_split", "window", "LO", "HI", "N_DENSE", "START", "SPAN", "K"])
+@triton.jit(
+    do_not_specialize=[
+        "T",
+        "slots_per_split",
+        "window",
+        "LO",
+        "HI",
+        "N_DENSE",
+        "START",
+        "SPAN",
+        "K",
+        "N_ORDER",
+    ]
+)
 def _decode_kernel(
     q, k, v, mask, bias, lens, kpos, qpos, pages, m_out, l_out, acc_out,
     H, G, Q, T, D, slots_per_split, scaling, window,
     sq_b, sq_h, sq_q, skv_b, skv_h, sm_b, sm_h, sm_q, sb_b, sb_h, skp_b, skp_h, sqp_b,
-    LO, HI, N_DENSE, PAGE, START, SPAN, PARTS, K,
+    LO, HI, N_DENSE, PAGE, START, SPAN, PARTS, K, order, bounds, N_ORDER,
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr, HAS_POS: tl.constexpr,
-    HAS_PAGES: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-    FP32: tl.constexpr,
+    HAS_PAGES: tl.constexpr, HAS_ORDER: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, FP32: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)  # (b, KV head, query position)
     split = tl.program_id(1)
@@ -100,10 +113,26 @@ def _decode_kernel(
         newest = tl.where(qp < 0, 1 << 62, qp)  # a padding query (-1) reads every slot
         oldest = tl.where((qp < 0) | (window == 0), -1, qp - window)
     kv = b * skv_b + h * skv_h  # keys and values share their layout: (T, D) rows, D contiguous
+    if HAS_ORDER:  # pages listed in ``order``: the chosen ones' entries one after another
+        kk = tl.arange(0, BLOCK_K)
+        chosen = tl.load(pages + row * K + kk, mask=kk < K, other=-1)
+        first = tl.load(bounds + (b * H + h) * (PARTS + 1) + chosen, mask=chosen >= 0, other=0)
+        size = tl.load(bounds + (b * H + h) * (PARTS + 1) + chosen + 1, mask=chosen >= 0, other=0) - first
+        ends = tl.sum(tl.where(kk[None, :] <= kk[:, None], size[None, :], 0), axis=1)  # running sizes
+        shift = first - (ends - size)  # entry of a chosen page's slot w (w counted over chosen pages)
     for t0 in range(start, stop, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < stop
-        if HAS_PAGES:  # T counts the slots read: [0, LO), [HI, HI + N_DENSE - LO), then K pages
+        if HAS_ORDER:  # T counts the slots read: [0, LO), [HI, HI + N_DENSE - LO), then the chosen
+            w = t - N_DENSE
+            inside = (w[:, None] >= (ends - size)[None, :]) & (w[:, None] < ends[None, :])
+            entry = w + tl.sum(tl.where(inside, shift[None, :], 0), axis=1)
+            listed = tl.sum(inside.to(tl.int32), axis=1) > 0
+            slot = tl.load(order + (b * H + h) * N_ORDER + entry, mask=t_ok & (w >= 0) & listed, other=0)
+            dense = tl.where(t < LO, t, HI + t - LO)
+            t_ok = t_ok & ((w < 0) | listed)
+            t = tl.where(w < 0, dense, slot.to(tl.int32))
+        elif HAS_PAGES:  # T counts the slots read: [0, LO), [HI, HI + N_DENSE - LO), then K pages
             w = t - N_DENSE  # the slot's place among the chosen pages' (negative: a dense slot)
             page = tl.load(pages + (row * K) + w // PAGE, mask=t_ok & (w >= 0), other=-1)
             # page j: the slots START + ceil(j SPAN / PARTS) up to the next page's first (at most PAGE)
@@ -387,12 +416,16 @@ def prepare(
     read = t  # the slots the grid covers: every slot, or the dense ranges and the chosen pages
     index, lo, hi, n_dense, page, k_pages = None, 0, 0, 0, 1, 0
     start, span, parts = 0, 1, 1
+    order = bounds = None
     if pages is not None:
         lo, hi, start, span, parts = pages.lo, pages.hi, pages.start, pages.size, pages.parts
         page = -(-span // parts)  # the longest page
         n_dense, k_pages = lo + max(t - hi, 0), pages.index.shape[-1]
         index = pages.index.contiguous()  # (B, H, q, K): a row's K pages in a row
         read = n_dense + k_pages * page
+        if pages.order is not None and pages.bounds is not None:  # listed pages: at most hi - lo slots
+            order, bounds = pages.order.contiguous(), pages.bounds.contiguous()
+            read = n_dense + order.shape[-1]
     splits, per_split = split_slots(read, b * h * nq)
     block_g, block_d = blocks(query, h)
     out = empty_partials(query, h, splits, (block_g, block_d))
@@ -415,10 +448,13 @@ def prepare(
         h, hq // h, nq, read, d, per_split, scaling, window,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1),
         *mask_strides, *bias_strides, *pos_strides, lo, hi, n_dense, page, start, span, parts, k_pages,
+        m if order is None else order, m if bounds is None else bounds,
+        0 if order is None else order.shape[-1],
     )  # fmt: skip
     constants = dict(
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, HAS_LENS=held is not None,
-        HAS_POS=positions is not None, HAS_PAGES=pages is not None,
+        HAS_POS=positions is not None, HAS_PAGES=pages is not None, HAS_ORDER=order is not None,
+        BLOCK_K=2 if order is None else max(2, pow2(k_pages)),
         BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d, FP32=dispatch.interpreted(),
     )  # fmt: skip
     return Launch((m.shape[1], splits), args, constants, out)

@@ -38,7 +38,7 @@ VERSIONS = {
     "pruned_decode": 1,
     "scoring": 1,
     "svd_decode": 1,
-    "attention": 3,
+    "attention": 4,
     "compaction": 1,
 }
 

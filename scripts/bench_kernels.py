@@ -37,6 +37,11 @@ here, said so).
 - ``decode.blocks2/8``: a position router's step (``router=base``): 8 blocks split the routed
   slots, each query reads 2, named by index (:class:`att.Pages` with ``parts``), against the torch
   path (SDPA with the mask) and dense SDPA over every token.
+- ``decode.experts2/8``: a centroid router's step (``router=topk_balanced``, ``pikv``, ``eplb``): 8
+  experts of scattered slots, each query reads 2; the Triton path lists the routed slots expert by
+  expert (:class:`att.Pages` with ``order``, one sort, timed with the step) and reads the chosen
+  experts' only, against the torch path (the mask gathered from each slot's expert, then SDPA) and
+  dense SDPA over every token.
 - ``decode.pruned``: one decode step over ThinK's pruned keys (half the key channels kept), the
   query's kept channels read in the kernel, against the torch path (keys rebuilt with zeros, then
   SDPA) and bf16 SDPA over the full cache.
@@ -201,6 +206,30 @@ def case(
         ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, None, scale, pages=blocks), cuda)
     read = batch * KV_HEADS * (2 * (hi - lo) // 8 + t - hi + lo) * HEAD_DIM * 2 * 2  # blocks, the rest
     show("decode.blocks2/8", batch, t, ms, read, peak)
+    # a centroid router's step (router=topk_balanced, pikv, eplb): 8 experts of scattered slots, each
+    # query reads 2; the torch path builds the mask from each slot's expert (Routing.mask), the
+    # Triton path lists the routed slots expert by expert (one sort) and reads the 2 experts' only
+    expert = torch.randint(0, 8, (batch, KV_HEADS, hi - lo), generator=gen, device=device)
+    column = F.pad(expert, (lo, t - hi), value=8)[:, :, None, :]  # 8: always read
+    chosen2 = torch.zeros(batch, KV_HEADS, 1, 8, dtype=torch.bool, device=device)
+    chosen2.scatter_(-1, index, True)
+    ids = torch.arange(10, device=device)
+
+    def by_mask() -> torch.Tensor:
+        read = F.pad(chosen2, (0, 1), value=True).gather(-1, column)
+        return att.attend(q, kv, kv, read, scale)
+
+    def listed() -> att.Pages:
+        held, order = column[:, :, 0, lo:hi].sort(dim=-1, stable=True)
+        bounds = torch.searchsorted(held, ids.expand(batch, KV_HEADS, 10).contiguous())
+        first = torch.cat([index, torch.full_like(index[..., :1], 8)], -1)
+        return att.Pages(first, hi - lo, lo, hi, lo, 9, order=order.add_(lo), bounds=bounds)
+
+    ms = {"torch": bench(by_mask, cuda), "sdpa": sdpa}
+    if kernels:
+        ms["triton"] = bench(lambda: kernels[1].attend(q, kv, kv, None, scale, pages=listed()), cuda)
+    read = batch * KV_HEADS * (2 * (hi - lo) // 8 + t - hi + lo) * HEAD_DIM * 2 * 2  # experts, the rest
+    show("decode.experts2/8", batch, t, ms, read + expert.numel() * 8, peak)
     # a sliding window of 4,096 tokens: what a step reads comes from the positions
     kpos = torch.arange(t, device=device).expand(batch, KV_HEADS, t)
     at = att.Positions(kpos, torch.full((batch, 1), t, device=device), 4096)

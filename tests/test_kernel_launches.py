@@ -83,6 +83,8 @@ def attention_launches(lm, technique: str) -> list[dict[str, int]]:
         ("scheduler/quest", ("triton._decode_kernel",)),
         # a position router's blocks: the grid covers the two of eight it names
         ("router/base", ("triton._decode_kernel",)),
+        # a centroid router's experts, listed: the grid covers the routed slots at most
+        ("router/topk_balanced", ("triton._decode_kernel",)),
         # ragged heads: each head-row read to its own length
         ("scheduler/adakv", ("triton._decode_kernel",)),
         # two segments: KIVI's codes and the full-precision window, each its own partials

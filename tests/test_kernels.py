@@ -28,8 +28,11 @@ from kvbench.kernels import compaction as kc
 from kvbench.kernels import dispatch, kivi, kivi_decode, latent_decode
 from kvbench.kernels import scoring as ks
 from kvbench.routers.adaptive import AdaptiveRouter
+from kvbench.routers.eplb import EPLBRouter
 from kvbench.routers.hierarchical import HierarchicalRouter
 from kvbench.routers.moba import BaseRouter
+from kvbench.routers.pikv import PikvRouter
+from kvbench.routers.topk_balanced import TopKBalancedRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.quest import QuestScheduler
@@ -421,6 +424,58 @@ def test_decode_by_pages_reads_the_pages_named(device, b, hq, h, t, d, page, lo,
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "b, hq, h, t, d, lo, hi, experts, k",
+    [
+        (1, 4, 2, 100, 64, 4, 90, 8, 3),  # 8 experts of scattered slots, 2 chosen and one unused
+        (2, 9, 3, 300, 80, 2, 280, 6, 3),  # GQA 9/3, several blocks and splits
+        (1, 32, 8, 40, 128, 2, 34, 16, 4),  # more experts than routed slots: empty experts
+    ],
+)
+def test_decode_by_listed_pages_reads_the_experts_named(device, b, hq, h, t, d, lo, hi, experts, k):
+    """Pages that are sets of slots (a centroid router's experts, :attr:`att.Pages.order`: the
+    routed slots listed expert by expert, the unassigned ones as page ``E``, always read): the
+    grid covers the always-read slots and the routed ones at most, and the kernel gives SDPA's
+    attention over the slots of the experts named, as their mask."""
+    _skip_without(device)
+    gen = torch.Generator().manual_seed(hi)
+    n = hi - lo
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(b, hq, 1, d, generator=gen).to(dtype)
+        key, value = (torch.randn(b, h, t, d, generator=gen).to(dtype) for _ in range(2))
+        expert = torch.randint(0, experts + 1, (b, h, n), generator=gen)  # experts: not assigned
+        held, order = expert.sort(dim=-1, stable=True)
+        bounds = torch.searchsorted(held, torch.arange(experts + 2).expand(b, h, experts + 2).contiguous())
+        index = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(b * h)]).view(
+            b, h, 1, k
+        )
+        index[..., -1:] = -1  # fewer experts chosen than room for
+        index = torch.cat([index, torch.full((b, h, 1, 1), experts)], -1)
+        pages = att.Pages(index, n, lo, hi, lo, experts + 1, order=order + lo, bounds=bounds)
+        launch = ka.prepare(q, key, value, None, 1.0, pages=pages)
+        ka.workspace(q.device, launch.out.acc.shape[-1]).give_back(launch.out)
+        assert launch.args[15] == lo + t - hi + n  # the slots the grid covers
+        mask = pages.mask(t)
+        slot = torch.full((b, h, t), -2)
+        slot[..., lo:hi] = expert
+        read = (slot[:, :, None, :, None] == index[..., None, :]).any(-1) | (slot[:, :, None, :] == -2)
+        assert torch.equal(mask, read)
+        want = ka.attend_reference(q, key, value, mask, d**-0.5)
+        on = att.Pages(
+            index.to(device),
+            n,
+            lo,
+            hi,
+            lo,
+            experts + 1,
+            order=(order + lo).to(device),
+            bounds=bounds.to(device),
+        )
+        got = ka.attend(q.to(device), key.to(device), value.to(device), None, d**-0.5, pages=on)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize(
     "role, technique",
     [
@@ -428,8 +483,11 @@ def test_decode_by_pages_reads_the_pages_named(device, b, hq, h, t, d, page, lo,
         ("router", lambda: BaseRouter(num_experts=8, top_k=2)),
         ("router", lambda: HierarchicalRouter(num_experts=8, num_groups=4, top_groups=2, top_k=3)),
         ("router", lambda: AdaptiveRouter(num_experts=6, k_min=1, k_max=3)),
+        ("router", lambda: TopKBalancedRouter(num_experts=6, top_k=2)),
+        ("router", lambda: PikvRouter(num_experts=5, top_k=2)),
+        ("router", lambda: EPLBRouter(num_experts=6, top_k=3)),
     ],
-    ids=["quest", "base", "hierarchical", "adaptive"],
+    ids=["quest", "base", "hierarchical", "adaptive", "topk_balanced", "pikv", "eplb"],
 )
 def test_read_selectors_count_the_same_reads_by_pages_as_by_their_mask(tiny_93, role, technique, monkeypatch):
     """A read selector's figures (tokens and bytes read per query, page metadata, experts read)
@@ -539,8 +597,8 @@ def test_bench_kernels_runs_every_row_on_both_paths():
     names = [line.split()[0] for line in rows]
     assert names == [
         "kivi.quantize", "kivi.dequantize", "decode.masked", "decode.ragged", "decode.sparse1/8",
-        "decode.pages1/8", "decode.blocks2/8", "decode.window", "score.quest", "decode.kivi2bit",
-        "decode.latent", "decode.latent8bit", "decode.pruned", "decode.svd",
+        "decode.pages1/8", "decode.blocks2/8", "decode.experts2/8", "decode.window", "score.quest",
+        "decode.kivi2bit", "decode.latent", "decode.latent8bit", "decode.pruned", "decode.svd",
     ]  # fmt: skip
     assert all("torch " in line and "triton " in line for line in rows)
     # a decode call's fixed cost, end to end and stage by stage

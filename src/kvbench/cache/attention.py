@@ -66,7 +66,12 @@ class Pages:
     Page ``j`` holds the slots from ``start + ceil(j size / parts)`` to the next page's first:
     ``parts`` pages share each ``size`` slots. Quest's pages are ``size`` slots from slot 0
     (``parts`` 1); the position routers' ``E`` blocks split the ``n`` routed slots from ``lo``
-    (``size`` n, ``parts`` E), a slot of rank ``r`` in block ``r E // n``."""
+    (``size`` n, ``parts`` E), a slot of rank ``r`` in block ``r E // n``.
+
+    Pages that are sets of slots rather than runs (the centroid routers' experts) come as a list:
+    ``order`` ``(B, H, hi - lo)`` holds the slots of ``[lo, hi)`` page by page, page ``j`` being
+    ``order[..., bounds[..., j] : bounds[..., j + 1]]`` (``bounds`` ``(B, H, parts + 1)``).
+    The chosen pages together hold at most ``hi - lo`` slots, so a kernel's grid covers that many."""
 
     index: torch.Tensor
     size: int
@@ -74,13 +79,23 @@ class Pages:
     hi: int
     start: int = 0
     parts: int = 1
+    order: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None
 
     def mask(self, slots: int) -> torch.Tensor:
         """``(B, H, q, slots)`` bool: the slots read."""
         t = torch.arange(slots, device=self.index.device)
         always = (t < self.lo) | (t >= self.hi)
-        page = torch.where(always, -2, (t - self.start) * self.parts // self.size)  # -2: never an index
-        chosen = (page[None, None, None, :, None] == self.index[..., None, :]).any(-1)
+        if self.order is None:
+            page = torch.where(always, -2, (t - self.start) * self.parts // self.size)  # -2: never an index
+            chosen = (page[None, None, None, :, None] == self.index[..., None, :]).any(-1)
+            return chosen | always
+        assert self.bounds is not None
+        entry = torch.arange(self.order.shape[-1], device=self.order.device)
+        of_entry = (entry[None, None, :, None] >= self.bounds[:, :, None, 1:]).sum(-1)  # (B, H, n)
+        page = torch.full((*self.order.shape[:2], slots), -2, dtype=torch.long, device=self.order.device)
+        page.scatter_(-1, self.order.long(), of_entry)
+        chosen = (page[:, :, None, :, None] == self.index[..., None, :]).any(-1)
         return chosen | always
 
 

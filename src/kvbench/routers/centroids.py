@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from kvbench.cache import attention as att
+from kvbench.cache.reads import one_step
 from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.surface import TechniqueStore, every_position
 from kvbench.roles import Budget
@@ -144,6 +146,7 @@ class CentroidExperts:
     """
 
     num_experts: int
+    top_k: int
     budget: Budget
     _held: dict[int, tuple[Any, torch.Tensor]]  # declared by ExpertRouter
 
@@ -173,6 +176,33 @@ class CentroidExperts:
 
     def summarize(self, layer: int, store: TechniqueStore, experts: Experts) -> torch.Tensor:
         return self.state(store)[0]
+
+    def read_pages(
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> att.Pages | None:
+        """:meth:`read_mask` as the experts each query reads, for a kernel whose grid covers those
+        experts' tokens and the columns always read only (as :meth:`PositionExperts.read_pages`).
+        An expert is a set of slots, not a run: the routed columns are listed expert by expert
+        (:attr:`att.Pages.order`, one stable sort of their experts), the columns not assigned yet
+        last, as page ``E``, which every query reads (the mask reads them too). Where the routed
+        columns are known on the host, in a one-token step, and a query reads fewer than ``E``
+        experts; None elsewhere (the engine then asks :meth:`read_mask`)."""
+        k, experts = self.top_k, self.num_experts
+        if k >= experts or not one_step(store, qpos):
+            return None
+        cols = routable_columns(self.budget, store, qpos)
+        if cols is None:
+            return None
+        routing = self.route(layer, store, query, qpos)  # type: ignore[attr-defined]
+        lo, hi = cols
+        held, order = routing.experts.column[:, :, 0, lo:hi].sort(dim=-1, stable=True)  # (B, H, n)
+        ids = expert_ids(experts + 2, held)
+        bounds = torch.searchsorted(held, ids.expand(*held.shape[:2], experts + 2).contiguous())
+        chosen = routing.chosen  # (B, H, 1, E): the first k chosen, then E (the unassigned)
+        first = torch.where(chosen, ids[:experts], experts).topk(k + 1, largest=False).values
+        first[..., :k].masked_fill_(first[..., :k] == experts, -1)
+        first[..., k] = experts
+        return att.Pages(first, hi - lo, lo, hi, lo, experts + 1, order=order.add_(lo), bounds=bounds)
 
     def state(self, store: TechniqueStore) -> tuple[torch.Tensor, torch.Tensor]:
         """Running centroids ``(B, H, E, D)`` and counts ``(B, H, E)`` (zeros before any write)."""
