@@ -42,7 +42,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "router/topk_balanced": (43.0, 0.51),
     "compressor/chunkkv": (62.25, 1.47),
     "compressor/distillation": (83.5, 16.65),
-    "compressor/fastv": (24.25, 2.2),
+    "compressor/fastv": (19.75, 2.2),
     "compressor/lora": (81.25, 19.58),
     "compressor/lora_plus_plus": (123.25, 20.32),
     "compressor/pikv": (102.0, 10.2),

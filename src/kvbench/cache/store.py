@@ -364,6 +364,10 @@ class LayerStore:
             start += seg.rows.width
         return out
 
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` on this layer's device (itself if there): state another layer made, across GPUs."""
+        return x.to(self.device)
+
     # --- per-token technique state --------------------------------------------------------
     def state(self, st: TokenState) -> torch.Tensor:
         """Per-token state laid out like ``view()``: ``(B, H, T, *shape)``, 0 where never set."""

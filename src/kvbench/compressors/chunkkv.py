@@ -98,7 +98,7 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
     def compress(self, layer: int, store: TechniqueStore) -> None:
         view = store.view()
         protected = self.budget.protected_view(store) & view.valid
-        chosen = None if self._chosen is None else self._chosen.to(store.device)  # the group's first layer's
+        chosen = None if self._chosen is None else store.local(self._chosen)  # the group's first layer's
         if layer % self.reuse_layers and chosen is not None and chosen.shape[:2] == view.pos.shape[:2]:
             chosen = F.pad(chosen, (0, max(0, store.seen_max - chosen.shape[-1])))
             keep = protected | (view.valid & torch.gather(chosen, -1, view.pos.clamp(min=0)))

@@ -90,7 +90,7 @@ class FastVCompressor(Compressor):
         seen = tuple(store.seen_host)  # the host's copy: no device read to know the plan is current
         if layer == self.layer or plan is None or plan[0] != seen:
             plan = self._plan = (seen, self._keep_positions(store))
-        keep_pos = plan[1].to(store.device)  # layer K's plan, for every later layer
+        keep_pos = store.local(plan[1])  # layer K's plan, for every later layer
         view = store.view()
         width = keep_pos.shape[-1]
         idx = view.pos.clamp(min=0, max=width - 1).reshape(view.pos.shape[0], -1)
@@ -109,10 +109,14 @@ class FastVCompressor(Compressor):
         score = torch.zeros(b, width, device=store.device)
         if self._score is not None and self._score.shape[0] == b:
             known = min(width, self._score.shape[1])
-            score[:, :known] = self._score.to(store.device)[:, :known]  # scored at layer K - 1
+            score[:, :known] = store.local(self._score)[:, :known]  # scored at layer K - 1
         allpos = torch.arange(width, device=store.device)
         protect_from = None if store.protect_from is None else store.protect_from[:, None]
         protected = self.budget.protected(allpos[None, :], store.seen[:, None], protect_from)
         score = score.masked_fill(protected, float("inf"))
-        cap = self.budget.capacity(store.seen)
-        return keep_top(score[:, None], present[:, None], cap)[:, 0]
+        seen = store.seen_host
+        if store.protect_from_host is None and min(seen) == max(seen):
+            # one length, only sinks and window protected: at most min(seen, sinks + window) of
+            # them, never above the capacity, which the host knows; kept exactly, nothing counted
+            return keep_top(score[:, None], present[:, None], self.budget.capacity_host(seen[0]), True)[:, 0]
+        return keep_top(score[:, None], present[:, None], self.budget.capacity(store.seen))[:, 0]
