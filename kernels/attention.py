@@ -120,6 +120,7 @@ def _decode_kernel(
         size = tl.load(bounds + (b * H + h) * (PARTS + 1) + chosen + 1, mask=chosen >= 0, other=0) - first
         ends = tl.sum(tl.where(kk[None, :] <= kk[:, None], size[None, :], 0), axis=1)  # running sizes
         shift = first - (ends - size)  # entry of a chosen page's slot w (w counted over chosen pages)
+        stop = tl.minimum(stop, (N_DENSE + tl.sum(size)).to(tl.int32))  # no split past the chosen
     for t0 in range(start, stop, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         t_ok = t < stop
