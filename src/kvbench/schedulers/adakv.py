@@ -63,21 +63,28 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
     def evict(self, layer: int, store: TechniqueStore) -> None:
         if within(store, self.budget.capacity_host):  # every head-row within the mean: nothing over
             return
-        cap = self.budget.capacity(store.seen)  # (B,) per head on average
+        seen = store.seen_host
+        cap: torch.Tensor | int  # per head on average: the host's figure where the lengths are one
+        if min(seen) == max(seen):
+            cap = self.budget.capacity_host(seen[0])  # the same arithmetic as on the device
+        else:
+            cap = self.budget.capacity(store.seen)  # (B,)
         total = store.view().valid.sum((1, 2))  # (B,)
         if bool((total > cap * store.kv_heads).any()):
             store.keep(self.select(store, self.window_scores(store), cap))
 
-    def select(self, store: TechniqueStore, score: torch.Tensor, cap: torch.Tensor) -> torch.Tensor:
+    def select(self, store: TechniqueStore, score: torch.Tensor, cap: torch.Tensor | int) -> torch.Tensor:
         """Tokens kept: ``(B, H, T)`` bool, aligned with ``store.view()``.
 
         Args:
             score: ``(B, H, T)`` token scores, comparable across heads.
-            cap: ``(B,)`` mean tokens per head-row; a sequence keeps at most ``cap * H`` tokens.
+            cap: ``(B,)`` mean tokens per head-row, or one for every sequence; a sequence keeps at
+                most ``cap * H`` tokens.
         """
         view = store.view()
         prot = self.budget.protected_view(store) & view.valid
-        free = (cap[:, None] - prot.sum(-1)).clamp(min=0)  # (B, H) selectable slots of each head
+        per_seq = cap[:, None] if isinstance(cap, torch.Tensor) else cap
+        free = (per_seq - prot.sum(-1)).clamp(min=0)  # (B, H) selectable slots of each head
         floor = torch.floor(free.double() * self.alpha + 1e-9).long()
         cand = view.valid & ~prot
         safe = keep_top(score, cand, floor)
