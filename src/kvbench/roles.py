@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvbench.cache.rotary import Rotary
-from kvbench.cache.surface import TechniqueStore, protected_from
+from kvbench.cache.surface import StoreView, TechniqueStore, protected_from
 from kvbench.errors import ConfigError
 
 
@@ -76,6 +76,14 @@ class Budget:
         else:
             cap = torch.ceil(self.fraction * weight * seen.double() - 1e-9).long()
         return torch.minimum(cap.clamp(min=self.sinks + self.window), seen)
+
+    def capacity_of(self, store: StoreView) -> int | torch.Tensor:
+        """:meth:`capacity` of ``store``'s sequences: one host figure where they have one length
+        (:meth:`capacity_host`, the same arithmetic: nothing launched), else ``(B,)`` on the device."""
+        seen = store.seen_host
+        if min(seen) == max(seen):
+            return self.capacity_host(seen[0])
+        return self.capacity(store.seen)
 
     def capacity_host(self, seen: int, weight: float = 1.0) -> int:
         """:meth:`capacity` of one sequence on the host, the same arithmetic (float64, then ceil)."""

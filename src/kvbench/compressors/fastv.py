@@ -114,9 +114,8 @@ class FastVCompressor(Compressor):
         protect_from = None if store.protect_from is None else store.protect_from[:, None]
         protected = self.budget.protected(allpos[None, :], store.seen[:, None], protect_from)
         score = score.masked_fill(protected, float("inf"))
-        seen = store.seen_host
-        if store.protect_from_host is None and min(seen) == max(seen):
-            # one length, only sinks and window protected: at most min(seen, sinks + window) of
-            # them, never above the capacity, which the host knows; kept exactly, nothing counted
-            return keep_top(score[:, None], present[:, None], self.budget.capacity_host(seen[0]), True)[:, 0]
-        return keep_top(score[:, None], present[:, None], self.budget.capacity(store.seen))[:, 0]
+        cap = self.budget.capacity_of(store)
+        # one length, only sinks and window protected: at most min(seen, sinks + window) of them,
+        # never above the capacity, so it is kept exactly, nothing counted
+        fit = isinstance(cap, int) and store.protect_from_host is None
+        return keep_top(score[:, None], present[:, None], cap, fit)[:, 0]

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from kvbench.cache import attention as att
-from kvbench.cache.reads import one_step
 from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.surface import TechniqueStore, every_position
 from kvbench.roles import Budget
@@ -31,6 +30,8 @@ from kvbench.routers.expert import (
     expert_ids,
     expert_onehot,
     expert_sums,
+    first_chosen,
+    paged_columns,
     position_blocks,
     routable_columns,
     unprotected_columns,
@@ -188,20 +189,15 @@ class CentroidExperts:
         columns are known on the host, in a one-token step, and a query reads fewer than ``E``
         experts; None elsewhere (the engine then asks :meth:`read_mask`)."""
         k, experts = self.top_k, self.num_experts
-        if k >= experts or not one_step(store, qpos):
-            return None
-        cols = routable_columns(self.budget, store, qpos)
+        cols = paged_columns(self.budget, store, qpos, k, experts)
         if cols is None:
             return None
         routing = self.route(layer, store, query, qpos)  # type: ignore[attr-defined]
         lo, hi = cols
         held, order = routing.experts.column[:, :, 0, lo:hi].sort(dim=-1, stable=True)  # (B, H, n)
-        ids = expert_ids(experts + 2, held)
-        bounds = torch.searchsorted(held, ids.expand(*held.shape[:2], experts + 2).contiguous())
-        chosen = routing.chosen  # (B, H, 1, E): the first k chosen, then E (the unassigned)
-        first = torch.where(chosen, ids[:experts], experts).topk(k + 1, largest=False).values
-        first[..., :k].masked_fill_(first[..., :k] == experts, -1)
-        first[..., k] = experts
+        ids = expert_ids(experts + 2, held).expand(*held.shape[:2], experts + 2)
+        bounds = torch.searchsorted(held, ids.contiguous())
+        first = first_chosen(routing.chosen, k, then=experts)  # the first k chosen, then E (unassigned)
         return att.Pages(first, hi - lo, lo, hi, lo, experts + 1, order=order.add_(lo), bounds=bounds)
 
     def state(self, store: TechniqueStore) -> tuple[torch.Tensor, torch.Tensor]:

@@ -101,6 +101,30 @@ def routable_mask(budget, store: TechniqueStore, qpos: torch.Tensor) -> torch.Te
     return row.expand(store.batch, store.kv_heads, width)
 
 
+def paged_columns(
+    budget, store: TechniqueStore, qpos: torch.Tensor, k: int, experts: int
+) -> tuple[int, int] | None:
+    """The routed columns of a step a router hands by pages (``read_pages``): a one-token step
+    whose routed columns are host figures (:func:`routable_columns`), where a query reads fewer
+    than all ``experts`` (at most ``k``); None elsewhere (the engine then asks ``read_mask``)."""
+    if k >= experts or not one_step(store, qpos):
+        return None
+    return routable_columns(budget, store, qpos)
+
+
+def first_chosen(chosen: torch.Tensor, k: int, then: int | None = None) -> torch.Tensor:
+    """The experts each query reads, in order, from ``chosen`` ``(B, H, q, E)`` (at most ``k`` a
+    query): ``(B, H, q, k)``, -1 after the last; with ``then``, one more column holding it."""
+    experts = chosen.shape[-1]
+    first = torch.where(chosen, expert_ids(experts, chosen), experts)
+    first = first.topk(k if then is None else k + 1, largest=False).values
+    head = first[..., :k]
+    head.masked_fill_(head == experts, -1)
+    if then is not None:
+        first[..., k] = then
+    return first
+
+
 def position_blocks(
     pos: torch.Tensor, routable: torch.Tensor, experts: int, ordered: bool = False
 ) -> torch.Tensor:
@@ -656,16 +680,12 @@ class PositionExperts:
         elsewhere (the engine then asks :meth:`read_mask`). The same tokens are read, and counted,
         as the mask reads."""
         k, experts = self.most_read(), self.num_experts
-        if k >= experts or not one_step(store, qpos):
-            return None
-        cols = routable_columns(self.budget, store, qpos)
+        cols = paged_columns(self.budget, store, qpos, k, experts)
         if cols is None:
             return None
         chosen = self.route(layer, store, query, qpos).chosen  # type: ignore[attr-defined]
-        # the chosen experts in order, then E (none): the first k of them
-        first = torch.where(chosen, expert_ids(experts, chosen), experts).topk(k, largest=False).values
         lo, hi = cols
-        return att.Pages(first.masked_fill_(first == experts, -1), hi - lo, lo, hi, start=lo, parts=experts)
+        return att.Pages(first_chosen(chosen, k), hi - lo, lo, hi, start=lo, parts=experts)
 
     def none_empty(self, count: torch.Tensor) -> bool:
         """Every expert of every head-row holds a token, known on the host: ``count`` is that of

@@ -63,12 +63,7 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
     def evict(self, layer: int, store: TechniqueStore) -> None:
         if within(store, self.budget.capacity_host):  # every head-row within the mean: nothing over
             return
-        seen = store.seen_host
-        cap: torch.Tensor | int  # per head on average: the host's figure where the lengths are one
-        if min(seen) == max(seen):
-            cap = self.budget.capacity_host(seen[0])  # the same arithmetic as on the device
-        else:
-            cap = self.budget.capacity(store.seen)  # (B,)
+        cap = self.budget.capacity_of(store)  # per head on average: (B,), or one for all
         total = store.view().valid.sum((1, 2))  # (B,)
         if bool((total > cap * store.kv_heads).any()):
             store.keep(self.select(store, self.window_scores(store), cap))
