@@ -15,6 +15,7 @@ queries is gone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -350,6 +351,28 @@ def row_starts(lens: torch.Tensor) -> tuple[int, torch.Tensor]:
     if count is not None:
         return count, lens
     return -1, torch.cumsum(lens, 0) - lens
+
+
+def head_row_layout(
+    lens: torch.Tensor, fields: list[torch.Tensor], per_row: bool
+) -> tuple[list[torch.Tensor], int, int, torch.Tensor]:
+    """Where a kernel finds each head-row's tokens in a segment's per-token ``fields``: ``(fields,
+    row_len, row_stride, starts)``.
+
+    Flat head-major fields ``(N, ...)`` (contiguous copies where they are not): ``row_len`` and
+    ``starts`` as :func:`row_starts` gives them, ``row_stride`` equal to ``row_len``. Per head-row
+    rectangles ``(BH, n, ...)`` (``per_row``: a packed segment's buffers,
+    :func:`kvbench.cache.segments.packed_rows`): ``row_len`` ``n`` and ``row_stride`` the slots
+    between two head-rows' first tokens, the same for every field (else contiguous copies, ``n``
+    apart)."""
+    if not per_row:
+        row_len, starts = row_starts(lens)
+        return [x.contiguous() for x in fields], row_len, row_len, starts
+    n = fields[0].shape[1]
+    apart = {x.stride(0) // max(1, math.prod(x.shape[2:])) for x in fields}
+    if len(apart) != 1 or not all(x[:1].is_contiguous() for x in fields):
+        return [x.contiguous() for x in fields], n, n, lens
+    return fields, n, apart.pop(), lens
 
 
 def split_slots(slots: int, rows: int) -> tuple[int, int]:

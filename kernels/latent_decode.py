@@ -32,10 +32,10 @@ from kvbench.kernels.attention import (
     Partials,
     blocks,
     empty_partials,
+    head_row_layout,
     no_reads,
     online_softmax,
     pow2,
-    row_starts,
     split_slots,
     store_partials,
 )
@@ -81,12 +81,12 @@ def _rope_keys(lat, basis, h, half, at, c, s, sb_h, sb_d, BLOCK_R: tl.constexpr,
     return x1 * c - x2 * s, x2 * c + x1 * s
 
 
-@triton.jit(do_not_specialize=["slots_per_split", "ROW_LEN"])
+@triton.jit(do_not_specialize=["slots_per_split", "ROW_LEN", "ROW_STRIDE"])
 def _latent_decode_kernel(
     q, klat, vlat, kzero, kstep, vzero, vstep, pos, kbasis, vbasis, inv_freq, lens, starts,
     m_out, l_out, acc_out,
     H, G, D, HALF, RK, RV, slots_per_split, scaling, rope_scaling,
-    sq_b, sq_h, skb_h, skb_d, svb_h, svb_d, ROW_LEN,
+    sq_b, sq_h, skb_h, skb_d, svb_h, svb_d, ROW_LEN, ROW_STRIDE,
     HAS_PASS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_RK: tl.constexpr, BLOCK_RV: tl.constexpr, BITS: tl.constexpr,
 ):  # fmt: skip
@@ -109,8 +109,8 @@ def _latent_decode_kernel(
     rest = (d >= rot) & (d < D)
     q3 = tl.load(q_at + d[None, :], mask=g_ok[:, None] & rest[None, :], other=0.0).to(tl.float32)
     freq = tl.load(inv_freq + j, mask=j_ok, other=0.0)
-    if ROW_LEN >= 0:  # every head-row holds ROW_LEN tokens
-        first = bh * ROW_LEN
+    if ROW_LEN >= 0:  # every head-row holds ROW_LEN tokens, ROW_STRIDE slots apart
+        first = bh * ROW_STRIDE
         held = ROW_LEN
     else:
         first = tl.load(starts + bh).to(tl.int32)  # the head-row's first flat token
@@ -164,38 +164,42 @@ def partials(
     scaling: float,
     bits: int | None = None,
     params: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    per_row: bool = False,
 ) -> Partials:
     """The softmax state of one decode step (query ``(B, Hq, 1, D)``) over a latent segment: flat
     head-major latents ``klat`` ``(N, rk)`` and ``vlat`` ``(N, rv)`` at original positions ``pos``
     ``(N,)``, ``lens`` ``(B * H,)`` tokens per head-row (at most ``width``, known on the host),
     bases ``(H, D, r)`` shared by the batch's sequences. With ``bits`` (4 or 8: ``lora_plus_plus``),
     ``klat`` and ``vlat`` are the codes packed along each latent ``(N, r * bits / 8)`` (uint8) and
-    ``params`` their float16 ``(kzero, kstep, vzero, vstep)`` ``(N, 1)``, one per token."""
+    ``params`` their float16 ``(kzero, kstep, vzero, vstep)`` ``(N, 1)``, one per token. With
+    ``per_row``, every field is given per head-row instead, ``(B * H, n, ...)`` (``pos`` ``(B * H,
+    n)``), rectangles of buffers whose head-rows sit the same number of slots apart (a packed
+    segment's, read in place: :func:`kvbench.kernels.attention.head_row_layout`)."""
     b, _, nq, d = query.shape
     assert nq == 1, "latent decode: one query step"
     h = lens.numel() // b
     query = query if query.stride(-1) == 1 else query.contiguous()
-    klat, vlat, pos = (x.contiguous() for x in (klat, vlat, pos))
     if bits is None:
-        rk, rv = klat.shape[1], vlat.shape[1]
+        (klat, vlat, pos), row_len, row_stride, starts = head_row_layout(lens, [klat, vlat, pos], per_row)
+        rk, rv = klat.shape[-1], vlat.shape[-1]
         kzero = kstep = vzero = vstep = klat  # not read
     else:
         assert bits in (4, 8) and params is not None, "quantized latents: 4 or 8 bits, with their parameters"
-        rk, rv = klat.shape[1] * 8 // bits, vlat.shape[1] * 8 // bits
-        kzero, kstep, vzero, vstep = (x.contiguous() for x in params)
+        fields, row_len, row_stride, starts = head_row_layout(lens, [klat, vlat, pos, *params], per_row)
+        klat, vlat, pos, kzero, kstep, vzero, vstep = fields
+        rk, rv = klat.shape[-1] * 8 // bits, vlat.shape[-1] * 8 // bits
     splits, per_split = split_slots(max(width, 1), b * h)
     block_g, block_d = blocks(query, h)
     out = empty_partials(query, h, splits, (block_g, block_d))
     if not (out.m.shape[1] and width):
         return no_reads(out)
     half = rotary.rot_dim // 2
-    row_len, starts = row_starts(lens)
     inv_freq = frequencies(rotary, query.device)
     _latent_decode_kernel[(out.m.shape[1], splits)](
         query, klat, vlat, kzero, kstep, vzero, vstep, pos, kbasis, vbasis, inv_freq, lens, starts,
         out.m, out.l, out.acc, h, query.shape[1] // h, d, half, rk, rv, per_split, scaling,
         rotary.scaling, query.stride(0), query.stride(1), kbasis.stride(0), kbasis.stride(1),
-        vbasis.stride(0), vbasis.stride(1), row_len,
+        vbasis.stride(0), vbasis.stride(1), row_len, row_stride,
         HAS_PASS=2 * half < d, BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_D=block_d,
         BLOCK_H=max(16, pow2(half)), BLOCK_RK=max(16, pow2(rk)),
         BLOCK_RV=max(16, pow2(rv)), BITS=bits or 0,

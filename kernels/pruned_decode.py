@@ -28,18 +28,18 @@ from kvbench.kernels.attention import (
     attend_block,
     blocks,
     empty_partials,
+    head_row_layout,
     no_reads,
     pow2,
-    row_starts,
     split_slots,
     store_partials,
 )
 
 
-@triton.jit(do_not_specialize=["slots_per_split", "ROW_LEN"])
+@triton.jit(do_not_specialize=["slots_per_split", "ROW_LEN", "ROW_STRIDE"])
 def _pruned_decode_kernel(
     q, kp, v, channels, lens, starts, m_out, l_out, acc_out,
-    H, G, Q, D, KEEP, slots_per_split, scaling, sq_b, sq_h, sq_q, ROW_LEN,
+    H, G, Q, D, KEEP, slots_per_split, scaling, sq_b, sq_h, sq_q, ROW_LEN, ROW_STRIDE,
     BLOCK_G: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_D: tl.constexpr,
     FP32: tl.constexpr,
 ):  # fmt: skip
@@ -64,8 +64,8 @@ def _pruned_decode_kernel(
     )
     if FP32:  # the interpreter multiplies 16-bit floats as integers: it computes in float32
         qs = qs.to(tl.float32)
-    if ROW_LEN >= 0:  # every head-row holds ROW_LEN tokens
-        first = bh * ROW_LEN
+    if ROW_LEN >= 0:  # every head-row holds ROW_LEN tokens, ROW_STRIDE slots apart
+        first = bh * ROW_STRIDE
         held = ROW_LEN
     else:
         first = tl.load(starts + bh).to(tl.int32)  # the head-row's first flat token
@@ -98,26 +98,30 @@ def partials(
     lens: torch.Tensor,
     width: int,
     scaling: float,
+    per_row: bool = False,
 ) -> Partials:
     """The softmax state of one decode step (query ``(B, Hq, Q, D)``) over a pruned segment: flat
     head-major kept key channels ``kp`` ``(N, d_keep)`` and values ``v`` ``(N, D)``, the kept channel
     indices ``channels`` ``(B * H, d_keep)`` of each head-row (any integer dtype), ``lens``
-    ``(B * H,)`` tokens per head-row (at most ``width``, known on the host)."""
+    ``(B * H,)`` tokens per head-row (at most ``width``, known on the host). With ``per_row``, ``kp``
+    and ``v`` are given per head-row, ``(B * H, n, ...)`` rectangles of buffers whose head-rows sit
+    the same number of slots apart (a packed segment's, read in place:
+    :func:`kvbench.kernels.attention.head_row_layout`)."""
     b, _, nq, d = query.shape
     h = lens.numel() // b
     query = query if query.stride(-1) == 1 else query.contiguous()
-    kp, v, channels = kp.contiguous(), v.contiguous(), channels.contiguous()
+    (kp, v), row_len, row_stride, starts = head_row_layout(lens, [kp, v], per_row)
+    channels = channels.contiguous()
     splits, per_split = split_slots(max(width, 1), b * h * nq)
     block_g, block_d = blocks(query, h)
     out = empty_partials(query, h, splits, (block_g, block_d))
     if not (out.m.shape[1] and width):
         return no_reads(out)
-    row_len, starts = row_starts(lens)
-    keep = kp.shape[1]
+    keep = kp.shape[-1]
     _pruned_decode_kernel[(out.m.shape[1], splits)](
         query, kp, v, channels, lens, starts, out.m, out.l, out.acc,
         h, query.shape[1] // h, nq, d, keep, per_split, scaling,
-        query.stride(0), query.stride(1), query.stride(2), row_len,
+        query.stride(0), query.stride(1), query.stride(2), row_len, row_stride,
         BLOCK_G=block_g, BLOCK_T=BLOCK_T, BLOCK_C=max(16, pow2(keep)), BLOCK_D=block_d,
         FP32=dispatch.interpreted(),
     )  # fmt: skip

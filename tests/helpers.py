@@ -98,3 +98,14 @@ def run_kvbench(*args: str, tmp: Path, **env: str | None) -> subprocess.Complete
         cwd=Path(__file__).resolve().parents[1],
         timeout=300,
     )
+
+
+def in_packed_rows(flat: torch.Tensor, rows: int, room: int = 7) -> torch.Tensor:
+    """Flat head-major tokens ``(N, ...)`` of ``rows`` head-rows of ``N / rows`` tokens as a packed
+    segment holds them: the ``(rows, N / rows, ...)`` rectangle of a buffer with ``room`` more slots
+    per head-row, those slots filled with NaN or the largest value (a kernel must not read them)."""
+    n = flat.shape[0] // rows
+    fill = float("nan") if flat.is_floating_point() else torch.iinfo(flat.dtype).max
+    buf = torch.full((rows, n + room, *flat.shape[1:]), fill, dtype=flat.dtype, device=flat.device)
+    buf[:, :n] = flat.view(rows, n, *flat.shape[1:])
+    return buf[:, :n]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_stack, run_chunks, tokens
+from helpers import in_packed_rows, make_stack, run_chunks, tokens
 from kvbench.cache import ragged
 from kvbench.compressors.pruning import PrunedSegment, PruningCompressor
 from kvbench.kernels import attention as ka
@@ -48,7 +48,8 @@ def test_pruned_decode_equals_scatter_then_attention(
     """One decode step reading the kept channels of each head-row's keys (the query's channels
     gathered in the kernel by the head-row's indices) gives what scattering the kept channels into
     zeros and SDPA give, in float32 and bfloat16: head-rows of equal length (known on the host) and
-    of different lengths, lengths off the kernel's block, several splits."""
+    of different lengths, lengths off the kernel's block, several splits; equal head-rows also read in
+    place from a packed segment's buffers (head-rows further apart than their tokens)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     gen = torch.Generator().manual_seed(head_dim * keep + sum(lens))
@@ -64,6 +65,11 @@ def test_pruned_decode_equals_scatter_then_attention(
         got = ka.merge([parts], on[0], kv_heads)
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+        if ragged.told(lens) is not None:  # a packed segment's rows, read in place: the same result
+            kp_rows, v_rows = (in_packed_rows(x, lens.numel()) for x in on[1:3])
+            args = (on[0], kp_rows, v_rows, *on[3:], int(lens.max()), head_dim**-0.5)
+            packed = ka.merge([pruned_decode.partials(*args, per_row=True)], on[0], kv_heads)
+            assert torch.equal(packed, got)
 
 
 def test_an_empty_pruned_segment_reads_nothing():
@@ -85,7 +91,7 @@ def test_the_engine_gives_the_same_logits_on_either_path(tiny, monkeypatch):
     ids = tokens(60)
     fused = []
     kernel = pruned_decode.partials
-    monkeypatch.setattr(pruned_decode, "partials", lambda *a: fused.append(1) or kernel(*a))
+    monkeypatch.setattr(pruned_decode, "partials", lambda *a, **k: fused.append(k) or kernel(*a, **k))
 
     def logits(path: str):
         with dispatch.using(path):
@@ -99,6 +105,8 @@ def test_the_engine_gives_the_same_logits_on_either_path(tiny, monkeypatch):
     assert triton_bytes == torch_bytes
     torch.testing.assert_close(triton_logits, torch_logits, atol=1e-4, rtol=1e-4)
     assert len(fused) >= 20 * tiny.model.config.num_hidden_layers  # every decode step, every layer
+    # the segment's packed rows read in place, once a step has moved a token in
+    assert all(k == {"per_row": True} for k in fused[tiny.model.config.num_hidden_layers :])
 
 
 def test_the_torch_path_decodes_a_pruned_segment(tiny, monkeypatch):
@@ -114,12 +122,10 @@ def test_the_torch_path_decodes_a_pruned_segment(tiny, monkeypatch):
 
 def test_a_layers_decode_attention_is_the_pruned_kernel_the_window_and_one_merge(lm):  # noqa: F811
     """One layer's decode attention on the Triton path: the pruned segment's kernel, the
-    full-precision window's decode kernel, and one merge of their partials."""
+    full-precision window's decode kernel, and one merge of their partials, nothing else (the
+    segment's packed rows are read where they are)."""
     calls = attention_launches(lm, "compressor/pruning")
     assert calls, "compressor/pruning: no decode step read its tokens through the engine"
     want = {"triton._pruned_decode_kernel": 1, "triton._decode_kernel": 1, "triton._merge_kernel": 1}
-    for ran in calls:
-        # reading the kept keys first joins the tokens moved in since the last read (one ``cat`` per
-        # joined field: kp, v, pos): the segment's storage, as on the decoded path, not attention
-        joins = ran.pop("cat", 0)
-        assert ran == want and joins in (0, len(PrunedSegment.JOINED)), f"compressor/pruning: {ran}"
+    for ran in calls:  # the segment's packed rows read in place: no join of its tokens, no copy
+        assert ran == want, f"compressor/pruning: {ran}"

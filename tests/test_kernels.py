@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import tiny_cfg
-from helpers import make_stack, run_chunks, tokens
+from helpers import in_packed_rows, make_stack, run_chunks, tokens
 from kvbench import models, run
 from kvbench.cache import attention as att
 from kvbench.cache.rotary import Rotary
@@ -118,7 +118,7 @@ def test_the_engine_gives_the_same_logits_on_either_path(tiny, compressor, fused
     ids = tokens(60)
     fused = []
     kernel = fused_kernel.partials
-    monkeypatch.setattr(fused_kernel, "partials", lambda *a: fused.append(1) or kernel(*a))
+    monkeypatch.setattr(fused_kernel, "partials", lambda *a, **k: fused.append(1) or kernel(*a, **k))
 
     def logits(path: str):
         with dispatch.using(path):
@@ -643,3 +643,9 @@ def test_latent_decode_equals_rebuild_then_attention(
         got = ka.merge([parts], q.to(device), kv_heads)
         assert got.dtype == dtype and got.shape == want.shape
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)
+        # a packed segment's rows, read in place (head-rows further apart than their tokens)
+        packed = [in_packed_rows(x, batch * kv_heads) for x in on[:3]]
+        parts = latent_decode.partials(
+            q.to(device), *packed, *on[3:], tokens_per_row, head_dim**-0.5, per_row=True
+        )
+        assert torch.equal(ka.merge([parts], q.to(device), kv_heads), got)

@@ -261,13 +261,25 @@ def test_a_compressed_cache_holds_no_decoded_copy_between_steps(wide_heads, name
     the full-precision rows into a second copy, so a 2-bit cache held more than the full cache.
     Between steps a compressed cache now holds what its format stores, its full-precision rows (at
     their capacity) and per-token bookkeeping (positions, valid slots: at most 32 bytes a token and
-    head-row), nothing decoded."""
+    head-row), nothing decoded. A segment that packs the tokens joining it (``pruning``) holds its
+    format's bytes at its buffers' capacity."""
     stack = make_stack(wide_heads, compressor=_representations()[name], budget=0.5)
     _, cache = run_chunks(wide_heads, stack, tokens(300, 1), [280] + [1] * 20)
     assert all(len(s.segments) == 2 for s in cache.stores)
     fp_rows = sum(s.fp.rows.fields[n].untyped_storage().nbytes() for s in cache.stores for n in ("k", "v"))
-    compressed = sum(seg.nbytes() for s in cache.stores for seg in s.compressed)
-    side = cache.nbytes() - compressed - sum(s.fp.nbytes() for s in cache.stores)
+
+    def format_bytes(seg) -> int:
+        packed = seg.__dict__.get("_packed")
+        if packed is None:
+            return seg.nbytes()
+        # every buffer at its capacity, less the stored tokens' positions (bookkeeping, as elsewhere)
+        held = sum(buf.untyped_storage().nbytes() for buf in packed.values() if buf is not None)
+        return held - 8 * seg.size
+
+    compressed = sum(format_bytes(seg) for s in cache.stores for seg in s.compressed)
+    assert name != "pruning" or all("_packed" in seg.__dict__ for s in cache.stores for seg in s.compressed)
+    stored = sum(seg.nbytes() for s in cache.stores for seg in s.compressed)
+    side = cache.nbytes() - stored - sum(s.fp.nbytes() for s in cache.stores)
     token_rows = sum(s.stored_tokens() for s in cache.stores)
     held = cache.resident_bytes() - fp_rows - compressed - side
     assert 0 < held <= 32 * token_rows, (held, token_rows)

@@ -159,14 +159,17 @@ def test_keep_compacts_every_row_in_order(seed):
         assert torch.equal(compact(old, keep), want), name
 
 
-def test_queued_extends_join_on_read():
-    """A segment with fields joined on read: extends queue their tokens (nothing joined, bytes and
-    size still exact); reading a field, decoding or evicting joins them, per head-row in order."""
-    from kvbench.cache.segments import JOIN_EVERY, RowCounts, joined_on_read
+def test_packed_rows_extend_in_place_and_read_flat_in_order():
+    """A segment with packed fields: an extend of the same count in every head-row writes its own
+    tokens into per-head-row buffers with room (no copy of the tokens stored: the buffers stay the
+    same tensors until full, then grow by a quarter); bytes and size stay exact without unpacking;
+    per-row reads are views of the buffers, parts are slices of them; a flat read unpacks, per
+    head-row in order; a ragged extend and an eviction read flat."""
+    from kvbench.cache.segments import RowCounts, packed_rows
 
-    @joined_on_read("k", "v")
+    @packed_rows("k", "v")
     @dataclass
-    class Queued(RowCounts, Segment):
+    class Packed(RowCounts, Segment):
         k: torch.Tensor = None  # type: ignore[assignment]
         v: torch.Tensor = None  # type: ignore[assignment]
 
@@ -179,33 +182,48 @@ def test_queued_extends_join_on_read():
     def make(n, start):
         k, v = torch.randn(bh * n, d, generator=gen), torch.randn(bh * n, 2 * d, generator=gen)
         pos = (torch.arange(n) + start).repeat(bh)
-        return Queued(lens=torch.full((bh,), n), pos=pos, k=k, v=v)
+        return Packed(lens=torch.full((bh,), n), pos=pos, k=k, v=v)
+
+    def rows_of(parts, name):
+        return torch.cat([getattr(p, name).view(bh, -1, *getattr(p, name).shape[1:]) for p in parts], 1)
 
     parts = [make(5, 0), make(1, 5), make(2, 6), make(1, 8)]
-    want = {
-        name: torch.cat([getattr(p, name).view(bh, -1, *getattr(p, name).shape[1:]) for p in parts], 1)
-        for name in ("k", "v", "pos")
-    }
+    want = {name: rows_of(parts, name) for name in ("k", "v", "pos")}
     seg = parts[0]
-    for part in parts[1:]:
+    seg.extend(parts[1])
+    buffers = {name: buf.data_ptr() for name, buf in seg.__dict__["_packed"].items()}
+    for part in parts[2:]:
         seg.extend(part)
-    assert seg.__dict__.get("_queued")  # queued, not joined
+    assert {name: buf.data_ptr() for name, buf in seg.__dict__["_packed"].items()} == buffers  # in place
     assert seg.size == bh * 9 and seg.nbytes() == bh * 9 * (d + 2 * d) * 4
-    assert seg.__dict__.get("_queued")  # counting bytes joined nothing
-    assert torch.equal(seg.k, want["k"].reshape(bh * 9, d))  # reading joins
-    assert not seg.__dict__.get("_queued")
+    for name in ("k", "v", "pos"):
+        rows = seg.per_row_field(name)
+        assert torch.equal(rows, want[name]) and rows.data_ptr() == buffers[name]  # a view, nothing copied
+    part = seg.head_rows(1, 3)
+    assert "_packed" in part.__dict__ and torch.equal(part.per_row_field("k"), want["k"][1:3])
+    assert "_packed" in seg.__dict__  # counting bytes, reading per row and parts unpacked nothing
+    assert torch.equal(seg.k, want["k"].reshape(bh * 9, d))  # a flat read unpacks
+    assert "_packed" not in seg.__dict__
     assert torch.equal(seg.v, want["v"].reshape(bh * 9, 2 * d))
     assert torch.equal(seg.pos, want["pos"].reshape(-1))
-    seg.extend(make(1, 9))
-    keep = torch.arange(bh * 10) % 3 != 0
-    seg.keep(keep)  # an eviction joins first, then keeps
-    assert seg.size == int(keep.sum()) and seg.pos.shape[0] == seg.size
-    seg, longest = make(3, 0), 0
-    for step in range(70):  # the queue stays bounded: joined after JOIN_EVERY extends at the latest
+    seg, parts = make(3, 0), []
+    steps = 200
+    for step in range(steps):  # grown by a quarter when full: a few buffers for 200 extends
         seg.extend(make(1, 3 + step))
-        longest = max(longest, len(seg.__dict__.get("_queued", [])))
-    assert longest == JOIN_EVERY and seg.size == bh * 73
-    assert torch.equal(seg.pos, torch.arange(73).repeat(bh))
+        parts.append(seg.__dict__["_packed"]["k"].data_ptr())
+    assert len(set(parts)) <= 6 and seg.size == bh * (3 + steps)
+    assert torch.equal(seg.per_row_field("pos"), torch.arange(3 + steps).repeat(bh, 1))
+    ragged = make(1, 3 + steps)
+    ragged.lens = torch.tensor([1, 0, 2])  # head-rows of different counts: read flat, then ragged
+    ragged.k, ragged.v, ragged.pos = ragged.k, ragged.v, torch.tensor([203, 203, 204])
+    seg.extend(ragged)
+    assert "_packed" not in seg.__dict__ and seg.lens.tolist() == [204, 203, 205]
+    assert seg.pos.tolist()[:204][-2:] == [202, 203]
+    seg = make(3, 0)
+    seg.extend(make(1, 3))
+    keep = torch.arange(bh * 4) % 3 != 0
+    seg.keep(keep)  # an eviction reads flat, then keeps
+    assert seg.size == int(keep.sum()) and seg.pos.shape[0] == seg.size
 
 
 @pytest.mark.parametrize("seed", range(6))

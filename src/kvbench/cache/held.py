@@ -30,12 +30,16 @@ def tensors(root: Any) -> Iterator[torch.Tensor]:
         elif isinstance(obj, list | tuple | set | frozenset):
             pending.extend(obj)
         elif type(obj).__module__.startswith("kvbench."):
+            # what the object holds, as it holds it: a field stored in another form (a packed
+            # segment's buffers, :func:`kvbench.cache.segments.packed_rows`) is not read through
+            # its accessor, which would convert it
+            own = getattr(obj, "__dict__", {})
             fields = (
-                [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+                [getattr(obj, f.name) for f in dataclasses.fields(obj) if f.name not in own]
                 if dataclasses.is_dataclass(obj)
                 else []
             )
-            pending.extend([*fields, *getattr(obj, "__dict__", {}).values()])
+            pending.extend([*fields, *own.values()])
 
 
 def resident_by_device(root: Any) -> dict[str, int]:

@@ -57,15 +57,16 @@ class Rotary:
         return self._turn(x, *self._cos_sin(pos, x.device), undo=False)
 
     def rotate_rows(self, x: torch.Tensor, pos: torch.Tensor, per_row: int | None) -> torch.Tensor:
-        """:meth:`rotate` of flat row-major tokens ``x`` ``(N, D)`` at ``pos`` ``(N,)``, ``per_row``
-        tokens in each head-row (None: the rows differ).
+        """:meth:`rotate` of head-major tokens at their positions: flat ``x`` ``(N, D)`` at ``pos``
+        ``(N,)``, or per head-row ``(BH, n, D)`` at ``(BH, n)`` (any row stride); ``per_row`` tokens in
+        each head-row (None: the rows differ).
 
         On the CPU, when every head-row holds the same positions (a window's oldest token leaves
         every head at once; a batch's windows sit at the same positions), the angles are computed
         for one row and shared: the same values, and the angles cost as much as the rotation."""
-        if per_row and x.shape[0] > per_row and pos.device.type == "cpu":
+        if per_row and pos.device.type == "cpu":
             p = pos.view(-1, per_row)
-            if torch.equal(p, p[:1].expand_as(p)):
+            if p.shape[0] > 1 and torch.equal(p, p[:1].expand_as(p)):
                 turned = self._turn(
                     x.view(p.shape[0], per_row, x.shape[-1]), *self._row_angles(p[0]), undo=False
                 )

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import partials, ragged
-from kvbench.cache.rows import Rows
+from kvbench.cache.rows import Rows, inference
 from kvbench.kernels import dispatch
 
 KV = ("k", "v")  # the full-precision rows' stored keys and values
@@ -80,7 +80,9 @@ class Segment:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`read`, the keys decoded into ``k`` and the values into ``v`` where given: ``(BH, n,
         D)`` slots of ``dtype`` (each head-row's ``n`` tokens in order, any strides), returned in
-        place of the flat ``(N, D)``. Given for the fields of :meth:`writes_into` (elsewhere, copied)."""
+        place of the flat ``(N, D)``. Given for the fields of :meth:`writes_into` (elsewhere, copied).
+        A field not given slots comes flat, or per head-row ``(BH, n, D)`` where every head-row holds
+        ``n`` tokens."""
         keys, values = self.read(dtype)
         if k is not None:
             keys = k.copy_(keys.view(k.shape))
@@ -300,9 +302,9 @@ def as_float(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float32 else x.float()
 
 
-class _Joined:
-    """A per-token field of a :class:`RowCounts` segment (see :func:`joined_on_read`): reading it
-    first joins the tokens that extends have queued."""
+class _Packed:
+    """A per-token field of a :class:`RowCounts` segment (see :func:`packed_rows`): reading it flat
+    first unpacks the head-row buffers the segment's extends wrote into."""
 
     def __init__(self, name: str):
         self.name = name
@@ -310,47 +312,51 @@ class _Joined:
     def __get__(self, obj: Any, objtype: Any = None) -> Any:
         if obj is None:
             return self
-        obj.join()
+        obj.unpack()
         return obj.__dict__[self.name]
 
     def __set__(self, obj: Any, value: Any) -> None:
+        obj.unpack()
         obj.__dict__[self.name] = value
 
 
-def joined_on_read(*names: str):
+def packed_rows(*names: str):
     """Class decorator (outside ``@dataclass``) for a :class:`RowCounts` segment: its per-token
-    fields ``names`` (and ``pos``) are joined with the tokens queued by :meth:`RowCounts.extend`
-    when read, not at every extend."""
+    fields ``names`` (and ``pos``) grow in per-head-row buffers with room to spare, as
+    :class:`kvbench.cache.rows.Rows` do, while every head-row holds the same number of tokens: an
+    extend (a decode step moving a token in) writes its own tokens only, and a reader takes the
+    ``(BH, n, ...)`` rectangle without a copy (:meth:`RowCounts.per_row_field`). Reading a field
+    flat (an eviction, a ragged extend, a test) unpacks the buffers into flat fields, once."""
 
     def install(cls: type) -> type:
-        cls.JOINED = (*names, "pos")  # type: ignore[attr-defined]
-        for name in cls.JOINED:  # type: ignore[attr-defined]
-            setattr(cls, name, _Joined(name))
+        cls.PACKED = (*names, "pos")  # type: ignore[attr-defined]
+        for name in cls.PACKED:  # type: ignore[attr-defined]
+            setattr(cls, name, _Packed(name))
         return cls
 
     return install
 
 
-JOIN_EVERY = 64  # queued extends joined at the latest after this many (see RowCounts.extend)
+_MIN_GROWTH = 64  # a packed buffer grows by a quarter of its tokens, at least this many per head-row
 
 
 class RowCounts:
     """Mixin for a :class:`Segment`: its tokens per head-row on the host, when every head-row holds
     the same number (as a decode step moves one token of each), so per-head layouts and appends are
-    views and one ``cat`` instead of ragged padding with device synchronisations.
+    views and rectangles instead of ragged padding with device synchronisations.
 
-    With :func:`joined_on_read`, an extend by a segment of the same count in every head-row only
-    queues it (O(its tokens)); its fields are joined, by one ``cat`` per field for every queued
-    segment, when one is read (decoding, an eviction, a test) or after ``JOIN_EVERY`` extends: a
-    decode step that moves a token in copies the tokens already stored once per ``JOIN_EVERY``
-    steps, not every step, and the queue's memory stays bounded. Counting bytes reads no field.
+    With :func:`packed_rows`, an extend by a segment of the same count in every head-row writes its
+    tokens into per-head-row buffers ``(BH, capacity, ...)`` after the tokens stored (the first
+    such extend moves the segment's flat fields into buffers with room; a full buffer grows by a
+    quarter): O(the tokens moved in) per step, amortised, not a copy of the segment. Readers that
+    take :meth:`per_row_field` read the buffers in place; a flat read unpacks them.
 
     The count is cached against the ``lens`` tensor it was read from: anything that replaces
     ``lens`` (an eviction, an append) makes it read again, or set by :meth:`extend`.
     """
 
     lens: torch.Tensor
-    JOINED: tuple[str, ...] = ()
+    PACKED: tuple[str, ...] = ()
 
     def row_count(self) -> int | None:
         """As :meth:`Segment.row_count`."""
@@ -364,48 +370,96 @@ class RowCounts:
             return ragged.to_padded(flat, self.lens)
         return flat.view(self.lens.numel(), n, *flat.shape[1:]), None
 
+    def per_row_field(self, name: str) -> torch.Tensor:
+        """Field ``name`` ``(BH, n, *rest)`` when every head-row holds ``n`` tokens: a view of the packed
+        buffer (head-rows ``capacity`` slots apart) or of the flat field, no copy."""
+        field = self._per_row(name)
+        assert field is not None, f"{type(self).__name__} stores no {name}"
+        return field
+
+    def _per_row(self, name: str) -> torch.Tensor | None:
+        """:meth:`per_row_field`, None for an optional field this layout does not store."""
+        n = self.row_count()
+        assert n is not None, "per_row_field: head-rows of different lengths are read flat"
+        packed = self.__dict__.get("_packed")
+        if packed is not None:
+            buf = packed[name]
+            return None if buf is None else buf[:, :n]
+        flat = self.__dict__[name]
+        return None if flat is None else flat.view(self.lens.numel(), n, *flat.shape[1:])
+
     @staticmethod
     def flat(padded: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         """Inverse of :meth:`per_row`."""
         return padded.reshape(-1, *padded.shape[2:]) if valid is None else ragged.from_padded(padded, valid)
 
     def extend(self, other: Segment) -> None:
-        """:meth:`Segment.extend`; when both hold the same number of tokens in every head-row, queued
-        (:func:`joined_on_read`) or one ``cat`` per field (bitwise what the ragged concatenation
-        gives)."""
+        """:meth:`Segment.extend`; when both hold the same number of tokens in every head-row, written
+        into the packed buffers (:func:`packed_rows`) or one ``cat`` per field (bitwise what the
+        ragged concatenation gives)."""
         assert isinstance(other, RowCounts)
         mine, theirs = self.row_count(), other.row_count()
         if mine is None or theirs is None:
-            self.join()
+            self.unpack()
             super().extend(other)  # type: ignore[misc]
             return
-        if self.JOINED:
-            queue = self.__dict__.setdefault("_queued", [])
-            if not queue:
-                queue.append((self, mine))
-            queue.append((other, theirs))
-            if len(queue) > JOIN_EVERY:  # a bounded queue: each token is copied 1/JOIN_EVERY as often
-                self.join()
+        if self.PACKED:
+            self._pack(other, mine, theirs)
         else:
-            self._cat([(self, mine), (other, theirs)], [*self.data_fields(), "pos"])  # type: ignore[attr-defined]
+            bh = self.lens.numel()
+            for name in [*self.data_fields(), "pos"]:  # type: ignore[attr-defined]
+                a, b = self.__dict__[name], other.__dict__[name]
+                if a is not None:
+                    both = torch.cat([a.view(bh, mine, *a.shape[1:]), b.view(bh, theirs, *b.shape[1:])], 1)
+                    self.__dict__[name] = both.view(-1, *a.shape[1:])
         self.lens = _added(self.lens, other.lens, (mine, theirs))
 
-    def join(self) -> None:
-        """Join the queued segments' fields to this one's."""
-        queue = self.__dict__.pop("_queued", None)
-        if queue:
-            self._cat(queue, self.JOINED)
+    def _pack(self, other: RowCounts, mine: int, theirs: int) -> None:
+        """Write ``other``'s tokens after this segment's ``mine`` per head-row, in the packed buffers
+        (made, or grown by a quarter, when they have no room for ``theirs`` more)."""
+        packed, total = self.__dict__.get("_packed"), mine + theirs
+        with inference():  # as the rows' appends: a forward's buffers are inference tensors
+            if packed is None or next(b for b in packed.values() if b is not None).shape[1] < total:
+                cap = total + max(_MIN_GROWTH, total // 4)
+                grown: dict[str, torch.Tensor | None] = {}
+                for name in self.PACKED:
+                    held = self._per_row(name)
+                    if held is not None:
+                        grown[name] = held.new_empty(held.shape[0], cap, *held.shape[2:])
+                        grown[name][:, :mine] = held  # type: ignore[index]
+                    else:
+                        grown[name] = None
+                    self.__dict__[name] = None  # the flat field now lives in the buffer
+                self.__dict__["_packed"] = packed = grown
+            for name, buf in packed.items():
+                if buf is not None:
+                    buf[:, mine:total] = other.per_row_field(name)  # type: ignore[attr-defined]
+        self.__dict__["_held"] = total
 
-    def _cat(self, parts: list[tuple[Any, int]], names) -> None:
-        """Each field ``names`` of ``parts`` (segments, tokens per head-row) joined per head-row."""
-        bh = self.lens.numel()
-        for name in names:
-            fields = [seg.__dict__[name] for seg, _ in parts]
-            if fields[0] is None:  # an optional field this layout does not store
-                continue
-            rest = fields[0].shape[1:]
-            both = torch.cat([f.view(bh, n, *rest) for f, (_, n) in zip(fields, parts)], dim=1)
-            self.__dict__[name] = both.view(-1, *rest)
+    def keep(self, keep: torch.Tensor) -> None:
+        """:meth:`Segment.keep` of the flat fields (a packed segment's unpacked first)."""
+        self.unpack()
+        super().keep(keep)  # type: ignore[misc]
+
+    def unpack(self) -> None:
+        """Move the packed buffers' tokens back into flat head-major fields (a copy of each)."""
+        packed = self.__dict__.pop("_packed", None)
+        if packed is not None:
+            n = self.__dict__.pop("_held")  # not from ``lens``: a keep replaces them before reading
+            for name, buf in packed.items():
+                self.__dict__[name] = None if buf is None else buf[:, :n].reshape(-1, *buf.shape[2:])
+
+    def head_rows(self, lo: int, hi: int) -> Segment:
+        """:meth:`Segment.head_rows`; a packed segment's part holds slices of its buffers."""
+        packed = self.__dict__.get("_packed")
+        if packed is None or (lo == 0 and hi == self.lens.numel()):
+            return super().head_rows(lo, hi)  # type: ignore[misc]
+        part = copy.copy(self)
+        part.__dict__ = {n: x for n, x in self.__dict__.items() if not n.startswith("_")}
+        part.__dict__["_packed"] = {n: None if b is None else b[lo:hi] for n, b in packed.items()}
+        part.__dict__["_held"] = self.__dict__["_held"]
+        part.lens = ragged.slice_of(self.lens, lo, hi)
+        return part  # type: ignore[return-value]
 
     @property
     def size(self) -> int:
@@ -413,12 +467,14 @@ class RowCounts:
         return n * self.lens.numel() if n is not None else int(self.lens.sum())
 
     def token_nbytes(self) -> int:
-        """Bytes of one token's per-token data (read from the fields' shapes, nothing joined)."""
+        """Bytes of one token's per-token data (read from the fields' shapes, nothing unpacked)."""
         if not self.size:
             return 0
-        names = [n for n in self.JOINED if n != "pos"] or list(self.data_fields())  # type: ignore[attr-defined]
-        fields = [self.__dict__[n] for n in names]  # as stored, queued tokens not joined
-        return sum(math.prod(t.shape[1:]) * t.element_size() for t in fields if t is not None)
+        packed = self.__dict__.get("_packed")
+        names = [n for n in self.PACKED if n != "pos"] or list(self.data_fields())  # type: ignore[attr-defined]
+        fields = [self.__dict__[n] if packed is None else packed[n] for n in names]
+        skip = 1 if packed is None else 2  # flat (N, ...) or per head-row (BH, capacity, ...)
+        return sum(math.prod(t.shape[skip:]) * t.element_size() for t in fields if t is not None)
 
     def nbytes(self) -> int:
         return self.size * self.token_nbytes()

@@ -200,10 +200,11 @@ def _buffers(
 def _laid_out(
     flat: torch.Tensor, rows: Any, lo: int, hi: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Flat head-major tokens of rows ``lo .. hi - 1`` in their slots ``(hi - lo, width, ...)``, into
-    ``out`` when given (then ``out``, or a view to join when not)."""
+    """Flat head-major tokens ``(N, D)`` of rows ``lo .. hi - 1`` in their slots ``(hi - lo, width,
+    D)`` (tokens given per head-row already, ``(hi - lo, width, D)``, stay as they are), into ``out``
+    when given (then ``out``, or a view to join when not)."""
     if rows.uniform:
-        x = flat.view(hi - lo, rows.width, *flat.shape[1:])
+        x = flat if flat.dim() == 3 else flat.view(hi - lo, rows.width, *flat.shape[1:])
         return x if out is None else out.copy_(x)
     out = flat.new_zeros(hi - lo, rows.width, *flat.shape[1:]) if out is None else out.zero_()
     out[rows.valid()[lo:hi]] = flat

@@ -36,6 +36,7 @@ class LoraCompressor(Compressor):
     """
 
     name: str = "lora"
+    version = 2  # 2: packed latents, resident bytes at the buffers' capacity (issue 29, CHANGELOG.md)
     key_rank: int = 32
     value_rank: int = 32
     calibration_tokens: int = 2048

@@ -31,6 +31,7 @@ class LoraPlusPlusCompressor(Compressor):
     """
 
     name: str = "lora_plus_plus"
+    version = 2  # 2: packed latents, resident bytes at the buffers' capacity (issue 29, CHANGELOG.md)
     key_rank: int = 16
     value_rank: int = 32
     latent_bits: int = 8

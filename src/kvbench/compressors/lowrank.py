@@ -18,7 +18,7 @@ import torch
 
 from kvbench.cache import partials, quant
 from kvbench.cache.rotary import Rotary
-from kvbench.cache.segments import RowCounts, Segment, as_float, joined_on_read
+from kvbench.cache.segments import RowCounts, Segment, as_float, packed_rows
 from kvbench.cache.side import SideData
 from kvbench.cache.surface import TechniqueStore
 from kvbench.calibration import lora_artifact
@@ -94,10 +94,11 @@ def layer_bases(
     return side.bases[prefix]
 
 
-LATENT_FIELDS = ("klat", "vlat", "kzero", "kstep", "vzero", "vstep")  # per token, the optional ones None
+PARAM_FIELDS = ("kzero", "kstep", "vzero", "vstep")  # quantized latents' zero and step per token
+LATENT_FIELDS = ("klat", "vlat", *PARAM_FIELDS)  # per token, the optional ones None
 
 
-@joined_on_read(*LATENT_FIELDS)
+@packed_rows(*LATENT_FIELDS)
 @dataclass
 class LatentSegment(RowCounts, Segment):
     """Tokens as latents on per-head bases: ``K = rotate(klat · kbasisᵀ)``, ``V = vlat · vbasisᵀ``.
@@ -162,15 +163,17 @@ class LatentSegment(RowCounts, Segment):
         fields = {name: getattr(self, name) for name in self.FIELDS}
         return {name: t for name, t in fields.items() if t is not None}
 
-    def latents(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Float32 key and value latents ``(N, rk)``, ``(N, rv)`` (dequantized with ``bits``)."""
+    def latents(self, per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 key and value latents ``(N, rk)``, ``(N, rv)`` (dequantized with ``bits``); with
+        ``per_row``, ``(BH, n, rk)``, ``(BH, n, rv)`` read in place (every head-row holds ``n``)."""
+        get: Any = self.per_row_field if per_row else lambda name: getattr(self, name)
+        klat, vlat = get("klat"), get("vlat")
         if self.bits is None:
-            return as_float(self.klat), as_float(self.vlat)
-        assert self.kzero is not None and self.kstep is not None
-        assert self.vzero is not None and self.vstep is not None
+            return as_float(klat), as_float(vlat)
+        kzero, kstep, vzero, vstep = (get(name) for name in PARAM_FIELDS)
         return (
-            quant.dequantize_rows(self.klat, self.kzero, self.kstep, self.bits),
-            quant.dequantize_rows(self.vlat, self.vzero, self.vstep, self.bits),
+            quant.dequantize_rows(klat, kzero, kstep, self.bits),
+            quant.dequantize_rows(vlat, vzero, vstep, self.bits),
         )
 
     def head_rows(self, lo: int, hi: int) -> Segment:
@@ -198,24 +201,31 @@ class LatentSegment(RowCounts, Segment):
         if self.kbasis.shape[0] * batch != self.lens.numel():
             return None
         kernel = dispatch.kernels("latent_decode", batch, self.rows.width)
-        if kernel is not None:
-            params = None if self.bits is None else (self.kzero, self.kstep, self.vzero, self.vstep)
-            return kernel.partials(
-                query, self.klat, self.vlat, self.pos, self.kbasis, self.vbasis, self.rotary, self.lens,
-                self.rows.width, scaling, self.bits, params,
-            )  # fmt: skip
         n = self.row_count()
+        if kernel is not None:  # per head-row in place where the rows hold one count, else flat
+            get: Any = self.per_row_field if n is not None else lambda name: getattr(self, name)
+            params = None if self.bits is None else tuple(get(x) for x in PARAM_FIELDS)
+            return kernel.partials(
+                query, get("klat"), get("vlat"), get("pos"), self.kbasis, self.vbasis, self.rotary, self.lens,
+                self.rows.width, scaling, self.bits, params, per_row=n is not None,
+            )  # fmt: skip
         if n is None or n < partials.PARTIAL_MIN_SLOTS or dispatch.kernels("attention", batch, n) is not None:
             return None
-        kl, vl = self.latents()
-        k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, n)
+        kl, vl = self.latents(per_row=True)
+        k = self.rotary.rotate_rows(self._expand_rows(kl, self.kbasis), self.per_row_field("pos"), n)
         shape = (batch, self.kbasis.shape[0], n, -1)
         return partials.partial(query, k.view(shape), vl.view(shape), scaling, basis=self.vbasis)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        kl, vl = self.latents()
-        k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, self.row_count())
-        return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
+        n = self.row_count()
+        if n is None:  # head-rows of different lengths: flat
+            kl, vl = self.latents()
+            k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, None)
+            return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
+        kl, vl = self.latents(per_row=True)  # each head-row's tokens in place, nothing unpacked
+        k = self.rotary.rotate_rows(self._expand_rows(kl, self.kbasis), self.per_row_field("pos"), n)
+        v = self._expand_rows(vl, self.vbasis)
+        return k.to(dtype).view(-1, k.shape[-1]), v.to(dtype).view(-1, v.shape[-1])
 
     def _project(self, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """``(N, D)`` -> ``(N, r)`` latents on each token's head basis ``(H, D, r)``."""
@@ -228,9 +238,18 @@ class LatentSegment(RowCounts, Segment):
     def _per_head(self, equation: str, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """``x`` ``(N, ·)`` through each token's head basis by ``equation``, per head-row rectangle."""
         p, valid = self.per_row(x)  # (BH, T, ·)
+        return self.flat(self._per_head_rows(equation, p, basis), valid)
+
+    def _expand_rows(self, lat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        """``(BH, n, r)`` latents -> ``(BH, n, D)`` float32 on each head-row's basis ``(H, D, r)``."""
+        return self._per_head_rows("bhtr,hdr->bhtd", lat, basis)
+
+    @staticmethod
+    def _per_head_rows(equation: str, p: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
+        """``p`` ``(BH, T, ·)`` through each head-row's basis ``(H, D, r)`` by ``equation``."""
         h = basis.shape[0]
         out = torch.einsum(equation, p.view(-1, h, *p.shape[1:]), as_float(basis))
-        return self.flat(out.reshape(p.shape[0], p.shape[1], -1), valid)
+        return out.reshape(p.shape[0], p.shape[1], -1)
 
 
 @dataclass

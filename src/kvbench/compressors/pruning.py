@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kvbench.cache.ragged import segment_ids
-from kvbench.cache.segments import RowCounts, Segment, joined_on_read
+from kvbench.cache.segments import RowCounts, Segment, packed_rows
 from kvbench.cache.side import SideData
 from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
@@ -45,7 +45,7 @@ class KeptChannels(SideData):
     channels: torch.Tensor
 
 
-@joined_on_read("kp", "v")
+@packed_rows("kp", "v")
 @dataclass
 class PrunedSegment(RowCounts, Segment):
     """Tokens with thinned keys. ``kp`` ``(N, d_keep)`` kept key channels, ``v`` ``(N, D)``.
@@ -66,10 +66,10 @@ class PrunedSegment(RowCounts, Segment):
 
     def keys(self, k: torch.Tensor, prune: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         """The kept channels of full keys ``k`` ``(N, D)`` (``prune``), or full keys (zeros in the
-        pruned channels) from kept ones ``(N, d_keep)``: by each head-row's channels, broadcast over
-        its tokens when every head-row holds the same number (no per-token index), else indexed per
-        token. Full keys go into ``out`` when given: ``(BH, n, D)`` slots of zeros (any strides),
-        returned."""
+        pruned channels) from kept ones ``(N, d_keep)`` (or ``(BH, n, d_keep)`` per head-row, any row
+        stride): by each head-row's channels, broadcast over its tokens when every head-row holds the
+        same number (no per-token index), else indexed per token. Full keys go into ``out`` when
+        given: ``(BH, n, D)`` slots of zeros (any strides), returned."""
         n, channels = self.row_count(), self.channels.long()
         if n is None:
             index = channels[segment_ids(self.lens)]
@@ -93,8 +93,10 @@ class PrunedSegment(RowCounts, Segment):
         pruned_decode = dispatch.kernels("pruned_decode", batch, self.rows.width)
         if pruned_decode is None:
             return None
+        per_row = self.row_count() is not None  # then read in place, else flat
+        kp, v = (self.per_row_field(n) if per_row else getattr(self, n) for n in ("kp", "v"))
         return pruned_decode.partials(
-            query, self.kp, self.v, self.channels, self.lens, self.rows.width, scaling
+            query, kp, v, self.channels, self.lens, self.rows.width, scaling, per_row=per_row
         )
 
     def writes_into(self) -> tuple[bool, bool]:
@@ -103,13 +105,20 @@ class PrunedSegment(RowCounts, Segment):
         return True, False
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.read_into(None, None, dtype)
+        keys, values = self.read_into(None, None, dtype)
+        return keys, values.reshape(-1, values.shape[-1])
 
     def read_into(
         self, k: torch.Tensor | None, v: torch.Tensor | None, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = self.keys(self.kp.to(dtype), prune=False, out=k)
-        values = self.v.to(dtype)
+        """:meth:`Segment.read_into`; where every head-row holds ``n`` tokens, values not given slots
+        come per head-row ``(BH, n, D)`` (a view of the stored values in their dtype)."""
+        if self.row_count() is None:  # head-rows of different lengths: flat
+            kp, values = self.kp, self.v
+        else:  # per head-row, in place (a packed segment's buffers are not unpacked)
+            kp, values = self.per_row_field("kp"), self.per_row_field("v")
+        keys = self.keys(kp.to(dtype), prune=False, out=k)
+        values = values.to(dtype)
         return keys, (values if v is None else v.copy_(values.view(v.shape)))
 
     def head_rows(self, lo: int, hi: int) -> Segment:
@@ -135,6 +144,7 @@ class PruningCompressor(Compressor):
     """
 
     name: str = "pruning"
+    version = 2  # 2: packed pruned keys and values, resident bytes at their capacity (issue 29, CHANGELOG.md)
     keep_ratio: float = 0.5
     obs_window: int = 16
     flags = Flags(changes_representation=True)
