@@ -454,15 +454,20 @@ def test_an_eviction_breaks_ties_by_position_whatever_the_layout():
     assert sorted(spos[0, 0, left].tolist()) == [2, 4]
 
 
+@pytest.mark.parametrize("compressor", ["quantized", "pruning"])
 @pytest.mark.parametrize("protect", [None, 30])
 @pytest.mark.parametrize("sizes", [[40, 1, 1, 1, 1, 1, 1, 1, 1, 1], [7, 9, 1, 1, 1], [33, 8, 1]])
-def test_moves_counted_on_the_host_are_those_the_device_counts(tiny_93, monkeypatch, protect, sizes):
+def test_moves_counted_on_the_host_are_those_the_device_counts(
+    tiny_93, monkeypatch, protect, sizes, compressor
+):
     """Where the host knows how many tokens every head-row moves out (``select.moving_per_row``:
     full rows in position order, nothing protected beyond the sinks and window), that is the
-    number the move takes; elsewhere it says it does not know. The logits are those of counting
-    on the device."""
+    number the move takes, and the columns it names (``select.leaving_columns``: past the sinks)
+    are the tokens the device marks; elsewhere it says it does not know. The logits and bytes are
+    those of counting on the device: KIVI's groups (a count, then the mask) and ThinK's tokens one
+    at a time (the columns, :func:`select.leaving`)."""
     from kvbench import select
-    from kvbench.compressors import quantized
+    from kvbench.compressors import pruning, quantized
 
     asked, original = [], select.moving_per_row
 
@@ -472,18 +477,26 @@ def test_moves_counted_on_the_host_are_those_the_device_counts(tiny_93, monkeypa
         movable = (ok.sum(-1) // group_size) * group_size
         if n is not None:
             assert movable.tolist() == [n] * movable.numel()
+            marked = select._oldest(ok, movable)
+            cols = torch.zeros_like(marked)
+            start = min(budget.sinks, store.seen_host[0])
+            cols[:, start : start + n] = True
+            assert torch.equal(cols, marked)
         asked.append(n)
         return n
 
     def run(host: bool):
-        if host:
-            monkeypatch.setattr(quantized, "moving_per_row", checked)
+        for module in (select, quantized, pruning):
+            monkeypatch.setattr(module, "moving_per_row", checked if host else lambda *a: None)
+        if compressor == "quantized":
+            technique = QuantizedCompressor(bits=4, group_size=4)
         else:
-            monkeypatch.setattr(quantized, "moving_per_row", lambda *a: None)
-        stack = make_stack(tiny_93, compressor=QuantizedCompressor(bits=4, group_size=4), sinks=2, window=4)
-        return run_chunks(tiny_93, stack, tokens(sum(sizes)), sizes, protect=protect)[0]
+            technique = pruning.PruningCompressor(keep_ratio=0.5)
+        stack = make_stack(tiny_93, compressor=technique, sinks=2, window=4)
+        out, cache = run_chunks(tiny_93, stack, tokens(sum(sizes)), sizes, protect=protect)
+        return out, cache.nbytes()
 
     device = run(False)
     host = run(True)
-    assert torch.equal(device, host)
+    assert torch.equal(device[0], host[0]) and device[1] == host[1]
     assert asked and (protect is None) == any(n is not None for n in asked)

@@ -268,3 +268,37 @@ def test_a_store_puts_dropped_rows_back_in_order_for_a_reader_of_the_oldest():
     assert store.view().pos[0, 0].tolist() == [0, 1, 9, 3, 4, 5, 6, 7, 8]
     assert store.fp_view("pos").tolist() == [[0, 1, 3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, 6, 7, 8, 9]]
     assert store.in_position_order()
+
+
+@pytest.mark.parametrize(
+    "start, moved, width", [(0, 1, 24), (4, 1, 24), (4, 9, 24), (2, 150, 200), (0, 24, 24)]
+)
+def test_taking_columns_is_taking_their_mask(start, moved, width):
+    """Columns the host names (every row the same) leave as the mask of those columns does: the
+    same tokens taken, flat and head-major, the same rows left at the same capacity (a move of most
+    of the rows gives their memory back), in fewer operations (no count, no plan)."""
+    from kvbench.cache.rows import Columns, Rows
+    from kvbench.eval.stepcost import LaunchCounter
+
+    gen = torch.Generator().manual_seed(start + moved + width)
+    bh = 3
+    both = [Rows(bh, torch.device("cpu")) for _ in range(2)]
+    fields = {"k": torch.randn(bh, width, 2, generator=gen), "pos": torch.arange(width).expand(bh, width)}
+    for rows in both:
+        rows.append(fields)
+    move = torch.zeros(bh, width, dtype=torch.bool)
+    move[:, start : start + moved] = True
+    with LaunchCounter() as by_mask:
+        taken_mask = both[0].take_out(move, per_row=moved)
+    with LaunchCounter() as by_columns:
+        taken_cols = both[1].take_columns(Columns(start, start + moved))
+    assert taken_mask is not None and taken_cols is not None
+    assert taken_cols[2] == taken_mask[2] == moved and torch.equal(taken_cols[1], taken_mask[1])
+    for name in fields:
+        assert torch.equal(taken_cols[0][name], taken_mask[0][name]) and taken_cols[0][name].is_contiguous()
+    a, b = both
+    assert (a.width, a.capacity, a.uniform) == (b.width, b.capacity, b.uniform)
+    for name in fields:
+        assert torch.equal(a.get(name), b.get(name))
+    assert by_columns.ops < by_mask.ops
+    assert b.take_columns(Columns(1, 1)) is None  # nothing named, nothing taken

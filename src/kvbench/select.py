@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from kvbench import allocation
 from kvbench.cache import attention as att
 from kvbench.cache.side import TokenState
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import Columns, TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Budget, Technique, keep_top
 
@@ -33,6 +33,32 @@ def leaving_window(
     ok = _movable(store, budget, eligible)
     n = moving_per_row(store, budget, group_size) if eligible is None else None
     return _oldest(ok, (ok.sum(-1) // group_size) * group_size if n is None else n)
+
+
+def leaving_columns(store: TechniqueStore, budget: Budget, group_size: int) -> Columns | None:
+    """The columns of the full-precision rows that :func:`leaving_window` marks in every head-row,
+    from host figures, where :func:`moving_per_row` knows their count: the rows are full and in
+    position order, and only the sinks and the window are protected, so each row holds its sinks
+    first and the oldest unprotected tokens right after them. None where unknown (then the mask)."""
+    n = moving_per_row(store, budget, group_size)
+    if n is None:
+        return None
+    start = min(budget.sinks, store.seen_host[0])
+    return Columns(start, start + n)
+
+
+def leaving(store: TechniqueStore, budget: Budget) -> Columns | torch.Tensor | None:
+    """What a compressor that moves tokens out of the full-precision window one at a time (each
+    decode step moves the token that left the window) moves now, for
+    :meth:`~kvbench.cache.surface.TechniqueStore.move_out`: the oldest unprotected tokens of each
+    head-row, as :func:`leaving_columns` where the host knows them (no count, mask or plan on the
+    device), else as :func:`leaving_window`'s mask (the move counts them). None when the host knows
+    that nothing leaves. Compressors that move whole groups (once in a group's steps) take
+    :func:`leaving_groups`."""
+    cols = leaving_columns(store, budget, 1)
+    if cols is None:
+        return leaving_window(store, budget, 1)
+    return cols if cols.stop > cols.start else None
 
 
 def leaving_groups(store: TechniqueStore, budget: Budget, group_size: int) -> torch.Tensor | None:

@@ -102,6 +102,14 @@ class _Compaction:
             out.view(bh * out.shape[1], *rest).index_copy_(0, rows * out.shape[1] + cols, kept)
 
 
+@dataclass(frozen=True)
+class Columns:
+    """Columns ``start ..< stop`` of every row: a move the host knows (:meth:`Rows.take_columns`)."""
+
+    start: int
+    stop: int
+
+
 def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``values`` ``(BH, W, ...)`` without the slots where ``keep`` ``(BH, W)`` is False, per row, in
     order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
@@ -369,6 +377,41 @@ class Rows:
         stays = ~move if self.uniform else ~move & self.valid()
         self._compact(_Compaction.of(stays, self.capacity, kept, kept_counts))
         return taken, lens, counts[0] if len(set(counts)) == 1 else None
+
+    def take_columns(self, cols: Columns) -> tuple[dict[str, torch.Tensor], torch.Tensor, int] | None:
+        """:meth:`take_out` of the same columns of every row, full rows (a move the host knows: the
+        oldest unprotected tokens of rows in position order, :func:`kvbench.select.leaving_columns`):
+        each field's columns copied out, the others joined in new tensors by one ``cat`` per field,
+        at the capacity :meth:`_compact` would keep. Nothing is counted or planned on the device.
+
+        Returns:
+            None when no column moves; else as :meth:`take_out`.
+        """
+        assert self.uniform, "take_columns: full rows only (rows of different lengths: take_out)"
+        start, stop, width = cols.start, cols.stop, self.width
+        moved = stop - start
+        if moved <= 0:
+            return None
+        fields = self.fields
+        taken = {
+            name: field[:, start:stop]
+            .reshape(self.bh * moved, *field.shape[2:])
+            .clone(memory_format=torch.contiguous_format)
+            for name, field in fields.items()
+        }
+        self._changed(start)  # the columns before the move are as they were
+        kept = width - moved
+        cap = self.capacity if 2 * kept >= self.capacity else kept + max(_MIN_GROWTH, kept // 4)
+        for name, field in fields.items():
+            new = field.new_empty(self.bh, cap, *field.shape[2:])
+            torch.cat([field[:, :start], field[:, stop:width]], dim=1, out=new[:, :kept])
+            fields[name] = new
+        self._heads.clear()  # views of the tensors replaced
+        if cap != self.capacity:
+            self._ones = self._starts = None
+        self.capacity, self.width, self._lens = cap, kept, None
+        lens = torch.full((self.bh,), moved, dtype=torch.long, device=self.device)
+        return taken, lens, moved
 
     def keep(self, mask: torch.Tensor, kept: int | None = None) -> None:
         """Keep the slots where ``mask`` ``(BH, width)`` holds, in order, compacted to each row's front;

@@ -29,7 +29,7 @@ import torch
 
 from kvbench.cache import ragged
 from kvbench.cache.positions import step_positions
-from kvbench.cache.rows import Rows
+from kvbench.cache.rows import Columns, Rows
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
 from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.surface import Build, every_position
@@ -157,7 +157,7 @@ class LayerStore:
         self._view = None
 
     def move_out(
-        self, move: torch.Tensor, build: Build, first: bool = False, per_row: int | None = None
+        self, move: torch.Tensor | Columns, build: Build, first: bool = False, per_row: int | None = None
     ) -> Segment | None:
         """Move the full-precision tokens under ``move`` into the representation ``build`` makes.
 
@@ -166,7 +166,9 @@ class LayerStore:
         :meth:`Segment.layout`, else joins the list (last, or first with ``first``).
 
         Args:
-            move: ``(B * H, W)`` bool over the full-precision rows (see :meth:`fp_view`).
+            move: ``(B * H, W)`` bool over the full-precision rows (see :meth:`fp_view`), or the
+                same :class:`~kvbench.cache.rows.Columns` of every row, where the host knows them
+                (:func:`kvbench.select.leaving_columns`: nothing counted or planned on the device).
             build: ``(k (n, D), v (n, D), pos (n,), lens (BH,)) -> Segment`` for the moved tokens,
                 flat and head-major.
             per_row: the tokens every head-row moves, where the caller knows it on the host
@@ -176,7 +178,7 @@ class LayerStore:
             The segment built (before merging), or None if nothing moved.
         """
         rows = self._fp.rows
-        taken = rows.take_out(move, per_row)
+        taken = rows.take_columns(move) if isinstance(move, Columns) else rows.take_out(move, per_row)
         if taken is None:
             return None
         flat, lens, per_row = taken

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
+from kvbench.cache.rows import Columns
 from kvbench.cache.segments import FPSegment, Segment
 from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.view import PaddedView
@@ -102,7 +103,7 @@ class TechniqueStore(StoreView, Protocol):
 
     # --- move them into a representation, or replace them ---------------------------------------
     def move_out(
-        self, move: torch.Tensor, build: Build, first: bool = False, per_row: int | None = None
+        self, move: torch.Tensor | Columns, build: Build, first: bool = False, per_row: int | None = None
     ) -> Segment | None: ...
     def replace(
         self,

@@ -25,7 +25,7 @@ from kvbench.calibration import lora_artifact
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import BindContext, Budget
-from kvbench.select import leaving_window, moving_per_row
+from kvbench.select import leaving, moving_per_row
 
 
 def pre_rope(rotary: Rotary, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -319,7 +319,9 @@ class LatentCache:
             kb, vb = layer_bases(store, self.bases, layer, self.prefix)
             return LatentSegment.encode(self.rotary, kb, vb, self.bits, k, v, pos, lens, self.residuals)
 
-        store.move_out(leaving_window(store, budget, 1), build, per_row=moving_per_row(store, budget, 1))
+        move = leaving(store, budget)
+        if move is not None:
+            store.move_out(move, build, per_row=moving_per_row(store, budget, 1))
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         """Relative squared error of the pre-RoPE keys and of the values stored so far."""

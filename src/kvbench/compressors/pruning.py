@@ -31,11 +31,11 @@ import torch
 from kvbench.cache.ragged import segment_ids
 from kvbench.cache.segments import RowCounts, Segment, packed_rows
 from kvbench.cache.side import SideData
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import Columns, TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
-from kvbench.select import leaving_window, moving_per_row
+from kvbench.select import leaving, moving_per_row
 
 
 @dataclass
@@ -201,14 +201,13 @@ class PruningCompressor(Compressor):
         qnorm = q.view(b, h, -1, q.shape[2], d).pow(2).sum((2, 3)).sqrt()  # (B, H, D)
         return (qnorm * knorm).reshape(b * h, d)
 
-    def _channels(self, store: TechniqueStore, move: torch.Tensor) -> torch.Tensor:
+    def _channels(self, store: TechniqueStore, move: torch.Tensor | Columns) -> torch.Tensor:
         """Kept channels ``(BH, d_keep)`` int16, chosen now for head-rows with tokens in ``move``
-        ``(BH, W)`` and no set yet."""
+        ``(BH, W)`` (the same columns of every head-row: all of them) and no set yet."""
         kept = store.side(KeptChannels)
         if store in self._settled and kept is not None:  # every head-row has its set: nothing to do
             return kept.channels
-        need = move.any(-1)
-        bh, d = need.numel(), store.head_dim
+        bh, d = store.batch * store.kv_heads, store.head_dim
         keep = self.kept_channels(d)
         side = (
             torch.zeros(bh, keep, dtype=torch.int16, device=store.device) if kept is None else kept.channels
@@ -216,7 +215,7 @@ class PruningCompressor(Compressor):
         chosen = self._chosen.get(store)
         if chosen is None:
             chosen = torch.zeros(bh, dtype=torch.bool, device=store.device)
-        new = need & ~chosen
+        new = ~chosen if isinstance(move, Columns) else move.any(-1) & ~chosen
         if bool(new.any()):
             top = self.channel_scores(store).topk(keep, dim=-1).indices.sort(-1).values
             side = torch.where(new[:, None], top.to(torch.int16), side)
@@ -229,12 +228,10 @@ class PruningCompressor(Compressor):
         return side
 
     def compress(self, layer: int, store: TechniqueStore) -> None:
+        move = leaving(store, self.budget)  # columns where the host knows them, else a mask
+        if move is None or (isinstance(move, torch.Tensor) and not bool(move.any())):
+            return
         per_row = moving_per_row(store, self.budget, 1)
-        if per_row == 0:  # known on the host: every token is a sink or in the window
-            return
-        move = leaving_window(store, self.budget, 1)
-        if per_row is None and not bool(move.any()):
-            return
         channels = self._channels(store, move)
 
         def build(k, v, pos, lens):
