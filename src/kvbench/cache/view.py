@@ -80,6 +80,7 @@ class JoinedRows:
         self.widths: list[int] = []
         self.fields: dict[str, torch.Tensor] = {}
         self.capacity = 0
+        self.all_valid = False  # ``valid`` holds True in every slot (every segment's rows full)
 
     @staticmethod
     def _part(seg: Any, name: str) -> torch.Tensor:
@@ -114,21 +115,32 @@ class JoinedRows:
                 start += width
         widths = [seg.rows.width for seg in segs]
         total = sum(widths)
+        # Every segment's rows full: every slot is valid, so ``valid`` is all True and is not
+        # rewritten (made of ones, or filled once when the rows were not all full before)
+        full = all(seg.rows.uniform for seg in segs)
         if total > self.capacity or not same:
             cap = total + max(64, total // 4)
             fields = {}
             for name in names:
                 part = self._part(segs[0], name)
-                fields[name] = part.new_zeros(part.shape[0], cap, *part.shape[2:])
-                if same:
+                make = part.new_ones if full and name == "valid" else part.new_zeros
+                fields[name] = make(part.shape[0], cap, *part.shape[2:])
+                if same and not (full and name == "valid"):
                     fields[name][:, :first] = self.fields[name][:, :first]
-            self.fields, self.capacity = fields, cap
+            self.fields, self.capacity, self.all_valid = fields, cap, full
+        elif full and not self.all_valid:
+            self.fields["valid"].fill_(True)
+            self.all_valid = True
+        if not full:
+            self.all_valid = False
         start = 0
         for seg, width in zip(segs, widths):
             lo = max(first, start)
             if lo < start + width:
                 for name, field in self.fields.items():
-                    field[:, lo : start + width] = self._part(seg, name)[:, lo - start :]
+                    part = self._part(seg, name)  # full rows' valid: a slice of their ones, no launch
+                    if not (full and name == "valid"):
+                        field[:, lo : start + width] = part[:, lo - start :]
             start += width
         self.segs, self.widths = list(segs), widths
         return {name: field[:, :total] for name, field in self.fields.items()}
