@@ -45,7 +45,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/fastv": (19.75, 2.2),
     "compressor/lora": (58.25, 18.1),
     "compressor/lora_plus_plus": (100.25, 19.6),
-    "compressor/pikv": (101.25, 10.2),
+    "compressor/pikv": (101.5, 10.2),
     "compressor/pruning": (24.75, 7.0),
     "compressor/pyramid": (9.75, 13.65),
     "compressor/pyramidkv": (19.25, 0.34),
