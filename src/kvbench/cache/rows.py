@@ -27,6 +27,20 @@ from kvbench.kernels import dispatch
 
 _MIN_GROWTH = 64
 
+
+def with_room(tokens: int) -> int:
+    """The capacity per row for ``tokens``: a quarter more, at least :data:`_MIN_GROWTH` slots (rows,
+    packed segments and the view grow so; amortised O(1) copies per token)."""
+    return tokens + max(_MIN_GROWTH, tokens // 4)
+
+
+def kept_capacity(kept: int, capacity: int) -> int:
+    """The capacity after a compaction to ``kept`` slots per row: as it is, or a smaller one once the
+    kept tokens fill less than half of it (rows emptied by evictions or moves do not hold the memory
+    of their longest past)."""
+    return capacity if 2 * kept >= capacity else with_room(kept)
+
+
 _ON = contextlib.nullcontext()
 
 
@@ -245,7 +259,7 @@ class Rows:
     def _reserve(self, need: int) -> None:
         if need <= self.capacity:
             return
-        cap = need + max(_MIN_GROWTH, need // 4)
+        cap = with_room(need)
         for name, old in self._fields.items():  # a pending run's columns are written later, to the new one
             new = old.new_zeros(self.bh, cap, *old.shape[2:])
             new[:, : self.width] = old[:, : self.width]
@@ -401,7 +415,7 @@ class Rows:
         }
         self._changed(start)  # the columns before the move are as they were
         kept = width - moved
-        cap = self.capacity if 2 * kept >= self.capacity else kept + max(_MIN_GROWTH, kept // 4)
+        cap = kept_capacity(kept, self.capacity)
         for name, field in fields.items():
             new = field.new_empty(self.bh, cap, *field.shape[2:])
             torch.cat([field[:, :start], field[:, stop:width]], dim=1, out=new[:, :kept])
@@ -429,9 +443,7 @@ class Rows:
         one (the kept width and room to grow) once the kept tokens fill less than half of it, so that
         rows emptied by evictions or moves do not hold the memory of their longest past."""
         self._changed(0)
-        cap = self.capacity
-        if 2 * plan.width < cap:
-            cap = plan.width + max(_MIN_GROWTH, plan.width // 4)
+        cap = kept_capacity(plan.width, self.capacity)
         for name, field in self.fields.items():
             new = field.new_empty(field.shape[0], cap, *field.shape[2:])
             plan.apply(field, new)

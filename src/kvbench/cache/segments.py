@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import partials, ragged
-from kvbench.cache.rows import Rows, inference
+from kvbench.cache.rows import Rows, inference, with_room
 from kvbench.kernels import dispatch
 
 KV = ("k", "v")  # the full-precision rows' stored keys and values
@@ -337,9 +337,6 @@ def packed_rows(*names: str):
     return install
 
 
-_MIN_GROWTH = 64  # a packed buffer grows by a quarter of its tokens, at least this many per head-row
-
-
 class RowCounts:
     """Mixin for a :class:`Segment`: its tokens per head-row on the host, when every head-row holds
     the same number (as a decode step moves one token of each), so per-head layouts and appends are
@@ -395,23 +392,14 @@ class RowCounts:
 
     def extend(self, other: Segment) -> None:
         """:meth:`Segment.extend`; when both hold the same number of tokens in every head-row, written
-        into the packed buffers (:func:`packed_rows`) or one ``cat`` per field (bitwise what the
-        ragged concatenation gives)."""
+        into the packed buffers (:func:`packed_rows`, which a :class:`RowCounts` segment declares)."""
         assert isinstance(other, RowCounts)
         mine, theirs = self.row_count(), other.row_count()
         if mine is None or theirs is None:
             self.unpack()
             super().extend(other)  # type: ignore[misc]
             return
-        if self.PACKED:
-            self._pack(other, mine, theirs)
-        else:
-            bh = self.lens.numel()
-            for name in [*self.data_fields(), "pos"]:  # type: ignore[attr-defined]
-                a, b = self.__dict__[name], other.__dict__[name]
-                if a is not None:
-                    both = torch.cat([a.view(bh, mine, *a.shape[1:]), b.view(bh, theirs, *b.shape[1:])], 1)
-                    self.__dict__[name] = both.view(-1, *a.shape[1:])
+        self._pack(other, mine, theirs)
         self.lens = _added(self.lens, other.lens, (mine, theirs))
 
     def _pack(self, other: RowCounts, mine: int, theirs: int) -> None:
@@ -420,7 +408,7 @@ class RowCounts:
         packed, total = self.__dict__.get("_packed"), mine + theirs
         with inference():  # as the rows' appends: a forward's buffers are inference tensors
             if packed is None or next(b for b in packed.values() if b is not None).shape[1] < total:
-                cap = total + max(_MIN_GROWTH, total // 4)
+                cap = with_room(total)
                 grown: dict[str, torch.Tensor | None] = {}
                 for name in self.PACKED:
                     held = self._per_row(name)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvbench.cache.rows import inference
+from kvbench.cache.rows import inference, with_room
 from kvbench.cache.segments import KV, FPSegment
 
 
@@ -119,7 +119,7 @@ class JoinedRows:
         # rewritten (made of ones, or filled once when the rows were not all full before)
         full = all(seg.rows.uniform for seg in segs)
         if total > self.capacity or not same:
-            cap = total + max(64, total // 4)
+            cap = with_room(total)
             fields = {}
             for name in names:
                 part = self._part(segs[0], name)

@@ -212,7 +212,7 @@ class LatentSegment(RowCounts, Segment):
         if n is None or n < partials.PARTIAL_MIN_SLOTS or dispatch.kernels("attention", batch, n) is not None:
             return None
         kl, vl = self.latents(per_row=True)
-        k = self.rotary.rotate_rows(self._expand_rows(kl, self.kbasis), self.per_row_field("pos"), n)
+        k = self._keys_rows(kl, n)
         shape = (batch, self.kbasis.shape[0], n, -1)
         return partials.partial(query, k.view(shape), vl.view(shape), scaling, basis=self.vbasis)
 
@@ -223,8 +223,7 @@ class LatentSegment(RowCounts, Segment):
             k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, None)
             return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
         kl, vl = self.latents(per_row=True)  # each head-row's tokens in place, nothing unpacked
-        k = self.rotary.rotate_rows(self._expand_rows(kl, self.kbasis), self.per_row_field("pos"), n)
-        v = self._expand_rows(vl, self.vbasis)
+        k, v = self._keys_rows(kl, n), self._expand_rows(vl, self.vbasis)
         return k.to(dtype).view(-1, k.shape[-1]), v.to(dtype).view(-1, v.shape[-1])
 
     def _project(self, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -239,6 +238,11 @@ class LatentSegment(RowCounts, Segment):
         """``x`` ``(N, ·)`` through each token's head basis by ``equation``, per head-row rectangle."""
         p, valid = self.per_row(x)  # (BH, T, ·)
         return self.flat(self._per_head_rows(equation, p, basis), valid)
+
+    def _keys_rows(self, klat: torch.Tensor, n: int) -> torch.Tensor:
+        """Keys ``(BH, n, D)`` float32 rebuilt from key latents ``(BH, n, rk)`` and rotated at the
+        stored positions, each head-row's ``n`` tokens read in place."""
+        return self.rotary.rotate_rows(self._expand_rows(klat, self.kbasis), self.per_row_field("pos"), n)
 
     def _expand_rows(self, lat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """``(BH, n, r)`` latents -> ``(BH, n, D)`` float32 on each head-row's basis ``(H, D, r)``."""
