@@ -1,5 +1,7 @@
 """The GPU scripts' own logic, on the CPU (issue 29): ``gpu_check.py``'s targets and its kvpress
-table from rows of known figures, and ``bench_kvpress.py`` where kvpress is not installed."""
+table from rows of known figures, ``bench_kvpress.py`` where kvpress is not installed, and a cell's
+warm-up of its Triton kernels (``loop.warm_up_kernels``), which runs on a GPU only and, forced here,
+changes nothing the cell records but its timings."""
 
 from __future__ import annotations
 
@@ -8,7 +10,13 @@ import json
 import subprocess
 import sys
 
-from test_bad_inputs import ROOT
+import pytest
+
+from kvbench import run
+from kvbench.eval import loop
+from test_bad_inputs import ROOT, cell
+
+TIMINGS = ("decode_attn_ms", "throughput_tok_s", "tpot_s", "ttft_s", "memory", "peak_memory_mb")
 
 
 def gpu_check():
@@ -82,3 +90,31 @@ def test_bench_kvpress_without_kvpress_writes_why(tmp_path):
     assert done.returncode == 0, done.stderr
     data = json.loads(out.read_text())
     assert data["error"].startswith("kvpress not importable: ModuleNotFoundError") and data["rows"] == {}
+
+
+def test_no_warm_up_of_kernels_where_none_can_run(tmp_path, monkeypatch):
+    """On the CPU every path is torch's: the warm-up neither builds a stack nor runs."""
+    built = []
+    monkeypatch.setattr(loop, "warm_up_kernels", lambda lm, make, **kw: built.append(make) or False)
+    record = run.run(cell(tmp_path, "router=adaptive"))
+    assert record["status"] == "done" and len(built) == 1  # asked once per cell
+    lm = type("LM", (), {"devices": [__import__("torch").device("cpu")]})()
+    for path in ("torch", "auto"):
+        with loop.dispatch.using(path):
+            assert not loop.kernels_may_run(lm)
+
+
+@pytest.mark.parametrize("technique", ["router=adaptive", "compressor=quantized", "compressor=random"])
+def test_a_forced_warm_up_changes_no_recorded_number(tmp_path, monkeypatch, technique):
+    """The warm-up runs a throwaway stack in its own dispatch cell and restores the generators, so
+    the cell's scores, bytes and technique metrics are bit for bit those of a cell without it."""
+    plain = run.run(cell(tmp_path / "plain", technique))
+    ran = []
+    real = loop.warm_up_kernels
+    monkeypatch.setattr(loop, "kernels_may_run", lambda lm: True)  # as on a GPU with kernels=auto
+    monkeypatch.setattr(loop, "warm_up_kernels", lambda lm, make, **kw: ran.append(real(lm, make, **kw)))
+    warmed = run.run(cell(tmp_path / "warmed", technique))
+    assert ran == [True] and plain["status"] == warmed["status"] == "done"
+    strip = lambda m: {k: v for k, v in m.items() if k not in TIMINGS}  # noqa: E731
+    assert strip(warmed["metrics"]) == strip(plain["metrics"])
+    assert warmed.get("kernel_paths") == plain.get("kernel_paths")

@@ -237,6 +237,7 @@ def _release_memory(kind: str) -> None:
 def _evaluate(cfg, lm, stack, data, ident, record) -> None:
     stack.bind(BindContext.for_model(lm, int(cfg.seed)))  # may calibrate (cached)
     loop.warm_up(lm)  # before the first timed pass of the process (the baseline's, if computed now)
+    loop.warm_up_kernels(lm, lambda: _bound(config.validate(cfg), lm, cfg))  # its Triton kernels' first calls
     base = baselines.get(cfg, lm, data, ident) if stack.order else None  # once per model x dataset
     measure.reset_peak(lm.devices)
     t0 = time.perf_counter()
@@ -257,6 +258,12 @@ def _evaluate(cfg, lm, stack, data, ident, record) -> None:
     record["timings"]["eval_s"] = time.perf_counter() - t0
     record["dataset"]["n_examples"] = metrics["n_examples"]
     record["status"] = "done"
+
+
+def _bound(stack: Stack, lm, cfg) -> Stack:
+    """``stack`` bound as a cell's (a throwaway copy for :func:`loop.warm_up_kernels`)."""
+    stack.bind(BindContext.for_model(lm, int(cfg.seed)))
+    return stack
 
 
 def thread_count(threads: int | None) -> int | None:

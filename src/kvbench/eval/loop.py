@@ -16,6 +16,7 @@ from kvbench import limits
 from kvbench.cache import timing
 from kvbench.cache.engine import KVCache
 from kvbench.eval import measure
+from kvbench.kernels import dispatch
 from kvbench.models import LoadedModel
 from kvbench.stack import Stack
 
@@ -47,6 +48,41 @@ def warm_up(lm: LoadedModel) -> None:
     forward(lm, cache, [0], keep=1)
     measure.sync(lm.devices)
     _WARM.add(lm.model)
+
+
+def kernels_may_run(lm: LoadedModel) -> bool:
+    """Whether the current cell may call a Triton kernel: its path is not ``torch`` and a device
+    holding the model is a GPU (on a CPU ``auto`` is torch's path)."""
+    return dispatch.active() != "torch" and any(d.type == "cuda" for d in lm.devices)
+
+
+def warm_up_kernels(
+    lm: LoadedModel, make_stack: Callable[[], Stack], tokens: int = 512, steps: int = 6
+) -> bool:
+    """Where a Triton kernel may run (:func:`kernels_may_run`): an untimed prefill of ``tokens`` and
+    ``steps`` decode steps through ``make_stack()``, a throwaway stack built and bound as the cell's,
+    so that the cell's timed passes do not include the kernels' first calls.
+
+    The first call of a Triton kernel in a process compiles it, or loads it from Triton's disk
+    cache; on an H200 that put 21.6 s into a prefill and 170 ms into each decode step of the first
+    cell that called KIVI's kernels (docs/kernels.md, 2026-11-27). Several steps, since a kernel
+    compiles again for new alignments of its integer arguments; batch 1 only. It runs in a
+    dispatch cell of its own (the kernels it takes are not the cell's record) and restores the
+    random number generators, so the cell computes what it computes without it. Returns whether
+    it ran."""
+    if not kernels_may_run(lm):
+        return False
+    vocab = int(lm.model.config.vocab_size)
+    ids = [(7 * i + 1) % vocab for i in range(tokens + steps)]
+    cuda = sorted({d.index or 0 for d in lm.devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda), dispatch.using(dispatch.active()):
+        cache = new_cache(lm, make_stack())
+        step(lm, cache, ids[:tokens], keep=1)
+        for i in range(tokens, tokens + steps):
+            step(lm, cache, ids[i : i + 1], keep=1)
+        measure.sync(lm.devices)
+        del cache
+    return True
 
 
 def _logits(lm: LoadedModel, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, keep: int | None):
