@@ -55,7 +55,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/svd": (14.5, 15.81),
     "scheduler/adakv": (89.0, 5.04),
     "scheduler/duo_attention": (11.25, 0.94),
-    "scheduler/flexgen": (57.25, 0.35),
+    "scheduler/flexgen": (31.25, 0.35),
     "scheduler/h2o": (16.0, 0.35),
     "scheduler/lru": (22.5, 0.41),
     "scheduler/lru_plus": (36.0, 0.46),

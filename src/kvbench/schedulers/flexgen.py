@@ -45,12 +45,15 @@ from kvbench.roles import BindContext, Flags, Scheduler
 
 def row_bytes(store: TechniqueStore) -> torch.Tensor:
     """Stored bytes of every head-row ``(B * H,)`` int64, from each segment's fields."""
-    rows = torch.zeros(store.batch * store.kv_heads, dtype=torch.long, device=store.device)
+    rows: torch.Tensor | None = None  # the first segment's bytes start the sum (no zeros to add to)
     for seg in store.segments:
-        rows = rows + seg.lens * seg.token_nbytes()
+        part = seg.lens * seg.token_nbytes()
+        rows = part if rows is None else rows + part
         if isinstance(seg, GroupedSegment) and seg.size:
             rows = rows + seg.glens * seg.group_nbytes()
-    return rows
+    if rows is None:
+        return torch.zeros(store.batch * store.kv_heads, dtype=torch.long, device=store.device)
+    return rows.to(torch.long)
 
 
 def visible_counts(pos: torch.Tensor, valid: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
@@ -62,7 +65,8 @@ def visible_counts(pos: torch.Tensor, valid: torch.Tensor, qpos: torch.Tensor) -
         pos, valid: ``(B, H, T)`` the stored tokens; qpos: ``(B, q)`` query positions.
     """
     b, h, t = pos.shape
-    earlier = torch.searchsorted(qpos.sort(-1).values, pos.reshape(b, h * t))  # queries before each token
+    ordered = qpos if qpos.shape[1] == 1 else qpos.sort(-1).values  # one query is in order
+    earlier = torch.searchsorted(ordered, pos.reshape(b, h * t))  # queries before each token
     return ((qpos.shape[1] - earlier).view(b, h, t) * valid).sum(-1)
 
 
@@ -160,12 +164,13 @@ class FlexGenScheduler(Scheduler):
         return fast.view(store.batch, store.kv_heads)
 
     def _add(self, layer: int, store: TechniqueStore, **figures: torch.Tensor | int) -> None:
-        """Add ``figures`` (named as :data:`FIGURES`) to the layer's step, in place on its device."""
+        """Add ``figures`` (named as :data:`FIGURES`) to the layer's step, in place on its device (one
+        ``add_`` on each figure's element, not a read, add and write back)."""
         step = self._layer.get(layer)
         if step is None:
             step = self._layer[layer] = torch.zeros(len(FIGURES), dtype=torch.long, device=store.device)
         for name, value in figures.items():
-            step[FIGURES.index(name)] += value
+            step[FIGURES.index(name)].add_(value)
 
     def evict(self, layer: int, store: TechniqueStore) -> None:
         """Nothing is evicted: measure the tiers' bytes and the new slow-row tokens written."""
@@ -173,15 +178,21 @@ class FlexGenScheduler(Scheduler):
         per_row = row_bytes(store)
         fast, every = per_row[:n_fast].sum(), per_row.sum()
         shared = store.nbytes() - every  # side metadata: resides with the fast tier
-        before = self._seen.get(store, torch.zeros_like(store.seen)).repeat_interleave(store.kv_heads)
-        new = torch.zeros_like(per_row)
+        seen = self._seen.get(store)
+        new: torch.Tensor | None = None
+        if seen is None:  # the first step: every stored token is new
+            seen = torch.zeros_like(store.seen)
+        before = seen.repeat_interleave(store.kv_heads)
         for seg in store.segments:  # tokens stored at a position not seen before this step
             rows = seg.rows
-            new = new + ((rows.get("pos") >= before[:, None]) & rows.valid()).sum(-1)
+            part = ((rows.get("pos") >= before[:, None]) & rows.valid()).sum(-1)
+            new = part if new is None else new + part
+        if new is None:
+            new = torch.zeros_like(per_row)
         token = store.fp.token_nbytes()  # one token's K and V as produced
         self._add(layer, store, fast=fast + shared, slow=every - fast, moved=new[n_fast:].sum() * token)
         if layer == self.num_layers - 1:  # the step's tokens, counted once
-            tokens = (store.seen - self._seen.get(store, torch.zeros_like(store.seen))).sum()
+            tokens = (store.seen - seen).sum()
             self._add(layer, store, tokens=tokens)
             self._steps.append([self._layer[i] for i in sorted(self._layer)])
             self._layer = {}
@@ -193,14 +204,20 @@ class FlexGenScheduler(Scheduler):
     ) -> None:
         """Queries sent to the slow tier and outputs returned; tokens read per tier."""
         b, hq, q, d = query.shape
-        fast = self.fast_rows(store)
-        real = qpos >= 0
-        slow_queries = ((~fast).sum(-1) * real.sum(-1)).sum() * (hq // store.kv_heads)
+        real: torch.Tensor | None = None
+        if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real: on the host
+            slow_queries: torch.Tensor | int = (
+                (b * store.kv_heads - self.fast_count(store)) * q * (hq // store.kv_heads)
+            )
+        else:
+            real = qpos >= 0
+            slow_queries = ((~self.fast_rows(store)).sum(-1) * real.sum(-1)).sum() * (hq // store.kv_heads)
         moved = slow_queries * (d + store.head_dim) * query.element_size()  # q out, o back
         self._add(layer, store, moved=moved)
         if self._hooked:
             self._hooked = False
             return
+        real = qpos >= 0 if real is None else real
         view = store.view()
         visible = view.valid[:, :, None, :] & (view.pos[:, :, None, :] <= qpos[:, None, :, None])
         self._count_reads(layer, store, (visible & real[:, None, :, None]).sum((2, 3)))
@@ -247,17 +264,18 @@ class FlexGenScheduler(Scheduler):
             rows["mask"] = mask.reshape(b * h, 1, q, t)
         if view.bias is not None:
             rows["bias"] = view.bias.reshape(b * h, 1, t)
-        out = query.new_empty(b * h, g, q, view.v.shape[-1])
         n_fast = self.fast_count(store)  # the fast rows come first: each tier is a slice, not a copy
+        parts = []
         if n_fast:
-            out[:n_fast] = self._attend({k: v[:n_fast] for k, v in rows.items()}, scaling)
+            parts.append(self._attend({k: v[:n_fast] for k, v in rows.items()}, scaling))
         if n_fast < b * h:
             slow = {k: v[n_fast:] for k, v in rows.items()}
             if self.separate_tier(store):  # the tier's own copy, extended by the new tokens
                 tier = store.copies.setdefault("flexgen", SlowTier(self.slow_device, self.pinned))
                 slow["k"], slow["v"] = tier.update(store, view, slow["k"], slow["v"])
-            out[n_fast:] = self._attend_slow(slow, scaling)
-        return out.view(b, h * g, q, -1)
+            parts.append(self._attend_slow(slow, scaling))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # the tiers' outputs in row order
+        return out.reshape(b, h * g, q, -1)
 
     def separate_tier(self, store: TechniqueStore) -> bool:
         """The slow tier is other memory than the store's (a GPU's store, the host's tier)."""
