@@ -40,7 +40,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "router/hierarchical": (25.5, 0.40),
     "router/pikv": (38.0, 0.48),
     "router/topk_balanced": (43.0, 0.51),
-    "compressor/chunkkv": (62.25, 1.47),
+    "compressor/chunkkv": (14.5, 1.3),
     "compressor/distillation": (82.25, 16.65),
     "compressor/fastv": (19.75, 2.2),
     "compressor/lora": (58.25, 18.1),

@@ -20,6 +20,7 @@ kept besides the window; ``pool`` defaults to 1 (the paper sums raw window atten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
-from kvbench.select import Allocated, ObservationWindow, check_window
+from kvbench.select import Allocated, ObservationWindow, check_window, within
 
 
 def chunk_keep(
@@ -96,6 +97,8 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
             )
 
     def compress(self, layer: int, store: TechniqueStore) -> None:
+        if self.reuse_layers == 1 and within(store, partial(self.allocated_capacity_host, layer)):
+            return  # every candidate fits its row's slots: every chunk would be kept
         view = store.view()
         protected = self.budget.protected_view(store) & view.valid
         chosen = None if self._chosen is None else store.local(self._chosen)  # the group's first layer's
@@ -103,8 +106,12 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
             chosen = F.pad(chosen, (0, max(0, store.seen_max - chosen.shape[-1])))
             keep = protected | (view.valid & torch.gather(chosen, -1, view.pos.clamp(min=0)))
         else:
-            cap = self.allocated_capacity(layer, store)  # (B,)
-            slots = (cap[:, None] - protected.sum(-1)).clamp(min=0)
+            seen = store.seen_host
+            if len(set(seen)) == 1:  # one length: the capacity on the host (the same arithmetic)
+                cap: torch.Tensor | int = self.allocated_capacity_host(layer, seen[0])
+            else:
+                cap = self.allocated_capacity(layer, store)[:, None]  # (B, 1)
+            slots = (cap - protected.sum(-1)).clamp(min=0)
             cand = view.valid & ~protected
             keep = protected | chunk_keep(self.window_scores(store), view.pos, cand, slots, self.chunk_size)
             if self.reuse_layers > 1:
