@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import transformers
 
-SHAPED_8B = dict(  # gpu_check.SHAPED_8B: Llama-3.1-8B's shapes
+SHAPED_8B = dict(  # Llama-3.1-8B's shapes (gpu_check.py's memory part imports them from here)
     vocab_size=128256,
     hidden_size=4096,
     intermediate_size=14336,

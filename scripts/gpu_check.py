@@ -55,6 +55,7 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
 
+from bench_kvpress import SHAPED_8B  # noqa: E402  (torch and transformers only: kvpress runs it too)
 from kvbench import config, models, run  # noqa: E402
 from kvbench.cache import engine, timing  # noqa: E402
 from kvbench.eval import loop, measure  # noqa: E402
@@ -108,16 +109,6 @@ TOLERANCE = {torch.bfloat16: 0.05, torch.float16: 0.01}  # of the float32 logits
 # a technique that selects tokens: a near-tie that falls the other way changes the logits by what the
 # other token or block holds, whatever the dtype (fp16 0.08 for MoBA's blocks on an H200)
 SELECTION_FLIP = 0.25
-SHAPED_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-)
 
 
 def technique(role: str, spec: str):
@@ -407,8 +398,11 @@ def check_memory(
         for tech, path in [(t, p) for t in techs for p in paths]:
 
             def one(tech=tech, n=n, ids=ids, path=path):
-                with dispatch.using(dispatch.resolve(path, torch.device(device))):
-                    warm_up(lm, bo.build_cell_stack(lm, tech, 0.5, model="tiny_random"), ids, min(n, WARM_UP))
+                with dispatch.using(
+                    dispatch.resolve(path, torch.device(device))
+                ):  # its kernels compiled, untimed
+                    make = lambda: bo.build_cell_stack(lm, tech, 0.5, model="tiny_random")  # noqa: E731
+                    loop.warm_up_kernels(lm, make, tokens=min(n, WARM_UP))
                 stack = bo.build_cell_stack(lm, tech, 0.5, model="tiny_random")  # no GGUF needed
                 measure.reset_peak(lm.devices)
                 cache = loop.new_cache(lm, stack)
@@ -450,21 +444,7 @@ def check_memory(
         print_kvpress(rows, paths[0], kvpress)
 
 
-WARM_UP = 2048  # tokens of the untimed run that compiles a technique's Triton kernels before it is timed
-
-
-def warm_up(lm, stack: Stack, ids: list[int], n: int, steps: int = 6) -> None:
-    """An untimed prefill of ``n`` tokens and ``steps`` decode steps through ``stack`` (a throwaway
-    copy of the timed cell's): the first call of each Triton kernel in a process compiles it (or
-    loads it from Triton's disk cache), which on the H200 of 2026-11-27 landed in the first cell that
-    used the kernel (compressor/pikv's 21.6 s prefill and 280 ms per token at 32k, router/adaptive's
-    331 ms), not in the technique's cost. Several steps, since a kernel is compiled again for new
-    alignments of its integer arguments."""
-    cache = loop.new_cache(lm, stack)
-    loop.step(lm, cache, ids[:n], keep=1)
-    for i in range(steps):
-        loop.step(lm, cache, ids[n + i : n + i + 1], [], decode=True)
-    del cache
+WARM_UP = 2048  # tokens of the untimed run (loop.warm_up_kernels) before a technique is timed at 8B shapes
 
 
 def print_targets(rows: dict, path: str, n: int) -> None:
