@@ -521,3 +521,37 @@ def test_position_blocks_shared_by_the_layers_of_a_step(tiny_93, make, protect, 
     alone, m_alone, _ = go()
     assert torch.equal(shared, alone)
     assert m_shared == m_alone
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 1, 8), (2, 3, 25, 8), (1, 8, 512, 16)])  # sliced, own, sliced
+@pytest.mark.parametrize("host_routed", [True, False])
+def test_read_figures_settled_together_equal_each_call_alone(shape, host_routed):
+    """A whole call's read figures, made when settled with those of other calls
+    (``expert._fill_reads``), are bit for bit those its own operations gave: the routed tokens each
+    query reads and the sum of their routable fractions."""
+    from kvbench.routers.expert import StepReads, _Call, _fill_reads
+
+    g = torch.Generator().manual_seed(sum(shape))
+    b, h, _, e = shape
+    calls, alone = [], []
+    for i in range(5):
+        chosen = torch.rand(shape, generator=g) < 0.4
+        count = torch.randint(0, 40, (b, h, e), generator=g).float()
+        routed = torch.full((), float(37 + i)) if host_routed else count.sum(-1, keepdim=True).clamp(min=1)
+        read = (chosen * count[:, :, None, :]).sum(-1)
+        alone.append((read, (read / routed).sum()))
+        reads = StepReads(2, None, count, 0, 1)
+        call = _Call(0, chosen, reads, None, float(b * h * shape[2]), count, routed)
+        calls.append(call)
+    _fill_reads(calls)
+    for call, (read, fraction) in zip(calls, alone):
+        assert torch.equal(call.reads.read, read)
+        assert call.fraction is not None and call.fraction.item() == fraction.item()
+
+
+def test_read_all_reads_values_of_every_dtype_exactly():
+    from kvbench.cache.reads import read_all
+
+    wide = torch.tensor(0.1, dtype=torch.float64)
+    ts = [torch.tensor(0.1), torch.tensor(2**40), 3.5, torch.tensor(True), wide]
+    assert read_all(ts) == [float(torch.tensor(0.1)), float(2**40), 3.5, 1.0, 0.1]

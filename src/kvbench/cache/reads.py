@@ -97,14 +97,17 @@ def read_all(tensors: list[torch.Tensor | float]) -> list[float]:
     """The values of 0-d ``tensors`` as floats (float64: whole counts below 2**53 exactly), with
     one read per device, not one per tensor; host figures among them are taken as they are."""
     out: list[float] = [0.0] * len(tensors)
-    devices: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    devices: dict[torch.device, dict[torch.dtype, list[tuple[int, torch.Tensor]]]] = {}
     for i, t in enumerate(tensors):
         if isinstance(t, torch.Tensor):
-            devices.setdefault(t.device, []).append((i, t))
+            devices.setdefault(t.device, {}).setdefault(t.dtype, []).append((i, t))
         else:
             out[i] = float(t)
-    for pairs in devices.values():
-        for (i, _), value in zip(pairs, torch.stack([t.double() for _, t in pairs]).tolist()):
+    for by_dtype in devices.values():
+        # those of one dtype stacked, then widened at once (exactly: float64 holds each value)
+        pairs = [pair for same in by_dtype.values() for pair in same]
+        values = torch.cat([torch.stack([t for _, t in same]).double() for same in by_dtype.values()])
+        for (i, _), value in zip(pairs, values.tolist()):
             out[i] = value
     return out
 

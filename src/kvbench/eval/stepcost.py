@@ -233,22 +233,29 @@ def decode_cost(run: Run, layers: int, short: int = 4, long: int = 20) -> StepCo
     )
 
 
-def counted(make: Callable[[], Callable[[], None]]) -> Run:
-    """A :data:`Run` of the step function ``make()`` prepares (its prefill outside the count)."""
+def counted(make: Callable[[], Callable[[], None]], finish: Callable[[], object] | None = None) -> Run:
+    """A :data:`Run` of the step function ``make()`` prepares (its prefill outside the count), then
+    ``finish()`` inside it."""
 
     def run(steps: int, counter: LaunchCounter) -> None:
         step = make()
         with counter:
             for _ in range(steps):
                 step()
+            if finish is not None:
+                finish()
 
     return run
 
 
 def kvbench_run(lm: LoadedModel, stack: Stack, ids: list[int]) -> Run:
     """Prefill ``ids`` through kvbench's cache with ``stack`` applied, then greedy steps (a needle
-    case's shape: the context compressed at the end of the prefill, then decoding)."""
-    return counted(lambda: kvbench_stepper(lm, stack, ids))
+    case's shape: the context compressed at the end of the prefill, then decoding).
+
+    Each run ends with the techniques' figures (``stack.metrics()``), inside the count: what a
+    technique keeps to settle later (a router's read figures) counts with the steps it came from.
+    """
+    return counted(lambda: kvbench_stepper(lm, stack, ids), stack.metrics)
 
 
 def plain_model(lm: LoadedModel) -> Any:

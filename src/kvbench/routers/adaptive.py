@@ -13,6 +13,7 @@ from typing import Any, cast
 
 import torch
 
+from kvbench.cache.reads import read_all
 from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.routers.expert import ExpertRouter, PositionExperts
@@ -111,6 +112,6 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
             calls = self.experts_read
             whole = [i for i, x in enumerate(calls) if x.dim()]
             means = dict(zip(whole, mean_per_query([calls[i] for i in whole])))
-            reads = [float(means.get(i, x)) for i, x in enumerate(calls)]
+            reads = read_all([means.get(i, x) for i, x in enumerate(calls)])  # one read a device
             out["mean_experts_read"] = sum(reads) / len(reads) if reads else None
         return out

@@ -10,7 +10,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -337,13 +337,14 @@ class StepReads:
     """
 
     per_token: int
-    read: torch.Tensor
+    read: torch.Tensor | None  # None until its call is settled (:func:`_fill_reads`)
     count: torch.Tensor
     visible: int
     queries: int
 
     def resolve(self, read: float, routed: float) -> tuple[float, float, float]:
         """:meth:`ReadCount.resolve` from the sums of ``read`` and ``count``."""
+        assert self.read is not None
         n_read = int(self.visible - self.read.shape[-1] * routed + read)
         return float(self.per_token * n_read) / max(self.queries, 1), float(n_read), float(self.visible)
 
@@ -370,20 +371,26 @@ class _Call:
         chosen: ``(B, H, q, E)`` the experts read by real queries.
         reads: the reads (:class:`ReadCount`, or :class:`StepReads` for a decode step).
         fraction, total: the routable read fractions summed over the real (query, head-row)
-            pairs, and their number (a tensor, or a host figure).
+            pairs, and their number (a tensor, or a host figure). ``fraction`` is None until
+            settled where every query is real: :func:`_fill_reads` makes it, and the routed
+            tokens each query reads, from ``count`` and ``routed``, many calls at once.
+        count: ``(B, H, E)`` routed tokens per expert; routed: :attr:`Experts.routed`.
     """
 
     layer: int
     chosen: torch.Tensor
     reads: ReadCount | StepReads
-    fraction: torch.Tensor
+    fraction: torch.Tensor | None
     total: torch.Tensor | float
+    count: torch.Tensor | None = None
+    routed: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor | float]:
         """The 0-d tensors to read (or host figures), in the order :meth:`resolve` takes their
         values."""
         reads = self.reads.tensors() if isinstance(self.reads, ReadCount) else []
         total = [self.total] if isinstance(self.total, torch.Tensor) else []
+        assert self.fraction is not None, "settled before read (_fill_reads)"
         return [*reads, self.fraction, *total]
 
     def resolve(
@@ -528,14 +535,15 @@ class ExpertRouter(Router):
         chosen = routing.chosen
         b, h, q, _ = chosen.shape
         whole = not store.last_padded and qpos.shape == store.last_qpos.shape
-        if not whole:
-            chosen = chosen & (qpos >= 0)[:, None, :, None]
-        read = (chosen * routing.count[:, :, None, :]).sum(-1)  # routed tokens read per query
-        frac = read / routing.experts.routed
+        read: torch.Tensor | None = None
+        fraction: torch.Tensor | None = None
         total: torch.Tensor | float
-        if whole:
-            fraction, total = frac.sum(), float(b * h * q)
+        if whole:  # the read figures made when settled, those of many calls at once
+            total = float(b * h * q)
         else:
+            chosen = chosen & (qpos >= 0)[:, None, :, None]
+            read = (chosen * routing.count[:, :, None, :]).sum(-1)  # routed tokens read per query
+            frac = read / routing.experts.routed
             weight = (qpos >= 0)[:, None, :].expand_as(frac).float()
             fraction, total = (frac * weight).sum(), weight.sum()
         reads: ReadCount | StepReads
@@ -545,17 +553,22 @@ class ExpertRouter(Router):
             reads = StepReads(store.fp.token_nbytes(), read, routing.count, visible, b * q)
         else:
             reads = count_reads(store, routing.mask, qpos)
-        if self.meter.add(_Call(layer, chosen, reads, fraction, total)):
+        call = _Call(layer, chosen, reads, fraction, total)
+        if fraction is None:
+            call.count, call.routed = routing.count, routing.experts.routed
+        if self.meter.add(call):
             self._settle()
 
     def _settle(self) -> None:
         """Fold the pending read records into ``reads``, ``read_tokens``, ``read_bytes`` and
         ``read_counts`` (one read of them all per device; the experts read summed per layer)."""
+        _fill_reads(self.meter.pending)
         settled = self.meter.settle()
         if not settled:
             return
         steps = [c.reads for c, _ in settled if isinstance(c.reads, StepReads)]
-        step_sums = iter(zip(exact_sums([r.read for r in steps]), exact_sums([r.count for r in steps])))
+        reads = [cast(torch.Tensor, r.read) for r in steps]
+        step_sums = iter(zip(exact_sums(reads), exact_sums([r.count for r in steps])))
         per_layer: dict[int, list[torch.Tensor]] = {}
         for call, values in settled:
             step = next(step_sums) if isinstance(call.reads, StepReads) else None
@@ -587,6 +600,40 @@ class ExpertRouter(Router):
             "bytes_read_per_step": sum(sum(b) / len(b) for b in self.read_bytes.values()),
             "read_fraction": self.read_counts[0] / self.read_counts[1] if self.read_counts[1] else None,
         }
+
+
+def _fill_reads(pending: list[_Call]) -> None:
+    """Make the read figures of the ``pending`` calls whose every query was real (``fraction``
+    None): the routed tokens each query read, ``(chosen · count).sum(-1)``, and their routable
+    fractions ``read / routed`` summed, those of one shape at once.
+
+    The counts are whole numbers and each fraction one division, so they are the values one call's
+    own operations give. Each call's fractions are summed alone, in the order one call sums them:
+    from a slice of the batch where its offset keeps the layout a tensor of its own has (at most
+    128 of them, which a GPU does not sum by vectors, or a multiple of 32), else from a quotient
+    of its own.
+    """
+    groups: dict[tuple[Any, ...], list[_Call]] = {}
+    for call in pending:
+        if call.fraction is None:
+            assert call.count is not None and call.routed is not None
+            key = (call.chosen.shape, call.count.shape, call.routed.shape, call.chosen.device)
+            groups.setdefault(key, []).append(call)
+    for (shape, _, routed_shape, _), calls in groups.items():
+        n = shape[:-1].numel()  # fractions of one call
+        sliced = n <= 128 or n % 32 == 0
+        step = max(1, (1 << 22) // max(shape.numel(), 1))
+        for at in range(0, len(calls), step):
+            part = calls[at : at + step]
+            count = torch.stack([cast(torch.Tensor, c.count) for c in part])[:, :, :, None, :]
+            read = (torch.stack([c.chosen for c in part]) * count).sum(-1)  # (N, B, H, q)
+            if sliced:
+                routed = torch.stack([cast(torch.Tensor, c.routed) for c in part])
+                frac = read / routed.reshape(len(part), *[1] * (3 - len(routed_shape)), *routed_shape)
+            for i, call in enumerate(part):
+                call.fraction = (frac[i] if sliced else read[i] / cast(torch.Tensor, call.routed)).sum()
+                if isinstance(call.reads, StepReads):
+                    call.reads.read = read[i]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
