@@ -375,6 +375,7 @@ def _batch_matches_solo(lm, mk):
         (None, 0, 1, [37, 1, 1, 1, 1, 1, 1, 1, 1, 1]),  # pages fill between decode steps
         (None, 30, 40, [96, 1, 1, 1]),  # sinks beyond the window's start: every page blocked
         (60, 3, 2, [90, 5, 1, 1, 1]),
+        (None, 11, 5, [70, 1, 1, 1, 1, 1, 1, 1, 1]),  # the first selectable page cut by the sinks
     ],
 )
 def test_quest_pages_shared_by_the_layers_of_a_step(tiny_93, protect, sinks, window, sizes, monkeypatch):

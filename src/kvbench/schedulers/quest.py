@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import attention as att
-from kvbench.cache import ragged
+from kvbench.cache import devices, ragged
 from kvbench.cache.reads import ReadCount, ReadMeter, count_reads, one_step
 from kvbench.cache.side import SideData
 from kvbench.cache.surface import TechniqueStore, chunk_start, protected_from
@@ -72,24 +72,27 @@ class _Pages:
     """What :meth:`QuestScheduler.pages` derives from positions, for the layers of a step.
 
     Attributes:
-        n_full: ``(B, H)`` full pages per head-row, ``total`` of them, ``width`` at most.
+        n_full: ``(B, H)`` full pages per head-row, ``total`` of them, ``width`` at most (None
+            where every head-row has ``width``: :meth:`QuestScheduler._uniform_pages`).
         always: ``(B, H, T)`` the tokens every query reads whatever its bounds.
         cost: ``(B, H, 1, P)`` each page's unread tokens, :data:`NEVER_FITS` where none is
-            (``blocked``: the page is not selectable).
+            (``blocked``: the page is not selectable); the span's pages only where ``span`` is set.
         room: ``(B, H, 1, 1)`` minus twice the budget left for pages after the always-read tokens
             (an int where every head-row has the same).
         index: ``(B, H, 1, T)`` each token's column in a row of :meth:`take`'s pages read: its
             page, ``P`` (never read) for an empty slot, ``P + 1`` (always read) for the others.
         base: ``(B, H, 1, P + 2)`` bool, only column ``P + 1`` set.
+        span: the selectable pages ``[j0, j1)``, where every head-row has the same (none outside
+            them is, so nothing is blocked inside); None: ``blocked`` says which are not.
     """
 
     key: tuple[Any, ...] | None
-    n_full: torch.Tensor
+    n_full: torch.Tensor | None
     total: int
     width: int
     always: torch.Tensor
     cost: torch.Tensor
-    blocked: torch.Tensor
+    blocked: torch.Tensor | None
     room: torch.Tensor | int
     index: torch.Tensor
     base: torch.Tensor
@@ -97,12 +100,18 @@ class _Pages:
     # slot before ``lo`` or from ``hi`` on is read whatever the bounds (-1: not known on the host)
     lo: int = -1
     hi: int = -1
+    span: tuple[int, int] | None = None
 
     def choose(self, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pages by ``bound`` ``(B, H, q, P)``, best first (``order``), their costs in that order,
+        """The selectable pages by ``bound`` ``(B, H, q, P)``, best first (``order``: from ``j0``
+        where ``span`` is set, the blocked pages last where it is not), their costs in that order,
         and whether each is read (``fits``: a prefix of the order): the best bounds first, while
         at least half of the next page fits in the budget left."""
-        score = bound.masked_fill(self.blocked, float("-inf"))  # bounds are finite: blocked pages last
+        if self.span is not None:
+            score = bound[..., self.span[0] : self.span[1]]
+        else:
+            assert self.blocked is not None
+            score = bound.masked_fill(self.blocked, float("-inf"))  # bounds are finite: blocked last
         order = score.argsort(dim=-1, descending=True, stable=True)
         c = torch.gather(self.cost.expand_as(order), -1, order)
         # half of the next page fits: before + c / 2 < extra, before = cumsum - c (whole numbers),
@@ -115,8 +124,37 @@ class _Pages:
         order, _, fits = self.choose(bound)
         b, h, q, _ = bound.shape
         pages = self.base.expand(b, h, q, self.width + 2).clone(memory_format=torch.contiguous_format)
-        pages.scatter_(-1, order, fits)
+        (pages if self.span is None else pages[..., self.span[0] : self.span[1]]).scatter_(-1, order, fits)
         return torch.gather(pages, -1, self.index.expand(b, h, q, self.index.shape[-1]))
+
+
+# the page of each slot ``t``, ``t // page_size``, per (page size, dtype, device): read-only
+_PAGE_OF: dict[tuple[int, torch.dtype, object], torch.Tensor] = {}
+# per device: the last ``width`` asked for and its :attr:`_Pages.base` (read-only)
+_BASE: dict[object, tuple[int, torch.Tensor]] = {}
+
+
+def page_of(slots: int, page_size: int, like: torch.Tensor) -> torch.Tensor:
+    """``arange(slots) // page_size`` ``(slots,)`` in ``like``'s dtype and device: a prefix of one
+    made once and grown by doubling (read-only)."""
+    key = (page_size, like.dtype, devices.device_of(like))
+    held = _PAGE_OF.get(key)
+    if held is None or held.shape[0] < slots:
+        n = max(slots, 2 * (0 if held is None else held.shape[0]), 1024)
+        held = _PAGE_OF[key] = torch.arange(n, dtype=like.dtype, device=like.device) // page_size
+    return held[:slots]
+
+
+def page_base(width: int, like: torch.Tensor) -> torch.Tensor:
+    """:attr:`_Pages.base` ``(1, 1, 1, width + 2)``, made once while ``width`` is the last asked for
+    on ``like``'s device (the layers of a step, and the steps until a page fills)."""
+    key = devices.device_of(like)
+    held = _BASE.get(key)
+    if held is None or held[0] != width:
+        base = torch.zeros(1, 1, 1, width + 2, dtype=torch.bool, device=like.device)
+        base[..., width + 1] = True
+        held = _BASE[key] = (width, base)
+    return held[1]
 
 
 @dataclass
@@ -218,6 +256,7 @@ class QuestScheduler(Scheduler):
         if key is not None:  # every head-row holds the same full pages
             kmin, kmax = bounds.kmin.view(b, h, width, d), bounds.kmax.view(b, h, width, d)
         else:
+            assert lay.n_full is not None  # pages not derived from positions alone
             kmin = ragged.to_padded(bounds.kmin, lay.n_full.flatten())[0].view(b, h, width, d)
             kmax = ragged.to_padded(bounds.kmax, lay.n_full.flatten())[0].view(b, h, width, d)
         # (B, H, q, P): the bound's maximum over the query group, by the cell's path
@@ -227,6 +266,7 @@ class QuestScheduler(Scheduler):
         if key is not None:  # every query real: the bytes of the bounds per query, from the host
             meta: torch.Tensor | float = float(lay.total * per_page * q) / float(b * q)
         else:
+            assert lay.n_full is not None
             meta = lay.n_full * per_page
         self._account(layer, store, query, qpos, mask, meta)
         return mask
@@ -255,7 +295,10 @@ class QuestScheduler(Scheduler):
         # two cut by the sinks and by ``hi``
         extra = -int(lay.room) // 2
         k = min(lay.width, max(extra, 0) // self.page_size + 3)
-        index = torch.where(fits[..., :k], order[..., :k], -1)
+        j0, j1 = lay.span if lay.span is not None else (0, lay.width)
+        index = torch.where(fits[..., :k], order[..., :k] + j0 if j0 else order[..., :k], -1)
+        if j1 - j0 < k:  # as many columns as the pages that may fit, those outside the span unread
+            index = torch.nn.functional.pad(index, (0, k - (j1 - j0)), value=-1)
         always = b * h * q * (lay.lo + t - lay.hi)  # host figures: the slots read whatever the bounds
         n_read = torch.where(fits, cost, 0).sum() + always
         per_page = 2 * d * bounds.kmin.element_size()
@@ -315,23 +358,25 @@ class QuestScheduler(Scheduler):
         pf = store.protect_from_host
         hi = min(start - self.budget.window, width * p, *(pf[:1] if pf else ()))
         hi = max(hi, 0)
-        pos = view.pos[:1, :1]  # (1, 1, T): every row alike
-        always = (pos < self.budget.sinks) | (pos >= hi)
-        index = torch.where(always, width + 1, pos // p)[:, :, None, :].expand(b, h, 1, t)
-        n_always = t if self.budget.sinks >= hi else self.budget.sinks + t - hi
+        sinks = self.budget.sinks
+        pos = view.pos[:1, :1]  # (1, 1, T): every row alike, slot t position t
+        always = torch.ones(1, 1, t, dtype=torch.bool, device=pos.device)  # all but [sinks, hi)
+        if sinks < hi:
+            always[..., sinks:hi] = False
+        index = torch.where(always, width + 1, page_of(t, p, pos))[:, :, None, :].expand(b, h, 1, t)
+        n_always = t if sinks >= hi else sinks + t - hi
         extra = self.budget.capacity_host(t) - n_always
-        # tokens of page j read only when chosen: [j p, (j + 1) p) within [sinks, hi)
-        first = pos[..., : width * p : p] if width else pos[..., :0]
-        cost = ((first + p).clamp(max=hi) - first.clamp(min=self.budget.sinks)).clamp(min=0)
-        blocked = (cost == 0)[:, :, None, :]  # (1, 1, 1, P): one row's, broadcast
-        cost = cost[:, :, None, :].masked_fill(blocked, NEVER_FITS).expand(b, h, 1, width)
-        blocked = blocked.expand(b, h, 1, width)
-        base = torch.zeros(1, 1, 1, width + 2, dtype=torch.bool, device=pos.device)
-        base[..., width + 1] = True
-        n_full = torch.full((b, h), width, dtype=torch.long, device=pos.device)
+        # tokens of page j read only when chosen: [j p, (j + 1) p) within [sinks, hi); some are for
+        # the pages j0..j1-1 (all of them but the two cut by ``sinks`` and ``hi``), none for the rest
+        j0, j1 = (sinks // p, -(-hi // p)) if sinks < hi else (0, 0)
+        cost = torch.full((1, 1, 1, j1 - j0), p, dtype=pos.dtype, device=pos.device)
+        for j in {j0, j1 - 1} if j1 > j0 else ():
+            part = min((j + 1) * p, hi) - max(j * p, sinks)
+            if part != p:
+                cost[..., j - j0] = part
         return _Pages(
-            key, n_full, b * h * width, width, always.expand(b, h, t), cost, blocked, -2 * extra, index, base,
-            lo=min(self.budget.sinks, hi), hi=hi,
+            key, None, b * h * width, width, always.expand(b, h, t), cost.expand(b, h, 1, j1 - j0), None,
+            -2 * extra, index, page_base(width, pos), lo=min(sinks, hi), hi=hi, span=(j0, j1),
         )  # fmt: skip
 
     def layout(
