@@ -59,8 +59,8 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "scheduler/duo_attention": (11.25, 0.94),
     "scheduler/flexgen": (31.25, 0.35),
     "scheduler/h2o": (16.0, 0.35),
-    "scheduler/lru": (22.5, 0.41),
-    "scheduler/lru_plus": (36.0, 0.46),
+    "scheduler/lru": (21.5, 0.41),
+    "scheduler/lru_plus": (28.0, 0.46),
     "scheduler/quest": (19.75, 0.29),  # every layer paged (stepcost.MODEL_OVERRIDES)
     "scheduler/streaming_llm": (9.0, 0.23),
 }

@@ -395,7 +395,7 @@ class LayerStore:
             seg.rows.ensure(st.name, st.shape, torch.float32)
             seg.rows.get(st.name).add_(add.float())
 
-    def put_state(self, st: TokenState, index: tuple[Any, ...], values: torch.Tensor) -> None:
+    def put_state(self, st: TokenState, index: tuple[Any, ...], values: torch.Tensor | float) -> None:
         """``state(st)[index] = values``, written into the store in place."""
         state = self.state(st)
         state[index] = values

@@ -69,7 +69,11 @@ class LRUScheduler(ScoredSelection, Scheduler):
             # query's position is at least every stored one's, so the arrival need not be kept apart)
             hit = att.widen(hit[:, :, 0], pos.shape[2], False)
             last = torch.where(hit, qpos.float()[:, None, :], pos.float())
-            store.set_state(self.LAST, torch.maximum(store.state(self.LAST), last))
+            if len(store.segments) == 1:  # the state is the store's own: written there in place
+                state = store.state(self.LAST)
+                torch.maximum(state, last, out=state)
+            else:
+                store.set_state(self.LAST, torch.maximum(store.state(self.LAST), last))
             return
         last = torch.where(hit, qpos.int()[:, None, :, None], -1).amax(2)  # (B, H, w), -1 if unused
         state = torch.maximum(store.state(self.LAST), pos.float())  # arrival position initially

@@ -75,13 +75,23 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
     def _observe_one(self, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         """:meth:`observe` of one query per sequence, without reading the device: a real query
         moves ``now`` by one and adds a use of weight 1 (log 0) to each token it uses; a padding
-        one moves nothing and uses nothing (its tokens' scores stay as they were)."""
+        one moves nothing and uses nothing (its tokens' scores stay as they were). Where no query
+        is padding (known on the host), each moves ``now`` by one."""
         old = torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
-        hit = att.widen(used(probs, qpos, self.tau)[:, :, 0], old.shape[2], False)  # (B, H, T)
-        gained = torch.zeros_like(old).masked_fill_(~hit, float("-inf"))
-        moved = (qpos[:, 0] >= 0).float() * math.log(self.decay)  # (B,) log decay ** delta
-        store.set_state(self.SCORE, torch.logaddexp(old + moved[:, None, None], gained))
-        store.set_state(self.SEEN, torch.ones_like(old))
+        whole = not store.last_padded and qpos.shape == store.last_qpos.shape
+        hit = probs.amax(2)[:, :, 0] >= self.tau if whole else used(probs, qpos, self.tau)[:, :, 0]
+        hit = att.widen(hit, old.shape[2], False)  # (B, H, T)
+        gained = torch.where(hit, 0.0, float("-inf"))  # log of one use, or of none (float32)
+        if whole:
+            older = old + math.log(self.decay)
+        else:
+            moved = (qpos[:, 0] >= 0).float() * math.log(self.decay)  # (B,) log decay ** delta
+            older = old + moved[:, None, None]
+        if len(store.segments) == 1:  # the state is the store's own: written there in place
+            torch.logaddexp(older, gained, out=store.state(self.SCORE))
+        else:
+            store.set_state(self.SCORE, torch.logaddexp(older, gained))
+        store.put_state(self.SEEN, (Ellipsis,), 1.0)  # every token seen
 
     def log_scores(self, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` log score of every stored token at its sequence's latest query (-inf: unused)."""
