@@ -57,7 +57,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/svd": (14.5, 15.81),
     "scheduler/adakv": (89.0, 5.04),
     "scheduler/duo_attention": (11.25, 0.94),
-    "scheduler/flexgen": (31.25, 0.35),
+    "scheduler/flexgen": (2.75, 0.25),
     "scheduler/h2o": (16.0, 0.35),
     "scheduler/lru": (21.5, 0.41),
     "scheduler/lru_plus": (28.0, 0.46),

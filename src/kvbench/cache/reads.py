@@ -7,6 +7,7 @@ of every token a real query attends to, summed over layers, averaged over querie
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,7 +94,7 @@ class ReadCount:
         return total / max(int(n_queries), 1), n_read, n_visible
 
 
-def read_all(tensors: list[torch.Tensor | float]) -> list[float]:
+def read_all(tensors: Sequence[torch.Tensor | float]) -> list[float]:
     """The values of 0-d ``tensors`` as floats (float64: whole counts below 2**53 exactly), with
     one read per device, not one per tensor; host figures among them are taken as they are."""
     out: list[float] = [0.0] * len(tensors)

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.cache import attention as att
-from kvbench.cache.reads import read_all
+from kvbench.cache.reads import one_step, read_all
 from kvbench.cache.segments import GroupedSegment
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, every_position
 from kvbench.cache.view import PaddedView
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Flags, Scheduler
@@ -133,13 +133,18 @@ class FlexGenScheduler(Scheduler):
     wants_queries = True
     slow_device: torch.device = field(default=torch.device("cpu"), init=False)  # the slow tier's
     pinned: bool = field(default=False, init=False)  # slow rows in pinned memory (with CUDA)
-    _seen: weakref.WeakKeyDictionary[TechniqueStore, torch.Tensor] = field(
+    # per store: its sequences' tokens seen at the last step (``seen_host``)
+    _seen: weakref.WeakKeyDictionary[TechniqueStore, list[int]] = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False
     )
-    # per layer in the current step: its FIGURES, a tensor on the layer's device, read by
-    # :meth:`metrics` (no read per step)
+    # per layer in the current step: its FIGURES, those made on the device in a tensor on the
+    # layer's device, read by :meth:`metrics` (no read per step), and those known on the host
     _layer: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)
-    _steps: list[list[torch.Tensor]] = field(default_factory=list, init=False, repr=False)  # per step
+    _host: dict[int, list[int]] = field(default_factory=dict, init=False, repr=False)
+    # per step, per layer: (its device figures or None, its host figures)
+    _steps: list[list[tuple[torch.Tensor | None, list[int]]]] = field(
+        default_factory=list, init=False, repr=False
+    )
     _hooked: bool = field(default=False, init=False, repr=False)  # attend_tiers counted this layer's reads
     _slow_ms: list[float] = field(default_factory=list, init=False, repr=False)
     _events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(
@@ -164,40 +169,57 @@ class FlexGenScheduler(Scheduler):
         return fast.view(store.batch, store.kv_heads)
 
     def _add(self, layer: int, store: TechniqueStore, **figures: torch.Tensor | int) -> None:
-        """Add ``figures`` (named as :data:`FIGURES`) to the layer's step, in place on its device (one
-        ``add_`` on each figure's element, not a read, add and write back)."""
-        step = self._layer.get(layer)
-        if step is None:
-            step = self._layer[layer] = torch.zeros(len(FIGURES), dtype=torch.long, device=store.device)
+        """Add ``figures`` (named as :data:`FIGURES`) to the layer's step: a tensor in place on its
+        device (one ``add_`` on each figure's element, not a read, add and write back), a whole
+        number known on the host on the host (no launch)."""
         for name, value in figures.items():
-            step[FIGURES.index(name)].add_(value)
+            i = FIGURES.index(name)
+            if isinstance(value, torch.Tensor):
+                step = self._layer.get(layer)
+                if step is None:
+                    step = self._layer[layer] = torch.zeros(
+                        len(FIGURES), dtype=torch.long, device=store.device
+                    )
+                step[i].add_(value)
+            else:
+                self._host.setdefault(layer, [0] * len(FIGURES))[i] += int(value)
 
     def evict(self, layer: int, store: TechniqueStore) -> None:
-        """Nothing is evicted: measure the tiers' bytes and the new slow-row tokens written."""
+        """Nothing is evicted: measure the tiers' bytes and the new slow-row tokens written.
+
+        Where every slot holds its own position (:func:`every_position`: one segment, every row
+        the same ``width`` tokens, positions ``0 .. width - 1``), the figures are host figures: a
+        row's bytes are its tokens' and its new tokens those from the sequence's count before."""
         n_fast = self.fast_count(store)  # the fast rows come first
-        per_row = row_bytes(store)
-        fast, every = per_row[:n_fast].sum(), per_row.sum()
-        shared = store.nbytes() - every  # side metadata: resides with the fast tier
-        seen = self._seen.get(store)
-        new: torch.Tensor | None = None
-        if seen is None:  # the first step: every stored token is new
-            seen = torch.zeros_like(store.seen)
-        before = seen.repeat_interleave(store.kv_heads)
-        for seg in store.segments:  # tokens stored at a position not seen before this step
-            rows = seg.rows
-            part = ((rows.get("pos") >= before[:, None]) & rows.valid()).sum(-1)
-            new = part if new is None else new + part
-        if new is None:
-            new = torch.zeros_like(per_row)
+        before = self._seen.get(store) or [0] * store.batch  # the first step: every token is new
         token = store.fp.token_nbytes()  # one token's K and V as produced
-        self._add(layer, store, fast=fast + shared, slow=every - fast, moved=new[n_fast:].sum() * token)
+        if every_position(store):
+            width = store.columns()
+            rows, per_row = store.batch * store.kv_heads, width * token
+            new = [width - min(n, width) for n in before for _ in range(store.kv_heads)]  # per row
+            fast, every, moved = n_fast * per_row, rows * per_row, sum(new[n_fast:]) * token
+            self._add(layer, store, fast=store.nbytes() - every + fast, slow=every - fast, moved=moved)
+        else:
+            per_row_bytes = row_bytes(store)
+            fast_t, every_t = per_row_bytes[:n_fast].sum(), per_row_bytes.sum()
+            shared = store.nbytes() - every_t  # side metadata: resides with the fast tier
+            seen = torch.tensor(before, dtype=torch.long, device=store.device)
+            at = seen.repeat_interleave(store.kv_heads)
+            new_t: torch.Tensor | None = None
+            for seg in store.segments:  # tokens stored at a position not seen before this step
+                part = ((seg.rows.get("pos") >= at[:, None]) & seg.rows.valid()).sum(-1)
+                new_t = part if new_t is None else new_t + part
+            if new_t is None:
+                new_t = torch.zeros_like(per_row_bytes)
+            moved_t = new_t[n_fast:].sum() * token
+            self._add(layer, store, fast=fast_t + shared, slow=every_t - fast_t, moved=moved_t)
         if layer == self.num_layers - 1:  # the step's tokens, counted once
-            tokens = (store.seen - seen).sum()
-            self._add(layer, store, tokens=tokens)
-            self._steps.append([self._layer[i] for i in sorted(self._layer)])
-            self._layer = {}
+            self._add(layer, store, tokens=sum(store.seen_host) - sum(before))
+            layers = sorted({*self._layer, *self._host})
+            self._steps.append([(self._layer.get(i), self._host.get(i, [0] * len(FIGURES))) for i in layers])
+            self._layer, self._host = {}, {}
             self._close_timings()
-        self._seen[store] = store.seen.clone()
+        self._seen[store] = list(store.seen_host)
 
     def observe_queries(
         self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
@@ -249,11 +271,15 @@ class FlexGenScheduler(Scheduler):
         b, h, t, d = view.k.shape
         g, q = query.shape[1] // h, query.shape[2]
         qpos = store.last_qpos
-        if mask is None:
-            per_row = visible_counts(view.pos, view.valid, qpos)
+        if mask is None and one_step(store, qpos):  # every row's query sees its every token
+            n_fast = self.fast_count(store)
+            self._add(layer, store, fast_reads=n_fast * t, reads=b * h * t)
         else:
-            per_row = (mask & (qpos >= 0)[:, None, :, None]).sum((2, 3))
-        self._count_reads(layer, store, per_row)
+            if mask is None:
+                per_row = visible_counts(view.pos, view.valid, qpos)
+            else:
+                per_row = (mask & (qpos >= 0)[:, None, :, None]).sum((2, 3))
+            self._count_reads(layer, store, per_row)
         self._hooked = True
         rows = {
             "q": query.reshape(b * h, g, q, -1),
@@ -307,10 +333,11 @@ class FlexGenScheduler(Scheduler):
     def metrics(self) -> dict[str, float | list[float] | None]:
         if not self._steps:
             return {}
-        values = iter(read_all([x for layers in self._steps for v in layers for x in v.unbind()]))
+        made = [x for layers in self._steps for v, _ in layers if v is not None for x in v.unbind()]
+        values = iter(read_all(made))
         steps = []  # per step: its layers' figures summed (whole numbers: exact as float64)
         for layers in self._steps:
-            rows = [[next(values) for _ in FIGURES] for _ in layers]
+            rows = [[int(next(values)) + n if v is not None else n for n in host] for v, host in layers]
             steps.append([int(sum(col)) for col in zip(*rows)])
         tokens = [s[5] for s in steps]
         fast_reads, all_reads = sum(s[3] for s in steps), sum(s[4] for s in steps)
