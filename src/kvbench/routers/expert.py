@@ -617,9 +617,16 @@ def _fill_reads(pending: list[_Call]) -> None:
     for call in pending:
         if call.fraction is None:
             assert call.count is not None and call.routed is not None
-            key = (call.chosen.shape, call.count.shape, call.routed.shape, call.chosen.device)
+            key = (
+                call.chosen.shape,
+                call.count.shape,
+                call.routed.shape,
+                call.count.dtype,
+                call.routed.dtype,
+                call.chosen.device,
+            )
             groups.setdefault(key, []).append(call)
-    for (shape, _, routed_shape, _), calls in groups.items():
+    for (shape, _, routed_shape, *_), calls in groups.items():
         n = shape[:-1].numel()  # fractions of one call
         sliced = n <= 128 or n % 32 == 0
         step = max(1, (1 << 22) // max(shape.numel(), 1))
