@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvbench.cache.segments import GroupedSegment
-from kvbench.cache.surface import StoreView
+from kvbench.cache.surface import StoreView, every_query_real
 
 
 def token_bytes(store: StoreView) -> torch.Tensor:
@@ -39,12 +39,9 @@ def token_bytes(store: StoreView) -> torch.Tensor:
 def one_step(store: StoreView, qpos: torch.Tensor) -> bool:
     """The queries at ``qpos`` are a whole unpadded one-token step and every slot of ``view()`` holds
     a token (from host figures): every query is real and sees every stored token."""
-    return (
-        qpos.shape[1] == 1
-        and qpos.shape == store.last_qpos.shape
-        and not store.last_padded
-        and all(s.rows.uniform for s in store.segments)
-    )
+    if qpos.shape[1] != 1 or not every_query_real(store, qpos):
+        return False
+    return all(s.rows.uniform for s in store.segments)
 
 
 def visible(store: StoreView, qpos: torch.Tensor) -> torch.Tensor:

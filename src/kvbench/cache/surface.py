@@ -136,6 +136,11 @@ def protected_from(store: StoreView) -> torch.Tensor | None:
     return None if start is None else start[:, None, None]
 
 
+def every_query_real(store: StoreView, qpos: torch.Tensor) -> bool:
+    """The queries at ``qpos`` are the whole last chunk and none is padding (from host figures)."""
+    return not store.last_padded and qpos.shape == store.last_qpos.shape
+
+
 def every_position(store: StoreView) -> bool:
     """Every stored slot holds the token of its own position (row ``t`` of ``view()`` is position
     ``t`` in every head-row), from host figures: one in-order segment, nothing evicted, every

@@ -14,7 +14,7 @@ from typing import Any, cast
 import torch
 
 from kvbench.cache.reads import read_all
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
 from kvbench.routers.expert import ExpertRouter, PositionExperts
 
@@ -98,7 +98,7 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
         scaled = score * store.head_dim**-0.5
         full = self.none_empty(count)
         chosen = top_p_choice(scaled, self.top_p, self.temperature, self.k_min, self.k_max, full)
-        if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real
+        if every_query_real(store, qpos):  # every query real
             self.experts_read.append(chosen)  # averaged when read (:func:`mean_per_query`)
         else:
             real = (qpos >= 0)[:, None, :].expand(chosen.shape[:3])

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from kvbench.cache.side import SideData
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import Assigned, CentroidExperts, held_experts
 from kvbench.routers.expert import ExpertRouter, top_k_choice
@@ -327,7 +327,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     ) -> torch.Tensor:
         chosen = top_k_choice(score, self.top_k)
         self.placement(store)  # the plan the reads go to
-        if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real
+        if every_query_real(store, qpos):  # every query real
             reads = chosen.sum((0, 1, 2), dtype=torch.float64)
         else:
             reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from kvbench.cache import attention as att
 from kvbench.cache import devices
 from kvbench.cache.reads import ReadCount, ReadMeter, count_reads, one_step
-from kvbench.cache.surface import TechniqueStore, chunk_start, protected_from
+from kvbench.cache.surface import TechniqueStore, chunk_start, every_query_real, protected_from
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Flags, Router
@@ -534,7 +534,7 @@ class ExpertRouter(Router):
         """
         chosen = routing.chosen
         b, h, q, _ = chosen.shape
-        whole = not store.last_padded and qpos.shape == store.last_qpos.shape
+        whole = every_query_real(store, qpos)
         read: torch.Tensor | None = None
         fraction: torch.Tensor | None = None
         total: torch.Tensor | float

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache.side import SideData
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts
 from kvbench.routers.expert import ExpertRouter, expert_ids, expert_onehot, expert_sums, top_k_choice
@@ -113,7 +113,7 @@ class PikvRouter(CentroidExperts, ExpertRouter):
             prev = torch.zeros(b, h, e, dtype=torch.bool, device=score.device)
         bonus = torch.where(prev[:, :, None, :], self.locality_bonus, 0.0)  # the bonus times prev
         chosen = top_k_choice(score * store.head_dim**-0.5 + bonus, self.top_k)
-        if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real
+        if every_query_real(store, qpos):  # every query real
             now = chosen[:, :, -1].contiguous()  # the last query's
         else:
             last = qpos.argmax(-1)[:, None, None, None].expand(b, h, 1, e)  # the last real query

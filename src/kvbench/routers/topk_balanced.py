@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts, Centroids, sq_dist, write_columns
 from kvbench.routers.expert import ExpertRouter, expert_counts, expert_onehot, fill_by_preference
@@ -151,7 +151,7 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        if qpos.shape[1] == 1 and not store.last_padded and qpos.shape == store.last_qpos.shape:
+        if qpos.shape[1] == 1 and every_query_real(store, qpos):
             # One real query per head-row: every expert gets one offer at most, and has room for it
             # whenever the query wants any (k > 0 gives a capacity of at least 1), so the query
             # takes its first k finite experts by score. Where ``count`` is the centroids' counts

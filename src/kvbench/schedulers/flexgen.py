@@ -37,7 +37,7 @@ import torch
 from kvbench.cache import attention as att
 from kvbench.cache.reads import one_step, read_all
 from kvbench.cache.segments import GroupedSegment
-from kvbench.cache.surface import TechniqueStore, every_position
+from kvbench.cache.surface import TechniqueStore, every_position, every_query_real
 from kvbench.cache.view import PaddedView
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Flags, Scheduler
@@ -227,7 +227,7 @@ class FlexGenScheduler(Scheduler):
         """Queries sent to the slow tier and outputs returned; tokens read per tier."""
         b, hq, q, d = query.shape
         real: torch.Tensor | None = None
-        if not store.last_padded and qpos.shape == store.last_qpos.shape:  # every query real: on the host
+        if every_query_real(store, qpos):  # every query real: on the host
             slow_queries: torch.Tensor | int = (
                 (b * store.kv_heads - self.fast_count(store)) * q * (hq // store.kv_heads)
             )

@@ -19,7 +19,7 @@ import torch
 
 from kvbench.cache import attention as att
 from kvbench.cache.side import TokenState
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler
 from kvbench.schedulers.lru import ranked, used
@@ -78,7 +78,7 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
         one moves nothing and uses nothing (its tokens' scores stay as they were). Where no query
         is padding (known on the host), each moves ``now`` by one."""
         old = torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
-        whole = not store.last_padded and qpos.shape == store.last_qpos.shape
+        whole = every_query_real(store, qpos)
         hit = probs.amax(2)[:, :, 0] >= self.tau if whole else used(probs, qpos, self.tau)[:, :, 0]
         hit = att.widen(hit, old.shape[2], False)  # (B, H, T)
         gained = torch.where(hit, 0.0, float("-inf"))  # log of one use, or of none (float32)
