@@ -60,7 +60,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "scheduler/flexgen": (2.75, 0.25),
     "scheduler/h2o": (16.0, 0.35),
     "scheduler/lru": (21.5, 0.41),
-    "scheduler/lru_plus": (28.0, 0.46),
+    "scheduler/lru_plus": (22.0, 0.41),
     "scheduler/quest": (19.75, 0.29),  # every layer paged (stepcost.MODEL_OVERRIDES)
     "scheduler/streaming_llm": (9.0, 0.23),
 }

@@ -302,3 +302,46 @@ def test_taking_columns_is_taking_their_mask(start, moved, width):
         assert torch.equal(a.get(name), b.get(name))
     assert by_columns.ops < by_mask.ops
     assert b.take_columns(Columns(1, 1)) is None  # nothing named, nothing taken
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_state_holds_its_fill_until_set(batch, seed):
+    """A per-token state declared with a fill: a token stored before the state was made, or since
+    it was last set, holds the fill; a set token keeps its value. Through appends (padded too),
+    moves into another segment, evictions and drops, in every segment."""
+    from kvbench.cache.side import TokenState
+
+    st = TokenState("t", fill=float("-inf"))
+    gen = torch.Generator().manual_seed(seed)
+    h, d = 2, 4
+    store = LayerStore(batch, h, d, torch.float32, torch.device("cpu"))
+    set_below = torch.zeros(batch, dtype=torch.long)  # positions below hold ``pos + 0.5``
+
+    def moved(k, v, pos, lens):
+        return _Halved(lens=lens, pos=pos, k=k, v=v)
+
+    for step in range(50):
+        q = 8 if step == 0 else int(torch.randint(1, 3, (1,), generator=gen))
+        real = None
+        if batch > 1 and step % 7 == 3:
+            real = torch.rand(batch, q, generator=gen) > 0.3
+        store.append(
+            torch.randn(batch, h, q, d, generator=gen), torch.randn(batch, h, q, d, generator=gen), real
+        )
+        op = int(torch.randint(0, 6, (1,), generator=gen))
+        if op == 0 and step > 10:
+            store.move_out(_leaving(store, 2, 4), moved)
+        elif op == 1:
+            store.keep(torch.rand(store.view().valid.shape, generator=gen) > 0.15)
+        elif op == 2 and step >= 5:  # the state made (at step 5 at the latest) or set
+            store.set_state(st, store.view().pos.float() + 0.5)
+            set_below = torch.tensor(store.seen_host)
+        elif op == 3 and store.can_drop(store.view().pos.shape[2] - 1):
+            width = store.view().pos.shape[2]
+            store.drop(torch.randint(0, width, (batch, h, 1), generator=gen))
+        if step >= 5:
+            view, got = store.view(), store.state(st)
+            want = torch.where(view.pos < set_below[:, None, None], view.pos.float() + 0.5, float("-inf"))
+            assert torch.equal(got[view.valid], want[view.valid]), step
+    assert len(store.segments) > 1

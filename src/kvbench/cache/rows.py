@@ -148,6 +148,7 @@ class Rows:
         self.uniform = True  # every row holds ``width`` tokens
         self.capacity = 0
         self._fields: dict[str, torch.Tensor] = {}
+        self.fill: dict[str, float] = {}  # what a token holds in a field until set, where not 0
         # A field's values still to write: (name, first column, its value, the last append's values)
         # for columns ``first ..< width`` that hold ``value, value + 1, ...`` in every row (the
         # positions of tokens appended in order): written when the field is next read (:attr:`fields`).
@@ -245,10 +246,18 @@ class Rows:
         return sum(math.prod(self._fields[n].shape[2:]) * self._fields[n].element_size() for n in names)
 
     # --- writing ---------------------------------------------------------------------------
-    def ensure(self, name: str, rest: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Create field ``name`` (zeros for the tokens already stored) unless it exists."""
+    def ensure(self, name: str, rest: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
+        """Create field ``name`` unless it exists: ``fill`` for the tokens already stored and, where
+        an append does not give the field, for the tokens appended."""
         if name not in self._fields:
-            self._fields[name] = torch.zeros(self.bh, self.capacity, *rest, dtype=dtype, device=self.device)
+            shape = (self.bh, self.capacity, *rest)
+            if fill == 0:
+                self._fields[name] = torch.zeros(shape, dtype=dtype, device=self.device)
+            else:
+                self._fields[name] = torch.full(shape, fill, dtype=dtype, device=self.device)
+                self.fill[name] = fill
+        elif fill != 0 and name not in self.fill:  # made by an append that gave it: later ones may not
+            self.fill[name] = fill
         return self.fields[name]
 
     def set(self, name: str, values: torch.Tensor) -> None:
@@ -314,7 +323,7 @@ class Rows:
             self._reserve(self.width + q)
             for name, field in self._fields.items():
                 if later is None or name != later[0]:
-                    field[:, self.width : self.width + q] = new.get(name, 0)
+                    field[:, self.width : self.width + q] = new.get(name, self.fill.get(name, 0))
             if later is not None:
                 key, start = later
                 first, start = (self.width, start) if self._run is None else self._run[1:3]
@@ -325,8 +334,16 @@ class Rows:
             rows = torch.arange(self.bh, device=self.device)[:, None].expand_as(cols)
             for name, value in new.items():
                 self.fields[name][rows, cols] = value
+            self._fill_absent(new, rows, cols)
         self._lens = None if self.uniform else self.lens + q
         self.width += q
+
+    def _fill_absent(self, new: dict[str, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor) -> None:
+        """The slots ``rows, cols`` just appended hold their fill in the fields ``new`` does not give
+        (zeros where :meth:`_open` made room)."""
+        for name, fill in self.fill.items():
+            if name not in new:
+                self.fields[name][rows, cols] = fill
 
     def _continues(self, name: str, value: int) -> bool:
         """Appending ``value, value + 1, ...`` to field ``name`` continues its pending run (or starts one)."""
@@ -347,6 +364,7 @@ class Rows:
         cols = self.lens[rows] + torch.arange(rows.numel(), device=self.device) - starts(new_lens)[rows]
         for name, value in new.items():
             self.fields[name][rows, cols] = value
+        self._fill_absent(new, rows, cols)
         self.lens = lens
         self.width = most
         self.uniform = bool((lens == most).all())

@@ -16,11 +16,13 @@ class TokenState:
 
     Declared once at module level by the technique that owns it, and read or written only
     through the store's :meth:`LayerStore.state`, :meth:`LayerStore.add_state` and
-    :meth:`LayerStore.set_state`; it follows its token through moves and evictions.
+    :meth:`LayerStore.set_state`; it follows its token through moves and evictions. A token holds
+    ``fill`` until the technique sets it (a token stored since, or stored before the state was made).
     """
 
     name: str
     shape: tuple[int, ...] = ()
+    fill: float = 0.0
 
 
 class SideData:

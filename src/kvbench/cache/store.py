@@ -372,27 +372,27 @@ class LayerStore:
 
     # --- per-token technique state --------------------------------------------------------
     def state(self, st: TokenState) -> torch.Tensor:
-        """Per-token state laid out like ``view()``: ``(B, H, T, *shape)``, 0 where never set."""
+        """Per-token state laid out like ``view()``: ``(B, H, T, *shape)``, ``st.fill`` where never set."""
         parts = []
         for seg in self.segments:
-            seg.rows.ensure(st.name, st.shape, torch.float32)
+            seg.rows.ensure(st.name, st.shape, torch.float32, st.fill)
             parts.append(seg.rows.get(st.name))
         flat = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         return flat.view(self.batch, self.kv_heads, -1, *st.shape)
 
     def states(self) -> list[TokenState]:
         """Every per-token state some segment of this layer holds."""
-        found: dict[str, tuple[int, ...]] = {}
+        found: dict[str, tuple[tuple[int, ...], float]] = {}
         for seg in self.segments:
             for name, field in seg.rows.fields.items():
                 if name not in NOT_STATE and name != "pos":
-                    found[name] = tuple(field.shape[2:])
-        return [TokenState(name, shape) for name, shape in found.items()]
+                    found[name] = tuple(field.shape[2:]), seg.rows.fill.get(name, 0.0)
+        return [TokenState(name, shape, fill) for name, (shape, fill) in found.items()]
 
     def add_state(self, st: TokenState, values: torch.Tensor) -> None:
         """Add ``values`` ``(B, H, T, *shape)`` (aligned with ``view()``) to the state."""
         for seg, add in zip(self.segments, self._split(values)):
-            seg.rows.ensure(st.name, st.shape, torch.float32)
+            seg.rows.ensure(st.name, st.shape, torch.float32, st.fill)
             seg.rows.get(st.name).add_(add.float())
 
     def put_state(self, st: TokenState, index: tuple[Any, ...], values: torch.Tensor | float) -> None:
@@ -405,6 +405,7 @@ class LayerStore:
     def set_state(self, st: TokenState, values: torch.Tensor) -> None:
         """Replace the state with ``values`` ``(B, H, T, *shape)`` aligned with ``view()``."""
         for seg, new in zip(self.segments, self._split(values)):
+            seg.rows.ensure(st.name, st.shape, torch.float32, st.fill)
             seg.rows.set(st.name, new.float())
 
     # --- side data --------------------------------------------------------------------------

@@ -30,8 +30,8 @@ from kvbench.select import ScoredSelection
 class LRUPlusScheduler(ScoredSelection, Scheduler):
     """LRFU: keeps sinks, the window and the tokens with the highest decayed use count.
 
-    Per-token state: ``lrfu`` (log score at the sequence's latest query) and ``lrfu_on`` (1 once
-    the token has been observed; a token appended since has no uses yet).
+    Per-token state: ``lrfu``, the log score at the sequence's latest query (-inf, no use, for a
+    token stored since).
 
     Args:
         decay: weight of a use per position of age, in (0, 1].
@@ -39,12 +39,11 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
     """
 
     name: str = "lru_plus"
-    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    version = 3  # 2: the decode step of issue 29; 3: no per-token "seen" flag (CHANGELOG.md)
     decay: float = 0.9
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
-    SCORE = TokenState("lrfu")  # log of the decayed use count
-    SEEN = TokenState("lrfu_on")  # 1 once the token has been scored
+    SCORE = TokenState("lrfu", fill=float("-inf"))  # log of the decayed use count (-inf: none yet)
 
     def check_knobs(self) -> None:
         if not 0.0 < self.decay <= 1.0:
@@ -68,16 +67,15 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
         hit = used(probs, qpos, self.tau)
         gained = age[:, None, :, None].masked_fill(~hit, float("-inf")).logsumexp(2)  # (B, H, w)
         gained = att.widen(gained, store.columns(), float("-inf"))
-        old = torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
+        old = store.state(self.SCORE)
         store.set_state(self.SCORE, torch.logaddexp(old + (delta * log_decay)[:, None, None], gained))
-        store.set_state(self.SEEN, torch.ones_like(old))
 
     def _observe_one(self, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:
         """:meth:`observe` of one query per sequence, without reading the device: a real query
         moves ``now`` by one and adds a use of weight 1 (log 0) to each token it uses; a padding
         one moves nothing and uses nothing (its tokens' scores stay as they were). Where no query
         is padding (known on the host), each moves ``now`` by one."""
-        old = torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
+        old = store.state(self.SCORE)
         whole = every_query_real(store, qpos)
         hit = probs.amax(2)[:, :, 0] >= self.tau if whole else used(probs, qpos, self.tau)[:, :, 0]
         hit = att.widen(hit, old.shape[2], False)  # (B, H, T)
@@ -91,11 +89,10 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
             torch.logaddexp(older, gained, out=store.state(self.SCORE))
         else:
             store.set_state(self.SCORE, torch.logaddexp(older, gained))
-        store.put_state(self.SEEN, (Ellipsis,), 1.0)  # every token seen
 
     def log_scores(self, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` log score of every stored token at its sequence's latest query (-inf: unused)."""
-        return torch.where(store.state(self.SEEN) > 0, store.state(self.SCORE), float("-inf"))
+        return store.state(self.SCORE)
 
     def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` eviction scores: rank by decayed use, then by arrival."""
