@@ -73,14 +73,18 @@ LLOYD_ITERS = 3
 
 
 def held_experts(store: TechniqueStore, experts: int) -> torch.Tensor:
-    """Stored assignment ``(B, H, T)`` aligned with ``store.view()``: expert id, -1 if none."""
-    return store.state(EXPERT).round().long().clamp(0, experts) - 1
+    """Stored assignment ``(B, H, T)`` aligned with ``store.view()``: expert id, -1 if none.
+
+    The stored values are whole numbers (``1 + expert``, or sums of them where
+    :mod:`kvbench.compressors.distillation` merged tokens, which sums every per-token state), exact
+    in float32 and never negative: converted as they are, and capped at ``experts``."""
+    return store.state(EXPERT).long().clamp(max=experts) - 1
 
 
 def held_columns(store: TechniqueStore, experts: int) -> torch.Tensor:
     """:func:`held_experts` with ``experts`` (not -1) where none: the column of a padded choice
     each token reads (:attr:`Experts.column`) where the assigned tokens are the routed ones."""
-    return (store.state(EXPERT).round().long().clamp(0, experts) + experts) % (experts + 1)
+    return (store.state(EXPERT).long().clamp(max=experts) + experts) % (experts + 1)
 
 
 def write_columns(budget: Budget, store: TechniqueStore) -> tuple[int, int] | None:
