@@ -317,6 +317,33 @@ def test_duo_streaming_heads_hold_sinks_window_and_protected(tiny_93):
     assert sched.metrics()["retrieval_fraction"] == k / gates.numel()
 
 
+def test_duo_closes_the_leaving_column_as_its_keep_would(tiny_93, monkeypatch):
+    """Decode steps where the host knows each streaming head-row holds its sinks and window: the
+    column that leaves is closed in place (Rows.close_column), not a keep of every row, with the
+    same logits bit for bit, the same positions in every head-row and the same stored bytes."""
+    lm, ids = tiny_93, tokens(64)
+    closed = []
+    close = LayerStore.close_column
+    monkeypatch.setattr(LayerStore, "close_column", lambda s, *a: closed.append(a) or close(s, *a))
+
+    class Forgetful(dict):  # the layout never known: every eviction a keep
+        def __setitem__(self, key, value):
+            pass
+
+    runs = []
+    for forget in (False, True):
+        sched = make("duo_attention", lm)
+        if forget:
+            sched._known = Forgetful()
+        cache = loop.new_cache(lm, make_stack(lm, scheduler=sched, budget=0.5, sinks=2, window=4))
+        out = [loop.step(lm, cache, ids[:40], keep=1)]
+        out += [loop.step(lm, cache, ids[i : i + 1], keep=1) for i in range(40, 64)]
+        runs.append((torch.cat(out), [row_positions(s) for s in cache.stores], cache.nbytes()))
+    (logits, pos, nbytes), (want_logits, want_pos, want_nbytes) = runs
+    assert len(closed) > 20 and any(not all(heads) for _, _, heads in closed)  # ragged layers among them
+    assert torch.equal(logits, want_logits) and pos == want_pos and nbytes == want_nbytes
+
+
 def test_duo_threshold_picks_gates_above_it(tiny_93):
     sched = make("duo_attention", tiny_93, threshold=0.6)
     make_stack(tiny_93, scheduler=sched, budget=0.25)

@@ -345,3 +345,40 @@ def test_a_state_holds_its_fill_until_set(batch, seed):
             want = torch.where(view.pos < set_below[:, None, None], view.pos.float() + 0.5, float("-inf"))
             assert torch.equal(got[view.valid], want[view.valid]), step
     assert len(store.segments) > 1
+
+
+@pytest.mark.parametrize("marked", [(True, False, True, False), (False, True, False, False), (True,) * 4])
+@pytest.mark.parametrize("col", [0, 3])
+def test_closing_a_column_is_keeping_the_rest(marked, col):
+    """Rows.close_column against Rows.keep of the same slots, step after step (a token in, the
+    column out): the same fields in every slot to the width (the zeros past a row's end included),
+    the same lengths, written in place."""
+    from kvbench.cache.rows import Rows
+
+    bh, stop, long = len(marked), 9, 20
+
+    def filled() -> Rows:
+        gen = torch.Generator().manual_seed(col)
+        rows = Rows(bh, torch.device("cpu"))
+        w = stop if all(marked) else long
+        rows.append({"k": torch.randn(bh, w, 2, generator=gen), "pos": torch.arange(w).expand(bh, w)})
+        if not all(marked):  # the marked rows hold ``stop`` tokens, the others all of theirs
+            rows.keep(~torch.tensor(marked)[:, None] | (torch.arange(w) < stop)[None, :])
+        return rows
+
+    a, b = filled(), filled()
+    gen = torch.Generator().manual_seed(1)
+    for step in range(4):
+        if step:  # a token in: the marked rows hold ``stop`` again
+            new = {"k": torch.randn(bh, 1, 2, generator=gen), "pos": torch.full((bh, 1), 100 + step)}
+            a.append(dict(new))
+            b.append(dict(new))
+        before = dict(a.fields)
+        keep = b.valid().clone()
+        keep[torch.tensor(marked), col] = False
+        a.close_column(col, stop, marked)
+        b.keep(keep)
+        assert a.width == b.width and a.uniform == b.uniform and a.lens.tolist() == b.lens.tolist()
+        for name, field in before.items():
+            assert a.fields[name] is field  # in place
+            assert torch.equal(a.fields[name][:, : a.width], b.fields[name][:, : b.width]), (step, name)

@@ -160,6 +160,8 @@ class Rows:
         # :meth:`drop` (a token into a freed slot) ends it, :meth:`sort_by` restores it.
         self.ordered = True
         self.changed_from: int | None = 0  # first column of the rectangle changed since :meth:`changes`
+        # :meth:`close_column`'s slots for its last arguments (and the capacity): (key, dst, src, marked)
+        self._closing: tuple[tuple, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def changes(self) -> int | None:
         """The first column of the rectangle that may have changed since the last call (None: no
@@ -507,6 +509,34 @@ class Rows:
         self.width, self._lens = width, None  # every row still full: lengths made when read
         self.ordered = False
         self._changed(0)
+
+    def close_column(self, col: int, stop: int, rows: tuple[bool, ...]) -> None:
+        """Evict column ``col`` of the rows marked in ``rows`` (``(BH,)`` on the host), each holding
+        exactly ``stop`` tokens: their columns after it move left by one, every field alike, in
+        place, in order (O(``stop - col``) writes a row, not a compaction of every row). Where the
+        other rows are longer (``stop < width``), the slot a marked row frees at its end takes the
+        zeros past it, as :meth:`keep` leaves them; where every row is marked, ``stop`` is the width.
+        The slots are made once for the same arguments and capacity."""
+        every = all(rows)
+        assert (every and self.uniform and stop == self.width) or (not every and stop < self.width)
+        key = (self.capacity, col, stop, rows)
+        if self._closing is None or self._closing[0] != key:
+            moved = stop - col - (1 if every else 0)  # with the padding slot past them, where ragged
+            marked = torch.tensor(rows, dtype=torch.long, device=self.device)
+            starts = [r * self.capacity + col for r, m in enumerate(rows) if m]
+            first = torch.tensor(starts, device=self.device)
+            dst = (first[:, None] + torch.arange(moved, device=self.device)).reshape(-1)
+            self._closing = (key, dst, dst + 1, marked)
+        _, dst, src, marked = self._closing
+        with inference():  # in place, as appends: a forward's fields are inference tensors
+            for field in self.fields.values():
+                flat = field.view(self.bh * self.capacity, *field.shape[2:])
+                flat.index_copy_(0, dst, flat.index_select(0, src))
+        if every:
+            self.width, self._lens = stop - 1, None
+        else:
+            self._lens = self.lens - marked
+        self._changed(col)
 
     def sort_by(self, name: str) -> None:
         """Put each row's live tokens back in the order of field ``name`` (positions), every field

@@ -271,6 +271,17 @@ class LayerStore:
         self.edits += 1
         self._view = None
 
+    def close_column(self, col: int, stop: int, heads: tuple[bool, ...]) -> None:
+        """Evict the token at column ``col`` of ``view()`` in the head-rows of the KV heads marked in
+        ``heads`` (in every sequence), each holding exactly ``stop`` tokens, the store in position
+        order (:meth:`in_position_order`): the tokens after it move left by one, in place, in order
+        (:meth:`Rows.close_column`: O(``stop - col``) writes a head-row, where :meth:`keep` compacts
+        every row)."""
+        assert self.in_position_order() and len(heads) == self.kv_heads
+        self._fp.rows.close_column(col, stop, heads * self.batch)
+        self.edits += 1
+        self._view = None
+
     def _in_order(self) -> None:
         """Put the full-precision rows back in position order if a :meth:`drop` left them out of it."""
         if not self._fp.rows.ordered:

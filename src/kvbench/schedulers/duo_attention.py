@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench import calibration
-from kvbench.cache.surface import TechniqueStore
+from kvbench.cache.surface import TechniqueStore, every_position
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Flags, Scheduler
 
@@ -64,6 +64,11 @@ class DuoAttentionScheduler(Scheduler):
         default_factory=dict, init=False, repr=False
     )
     _streaming: list[bool] = field(default_factory=list, init=False, repr=False)
+    # per layer, the KV heads that stream, on the host
+    _streams: list[tuple[bool, ...]] = field(default_factory=list, init=False, repr=False)
+    # per layer: the store, its edits and the sequences' length after an eviction that left every
+    # streaming head-row exactly its sinks and window, in position order (where the host knows it)
+    _known: dict[int, tuple[TechniqueStore, int, int]] = field(default_factory=dict, init=False, repr=False)
 
     def check_knobs(self) -> None:
         if self.retrieval_ratio is not None and self.threshold is not None:
@@ -102,6 +107,8 @@ class DuoAttentionScheduler(Scheduler):
     def _set_retrieval(self, retrieval: torch.Tensor) -> None:
         self.retrieval = retrieval
         self._streaming = [not bool(row.all()) for row in retrieval]  # per layer, on the host
+        self._streams = [tuple(not r for r in row.tolist()) for row in retrieval]
+        self._known.clear()
         self._on_device.clear()
 
     def fit(self, ctx: BindContext) -> torch.Tensor:
@@ -145,15 +152,43 @@ class DuoAttentionScheduler(Scheduler):
 
     def evict(self, layer: int, store: TechniqueStore) -> None:
         """The streaming heads keep their sinks and window (and the protected positions); the
-        retrieval heads keep every token."""
+        retrieval heads keep every token.
+
+        Where the host knows the layout (one in-order segment, the sequences at one length, no
+        padding, nothing protected past the window), every streaming head-row holds its sinks and
+        window after an eviction. When the next eviction of the layer comes one token later, with
+        nothing else evicted or moved since, the token leaving each streaming head-row is the
+        one right after its sinks: that column closes (:meth:`LayerStore.close_column`, O(window)
+        writes a head-row) where a keep would compact every row. The same tokens stay, in the same
+        order, as the keep leaves them."""
         assert self.retrieval is not None, "duo_attention: bind before the first forward"
-        if not self._streaming[layer] or max(store.seen_host) <= self.budget.sinks + self.budget.window:
+        sinks, window = self.budget.sinks, self.budget.window
+        seen = store.seen_host
+        if not self._streaming[layer] or max(seen) <= sinks + window:
             return  # no streaming head, or every stored position is a sink or in the window
+        plain = (
+            min(seen) == max(seen)
+            and not store.last_padded
+            and store.protect_from_host is None
+            and store.in_position_order()
+        )
+        known = self._known.pop(layer, None)
+        if known is not None and (known[0] is not store or known[1] != store.edits):
+            known = None  # another store, or its tokens changed since
+        if plain and known is not None and seen[0] == known[2] + 1:
+            store.close_column(sinks, sinks + window + 1, self._streams[layer])
+            self._known[layer] = (store, store.edits, seen[0])
+            return
         key = (layer, store.device)
         full = self._on_device.get(key)  # (1, H, 1): copied to the layer's device once
         if full is None:
             full = self._on_device[key] = self.retrieval[layer].to(store.device)[None, :, None]
+        # the streaming head-rows held their sinks and every position from some point on: after
+        # the keep, their sinks and window exactly
+        held = plain and (known is not None or every_position(store))
         store.keep(self.budget.protected_view(store) | full)  # nothing moves where nothing leaves
+        if held:
+            self._known[layer] = (store, store.edits, seen[0])
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         if self.retrieval is None:
