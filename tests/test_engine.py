@@ -218,6 +218,26 @@ def test_partials_merged_equal_attention_over_every_slot(latent):
     torch.testing.assert_close(partials.merge(parts, q, h), want, atol=1e-5, rtol=1e-5)
 
 
+def test_one_partial_merges_to_its_own_quotient_bit_for_bit():
+    """One part (a ragged layer of one segment) skips the merge's weights: the same bits as the
+    general merge, whose weight is exactly 1 where the part read something; head-rows that read
+    nothing give zeros in both."""
+    gen = torch.Generator().manual_seed(5)
+    b, h, g, d = 2, 3, 2, 8
+    q = torch.randn(b, h * g, 1, d, generator=gen)
+    k, v = torch.randn(b, h, 13, d, generator=gen), torch.randn(b, h, 13, d, generator=gen)
+    valid = torch.rand(b, h, 13, generator=gen) > 0.4
+    valid[1, 2] = False
+    part = partials.partial(q, k, v, 0.3, valid)
+    top = part.m.masked_fill(part.m == float("-inf"), 0.0)
+    weight = torch.exp(part.m - top)
+    general = (weight[..., None] * part.acc) / (weight * part.l).masked_fill(weight * part.l == 0, 1.0)[
+        ..., None
+    ]
+    got = partials.merge([part], q, h)
+    assert torch.equal(got, general.flatten(1, 2)) and not got.view(b, h, g, 1, d)[1, 2].any()
+
+
 @pytest.mark.parametrize(
     "make, segment",
     [

@@ -55,7 +55,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/random": (10.5, 0.24),
     "compressor/snapkv": (18.5, 0.37),
     "compressor/svd": (14.5, 15.81),
-    "scheduler/adakv": (89.0, 5.04),
+    "scheduler/adakv": (81.25, 4.95),
     "scheduler/duo_attention": (3.25, 0.5),
     "scheduler/flexgen": (2.75, 0.25),
     "scheduler/h2o": (16.0, 0.35),

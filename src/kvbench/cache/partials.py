@@ -70,7 +70,14 @@ def merge(parts: list[Partial], query: torch.Tensor, kv_heads: int) -> torch.Ten
     """The attention output ``(B, Hq, q, D)`` (the query's dtype) from the :class:`Partial` of each
     part of a layer's slots, merged by their log-sum-exp: ``Σ e^(m_i - M) acc_i / Σ e^(m_i - M) l_i``.
     A query that read nothing gets zeros, as SDPA gives. (``kv_heads``: as the Triton path's
-    :func:`kvbench.kernels.attention.merge`, whose partials are not grouped by head; here they are.)"""
+    :func:`kvbench.kernels.attention.merge`, whose partials are not grouped by head; here they are.)
+
+    One part (a layer of one segment whose head-rows hold different numbers of tokens) is its own
+    sum divided: its weight ``e^(m - M)`` is exactly 1 where it read something and its sums are
+    zeros where it read nothing, so the merge's products leave every bit as it is."""
+    if len(parts) == 1:
+        total, acc = parts[0].l, parts[0].acc
+        return (acc / total.masked_fill(total == 0, 1.0)[..., None]).flatten(1, 2).to(query.dtype)
     top = torch.stack([p.m for p in parts]).amax(0)
     top = top.masked_fill(top == float("-inf"), 0.0)
     weight = torch.exp(parts[0].m - top)
