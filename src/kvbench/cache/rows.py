@@ -22,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+from kvbench.cache import devices
 from kvbench.cache.ragged import segment_ids, starts, valid_mask
 from kvbench.kernels import dispatch
 
@@ -124,6 +125,29 @@ class Columns:
     stop: int
 
 
+_CLOSING: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _closing(
+    capacity: int, col: int, stop: int, rows: tuple[bool, ...], like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:meth:`Rows.close_column`'s flat slots (``dst``, ``src``) and marked rows ``(BH,)`` long, made
+    once per process and device for the same arguments (read-only; the layers of a step and the
+    steps until the capacity grows ask for the same ones)."""
+    key = (capacity, col, stop, rows, devices.device_of(like))
+    made = _CLOSING.get(key)
+    if made is None:
+        if len(_CLOSING) >= 256:  # a long run's past capacities and layouts
+            _CLOSING.clear()
+        every = all(rows)
+        moved = stop - col - (1 if every else 0)  # with the padding slot past them, where ragged
+        first = torch.tensor([r * capacity + col for r, m in enumerate(rows) if m], device=like.device)
+        dst = (first[:, None] + torch.arange(moved, device=like.device)).reshape(-1)
+        marked = torch.tensor(rows, dtype=torch.long, device=like.device)
+        made = _CLOSING[key] = (dst, dst + 1, marked)
+    return made
+
+
 def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``values`` ``(BH, W, ...)`` without the slots where ``keep`` ``(BH, W)`` is False, per row, in
     order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
@@ -160,8 +184,6 @@ class Rows:
         # :meth:`drop` (a token into a freed slot) ends it, :meth:`sort_by` restores it.
         self.ordered = True
         self.changed_from: int | None = 0  # first column of the rectangle changed since :meth:`changes`
-        # :meth:`close_column`'s slots for its last arguments (and the capacity): (key, dst, src, marked)
-        self._closing: tuple[tuple, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def changes(self) -> int | None:
         """The first column of the rectangle that may have changed since the last call (None: no
@@ -519,15 +541,7 @@ class Rows:
         The slots are made once for the same arguments and capacity."""
         every = all(rows)
         assert (every and self.uniform and stop == self.width) or (not every and stop < self.width)
-        key = (self.capacity, col, stop, rows)
-        if self._closing is None or self._closing[0] != key:
-            moved = stop - col - (1 if every else 0)  # with the padding slot past them, where ragged
-            marked = torch.tensor(rows, dtype=torch.long, device=self.device)
-            starts = [r * self.capacity + col for r, m in enumerate(rows) if m]
-            first = torch.tensor(starts, device=self.device)
-            dst = (first[:, None] + torch.arange(moved, device=self.device)).reshape(-1)
-            self._closing = (key, dst, dst + 1, marked)
-        _, dst, src, marked = self._closing
+        dst, src, marked = _closing(self.capacity, col, stop, rows, next(iter(self._fields.values())))
         with inference():  # in place, as appends: a forward's fields are inference tensors
             for field in self.fields.values():
                 flat = field.view(self.bh * self.capacity, *field.shape[2:])
