@@ -352,7 +352,7 @@ def test_a_state_holds_its_fill_until_set(batch, seed):
 def test_closing_a_column_is_keeping_the_rest(marked, col):
     """Rows.close_column against Rows.keep of the same slots, step after step (a token in, the
     column out): the same fields in every slot to the width (the zeros past a row's end included),
-    the same lengths, written in place."""
+    the same lengths and capacity, written in place where the capacity stays."""
     from kvbench.cache.rows import Rows
 
     bh, stop, long = len(marked), 9, 20
@@ -373,12 +373,13 @@ def test_closing_a_column_is_keeping_the_rest(marked, col):
             new = {"k": torch.randn(bh, 1, 2, generator=gen), "pos": torch.full((bh, 1), 100 + step)}
             a.append(dict(new))
             b.append(dict(new))
-        before = dict(a.fields)
+        before, capacity = dict(a.fields), a.capacity
         keep = b.valid().clone()
         keep[torch.tensor(marked), col] = False
         a.close_column(col, stop, marked)
         b.keep(keep)
         assert a.width == b.width and a.uniform == b.uniform and a.lens.tolist() == b.lens.tolist()
+        assert a.capacity == b.capacity  # what a keep leaves them holding
         for name, field in before.items():
-            assert a.fields[name] is field  # in place
+            assert (a.fields[name] is field) == (a.capacity == capacity)  # in place unless resized
             assert torch.equal(a.fields[name][:, : a.width], b.fields[name][:, : b.width]), (step, name)

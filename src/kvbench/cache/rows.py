@@ -538,7 +538,9 @@ class Rows:
         place, in order (O(``stop - col``) writes a row, not a compaction of every row). Where the
         other rows are longer (``stop < width``), the slot a marked row frees at its end takes the
         zeros past it, as :meth:`keep` leaves them; where every row is marked, ``stop`` is the width.
-        The slots are made once for the same arguments and capacity."""
+        The slots are made once for the same arguments and capacity. The rows then take the capacity
+        a keep gives them (smaller where the kept width fills less than half of it), so that what
+        they hold is what a keep leaves."""
         every = all(rows)
         assert (every and self.uniform and stop == self.width) or (not every and stop < self.width)
         dst, src, marked = _closing(self.capacity, col, stop, rows, next(iter(self._fields.values())))
@@ -551,6 +553,15 @@ class Rows:
         else:
             self._lens = self.lens - marked
         self._changed(col)
+        cap = kept_capacity(self.width, self.capacity)
+        if cap != self.capacity:  # as a keep of the same slots would size the rows (its resident bytes)
+            for name, field in self._fields.items():
+                new = field.new_empty(field.shape[0], cap, *field.shape[2:])
+                new[:, : self.width] = field[:, : self.width]
+                self._fields[name] = new
+            self._heads.clear()
+            self._ones = self._starts = None
+            self.capacity = cap
 
     def sort_by(self, name: str) -> None:
         """Put each row's live tokens back in the order of field ``name`` (positions), every field

@@ -22,6 +22,7 @@ Differences from the paper:
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -68,7 +69,8 @@ class DuoAttentionScheduler(Scheduler):
     _streams: list[tuple[bool, ...]] = field(default_factory=list, init=False, repr=False)
     # per layer: the store, its edits and the sequences' length after an eviction that left every
     # streaming head-row exactly its sinks and window, in position order (where the host knows it)
-    _known: dict[int, tuple[TechniqueStore, int, int]] = field(default_factory=dict, init=False, repr=False)
+    # (weakly: a record never keeps a cache's store alive)
+    _known: dict[int, tuple[weakref.ref, int, int]] = field(default_factory=dict, init=False, repr=False)
 
     def check_knobs(self) -> None:
         if self.retrieval_ratio is not None and self.threshold is not None:
@@ -173,11 +175,11 @@ class DuoAttentionScheduler(Scheduler):
             and store.in_position_order()
         )
         known = self._known.pop(layer, None)
-        if known is not None and (known[0] is not store or known[1] != store.edits):
+        if known is not None and (known[0]() is not store or known[1] != store.edits):
             known = None  # another store, or its tokens changed since
         if plain and known is not None and seen[0] == known[2] + 1:
             store.close_column(sinks, sinks + window + 1, self._streams[layer])
-            self._known[layer] = (store, store.edits, seen[0])
+            self._known[layer] = (weakref.ref(store), store.edits, seen[0])
             return
         key = (layer, store.device)
         full = self._on_device.get(key)  # (1, H, 1): copied to the layer's device once
@@ -188,7 +190,7 @@ class DuoAttentionScheduler(Scheduler):
         held = plain and (known is not None or every_position(store))
         store.keep(self.budget.protected_view(store) | full)  # nothing moves where nothing leaves
         if held:
-            self._known[layer] = (store, store.edits, seen[0])
+            self._known[layer] = (weakref.ref(store), store.edits, seen[0])
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         if self.retrieval is None:
