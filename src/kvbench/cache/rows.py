@@ -290,9 +290,11 @@ class Rows:
         self._changed(0)
 
     def _reserve(self, need: int) -> None:
-        if need <= self.capacity:
-            return
-        cap = with_room(need)
+        if need > self.capacity:
+            self._resize(with_room(need))
+
+    def _resize(self, cap: int) -> None:
+        """Move every field into new tensors of ``cap`` slots per row (at least ``width``), zeros past it."""
         for name, old in self._fields.items():  # a pending run's columns are written later, to the new one
             new = old.new_zeros(self.bh, cap, *old.shape[2:])
             new[:, : self.width] = old[:, : self.width]
@@ -555,13 +557,7 @@ class Rows:
         self._changed(col)
         cap = kept_capacity(self.width, self.capacity)
         if cap != self.capacity:  # as a keep of the same slots would size the rows (its resident bytes)
-            for name, field in self._fields.items():
-                new = field.new_empty(field.shape[0], cap, *field.shape[2:])
-                new[:, : self.width] = field[:, : self.width]
-                self._fields[name] = new
-            self._heads.clear()
-            self._ones = self._starts = None
-            self.capacity = cap
+            self._resize(cap)
 
     def sort_by(self, name: str) -> None:
         """Put each row's live tokens back in the order of field ``name`` (positions), every field

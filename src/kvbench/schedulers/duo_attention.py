@@ -60,11 +60,10 @@ class DuoAttentionScheduler(Scheduler):
     gates: torch.Tensor | None = field(default=None, init=False, repr=False)  # (L, H_kv), bound or injected
     retrieval: torch.Tensor | None = field(default=None, init=False, repr=False)  # (L, H_kv): heads kept full
     injected: bool = field(default=False, init=False)
-    # the retrieval rows copied to each layer's device, and per layer whether some head streams
+    # the retrieval rows copied to each layer's device
     _on_device: dict[tuple[int, torch.device], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False
     )
-    _streaming: list[bool] = field(default_factory=list, init=False, repr=False)
     # per layer, the KV heads that stream, on the host
     _streams: list[tuple[bool, ...]] = field(default_factory=list, init=False, repr=False)
     # per layer: the store, its edits and the sequences' length after an eviction that left every
@@ -108,7 +107,6 @@ class DuoAttentionScheduler(Scheduler):
 
     def _set_retrieval(self, retrieval: torch.Tensor) -> None:
         self.retrieval = retrieval
-        self._streaming = [not bool(row.all()) for row in retrieval]  # per layer, on the host
         self._streams = [tuple(not r for r in row.tolist()) for row in retrieval]
         self._known.clear()
         self._on_device.clear()
@@ -166,7 +164,7 @@ class DuoAttentionScheduler(Scheduler):
         assert self.retrieval is not None, "duo_attention: bind before the first forward"
         sinks, window = self.budget.sinks, self.budget.window
         seen = store.seen_host
-        if not self._streaming[layer] or max(seen) <= sinks + window:
+        if not any(self._streams[layer]) or max(seen) <= sinks + window:
             return  # no streaming head, or every stored position is a sink or in the window
         plain = (
             min(seen) == max(seen)
