@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kvbench.cache import attention as att
+from kvbench.cache import devices
 from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.surface import TechniqueStore, every_position
 from kvbench.roles import Budget
@@ -81,10 +82,21 @@ def held_experts(store: TechniqueStore, experts: int) -> torch.Tensor:
     return store.state(EXPERT).long().clamp(max=experts) - 1
 
 
+_COLUMN_OF: dict[tuple[int, object], torch.Tensor] = {}
+
+
 def held_columns(store: TechniqueStore, experts: int) -> torch.Tensor:
     """:func:`held_experts` with ``experts`` (not -1) where none: the column of a padded choice
-    each token reads (:attr:`Experts.column`) where the assigned tokens are the routed ones."""
-    return (store.state(EXPERT).long().clamp(max=experts) + experts) % (experts + 1)
+    each token reads (:attr:`Experts.column`) where the assigned tokens are the routed ones.
+
+    The capped stored value is looked up in ``[E, 0, 1, ..., E - 1]`` (made once per process and
+    device, read-only), one operation for the two of ``value - 1`` with none at ``E``."""
+    state = store.state(EXPERT)
+    key = (experts, devices.device_of(state))
+    table = _COLUMN_OF.get(key)
+    if table is None:
+        table = _COLUMN_OF[key] = (torch.arange(experts + 1, device=state.device) + experts) % (experts + 1)
+    return table[state.long().clamp(max=experts)]
 
 
 def write_columns(budget: Budget, store: TechniqueStore) -> tuple[int, int] | None:
@@ -154,6 +166,13 @@ class CentroidExperts:
     top_k: int
     budget: Budget
     _held: dict[int, tuple[Any, torch.Tensor]]  # declared by ExpertRouter
+
+    def all_held(self, store: TechniqueStore, count: torch.Tensor) -> bool:
+        """Known on the host that every expert holds a token: ``count`` is the centroids' counts
+        (:meth:`route_experts`'s fast path) and every expert has held one. Every score is then
+        finite (no expert is masked empty)."""
+        side = store.side(Centroids)
+        return side is not None and side.full and count is side.count
 
     def held(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """:func:`held_experts`, read once per view: the read of a step and its write share it."""

@@ -325,7 +325,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        chosen = top_k_choice(score, self.top_k)
+        chosen = top_k_choice(score, self.top_k, self.all_held(store, count))
         self.placement(store)  # the plan the reads go to
         if every_query_real(store, qpos):  # every query real
             reads = chosen.sum((0, 1, 2), dtype=torch.float64)

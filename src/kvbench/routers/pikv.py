@@ -112,7 +112,7 @@ class PikvRouter(CentroidExperts, ExpertRouter):
         if prev is None:
             prev = torch.zeros(b, h, e, dtype=torch.bool, device=score.device)
         bonus = torch.where(prev[:, :, None, :], self.locality_bonus, 0.0)  # the bonus times prev
-        chosen = top_k_choice(score * store.head_dim**-0.5 + bonus, self.top_k)
+        chosen = top_k_choice(score * store.head_dim**-0.5 + bonus, self.top_k, self.all_held(store, count))
         if every_query_real(store, qpos):  # every query real
             now = chosen[:, :, -1].contiguous()  # the last query's
         else:

@@ -156,8 +156,7 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
             # whenever the query wants any (k > 0 gives a capacity of at least 1), so the query
             # takes its first k finite experts by score. Where ``count`` is the centroids' counts
             # and every expert has held a token, none is empty: k is top_k.
-            side = store.side(Centroids)
-            if side is not None and side.full and count is side.count:
+            if self.all_held(store, count):
                 k: torch.Tensor | int = min(self.top_k, self.num_experts)
             else:
                 k = (count > 0).sum(-1).clamp(max=self.top_k)[..., None]  # (B, H, 1)
