@@ -16,11 +16,11 @@ from kvbench.eval import loop
 from kvbench.routers.adaptive import AdaptiveRouter, top_p_choice
 from kvbench.routers.centroids import EXPERT, Centroids
 from kvbench.routers.eplb import EPLBRouter, Placement, device_reads, eplb_plan, imbalance, water_fill
-from kvbench.routers.expert import ExpertRouter, fill_by_preference, position_blocks
+from kvbench.routers.expert import ExpertRouter, fill_by_preference, position_blocks, top_k_choice
 from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
 from kvbench.routers.moba import BaseRouter
 from kvbench.routers.pikv import PikvRouter, PreviousChoice
-from kvbench.routers.topk_balanced import TopKBalancedRouter
+from kvbench.routers.topk_balanced import TopKBalancedRouter, first_finite
 from kvbench.schedulers.h2o import H2OScheduler
 
 SIZES = [48, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
@@ -224,6 +224,27 @@ def test_fill_by_preference_one_item_equals_the_rounds():
             room,
         )
         assert torch.equal(one, two[..., :1, :])
+
+
+def test_choices_known_finite_equal_the_counted_ones():
+    """Where every expert holds a token (every score finite, known on the host), the first ``k`` by
+    score and the top ``k`` are taken without testing their scores: the same choice, ties (whole
+    scores) included. A decode step's one token takes its nearest expert with room as the
+    capacity greedy does."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        e = int(torch.randint(1, 9, (1,), generator=gen))
+        k = int(torch.randint(1, e + 1, (1,), generator=gen))
+        score = torch.randint(-3, 4, (2, 3, 1, e), generator=gen).float()
+        assert torch.equal(first_finite(score, k, True), first_finite(score, k))
+        assert torch.equal(top_k_choice(score, k, True), top_k_choice(score, k))
+        dist = torch.randint(0, 4, (2, 3, 1, e), generator=gen).float()
+        room = torch.randint(-1, 3, (2, 3, e), generator=gen).float()
+        room[..., int(torch.randint(0, e, (1,), generator=gen))] = 1  # some expert has room
+        want = torch.ones(2, 3, 1, dtype=torch.long)
+        assert torch.equal(
+            TopKBalancedRouter.take_first(dist, room), TopKBalancedRouter.take(dist, want, room)
+        )
 
 
 def test_topk_balanced_never_exceeds_write_or_read_capacity(tiny_93):

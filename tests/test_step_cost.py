@@ -41,7 +41,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "router/eplb": (41.75, 2.05),
     "router/hierarchical": (22.75, 0.40),
     "router/pikv": (32.0, 0.45),
-    "router/topk_balanced": (38.0, 0.48),
+    "router/topk_balanced": (32.0, 0.48),
     "compressor/chunkkv": (14.5, 1.3),
     "compressor/distillation": (82.25, 16.65),
     "compressor/fastv": (19.75, 2.2),

@@ -35,11 +35,14 @@ def capacity(factor: float, demand: torch.Tensor, experts: torch.Tensor | int) -
     return (factor * demand.double() / per - 1e-9).ceil_().long()
 
 
-def first_finite(score: torch.Tensor, k: torch.Tensor | int) -> torch.Tensor:
+def first_finite(score: torch.Tensor, k: torch.Tensor | int, finite: bool = False) -> torch.Tensor:
     """``(B, H, 1, E)`` bool: the first ``k`` (``(B, H, 1)``, or one for all) experts with a finite
     score, by score (ties by expert): :func:`fill_by_preference` of one query under a capacity it
-    never meets."""
+    never meets. ``finite``: known on the host that every score is finite (and ``k`` one for all),
+    so the first ``k`` by score are taken without counting."""
     ranked, order = score.sort(dim=-1, descending=True, stable=True)
+    if finite and isinstance(k, int):
+        return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, order[..., :k], True)
     ok = ranked.isfinite()
     took = ok & (ok.long().cumsum(-1) <= (k if isinstance(k, int) else k[..., None]))
     return torch.zeros_like(ok).scatter_(-1, order, took)
@@ -137,9 +140,8 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
     def take_first(dist: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
         """:meth:`take` of one token per head-row that wants an expert, some expert having room
         for it: its nearest with room, ``(B, H, 1)``."""
-        order = dist.argsort(dim=-1, stable=True)  # (B, H, 1, E)
-        ok = (room > 0)[:, :, None, :].gather(-1, order)  # in order of preference
-        return order.gather(-1, ok.long().argmax(-1, keepdim=True))[..., 0]  # the first with room
+        # the nearest of those with room, ties to the first expert (as a stable order by distance)
+        return dist.masked_fill((room <= 0)[:, :, None, :], float("inf")).argmin(-1)
 
     def read_capacity(self, count: torch.Tensor, qpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts each query wants ``(B, H)`` and queries each expert serves ``(B, H)``."""
@@ -156,11 +158,12 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
             # whenever the query wants any (k > 0 gives a capacity of at least 1), so the query
             # takes its first k finite experts by score. Where ``count`` is the centroids' counts
             # and every expert has held a token, none is empty: k is top_k.
-            if self.all_held(store, count):
+            full = self.all_held(store, count)
+            if full:
                 k: torch.Tensor | int = min(self.top_k, self.num_experts)
             else:
                 k = (count > 0).sum(-1).clamp(max=self.top_k)[..., None]  # (B, H, 1)
-            chosen = first_finite(score, k)
+            chosen = first_finite(score, k, full)
             self._short_pending.append((chosen, k, chosen.shape[:3].numel()))  # counted when settled
             return chosen
         k, cap = self.read_capacity(count, qpos)
