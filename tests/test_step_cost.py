@@ -40,7 +40,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "router/base": (15.25, 0.31),
     "router/eplb": (41.75, 2.05),
     "router/hierarchical": (22.75, 0.40),
-    "router/pikv": (32.0, 0.45),
+    "router/pikv": (31.0, 0.45),
     "router/topk_balanced": (32.0, 0.48),
     "compressor/chunkkv": (14.5, 1.3),
     "compressor/distillation": (82.25, 16.65),

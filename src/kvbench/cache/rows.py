@@ -282,7 +282,8 @@ class Rows:
                 self.fill[name] = fill
         elif fill != 0 and name not in self.fill:  # made by an append that gave it: later ones may not
             self.fill[name] = fill
-        return self.fields[name]
+        self._flush(name)  # a pending run of another field stays pending
+        return self._fields[name]
 
     def set(self, name: str, values: torch.Tensor) -> None:
         """Overwrite field ``name`` with ``values`` ``(BH, width, *rest)`` (padding slots included)."""
@@ -319,20 +320,20 @@ class Rows:
         positions of writes none)."""
         q = next(iter(new.values())).shape[1]
         fields, pending, width = self._fields, self._run, self.width
-        if (  # a decode step's append: every field given, the positions continuing the pending run
+        if (  # a decode step's append: every field known, the positions continuing the pending run
             self.uniform
             and pending is not None
             and run is not None
             and pending[0] == run[0]
             and pending[2] + width - pending[1] == run[1]
-            and new.keys() == fields.keys()
+            and new.keys() <= fields.keys()
         ):
             if width + q > self.capacity:
                 self._reserve(width + q)
                 fields = self._fields
-            for name, value in new.items():
+            for name, field in fields.items():  # the fields not given take their fill
                 if name != run[0]:
-                    fields[name][:, width : width + q] = value
+                    field[:, width : width + q] = new.get(name, self.fill.get(name, 0))
             self._run = (run[0], pending[1], pending[2], new[run[0]])
             if self.changed_from is None or self.changed_from > width:
                 self.changed_from = width

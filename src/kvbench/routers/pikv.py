@@ -111,8 +111,9 @@ class PikvRouter(CentroidExperts, ExpertRouter):
         prev = None if side is None else side.chosen
         if prev is None:
             prev = torch.zeros(b, h, e, dtype=torch.bool, device=score.device)
-        bonus = torch.where(prev[:, :, None, :], self.locality_bonus, 0.0)  # the bonus times prev
-        chosen = top_k_choice(score * store.head_dim**-0.5 + bonus, self.top_k, self.all_held(store, count))
+        # the bonus times prev, added as prev's 0 or 1 times the bonus: exact, so it rounds as the sum
+        scaled = (score * store.head_dim**-0.5).add_(prev[:, :, None, :], alpha=self.locality_bonus)
+        chosen = top_k_choice(scaled, self.top_k, self.all_held(store, count))
         if every_query_real(store, qpos):  # every query real
             now = chosen[:, :, -1].contiguous()  # the last query's
         else:
