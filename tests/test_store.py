@@ -383,3 +383,28 @@ def test_closing_a_column_is_keeping_the_rest(marked, col):
         for name, field in before.items():
             assert (a.fields[name] is field) == (a.capacity == capacity)  # in place unless resized
             assert torch.equal(a.fields[name][:, : a.width], b.fields[name][:, : b.width]), (step, name)
+
+
+@pytest.mark.parametrize("protect", [None, 5, [4, 9]])
+def test_protected_slots_from_host_figures_equal_those_from_the_device(protect):
+    """Where the sequences share their length (and protected start), the budget compares positions
+    with that one number; elsewhere with each sequence's on the device: the same slots."""
+    from kvbench.roles import Budget
+
+    gen = torch.Generator().manual_seed(0)
+    store = LayerStore(2, 2, 4, torch.float32, torch.device("cpu"))
+    budget = Budget(fraction=0.5, budget_tokens=None, sinks=2, window=3)
+    store.set_protect_from(None if protect is None else torch.tensor(protect))
+    for step in range(12):
+        q = 6 if step == 0 else 1
+        real = torch.tensor([[step % 4 != 2] * q, [step % 4 != 1] * q])  # one behind, then level
+        store.append(torch.randn(2, 2, q, 4, generator=gen), torch.randn(2, 2, q, 4, generator=gen), real)
+        seen, start = store.seen[:, None, None], store.protect_from
+        view_pos, fp_pos = store.view().pos, store.fp_view("pos")
+        want_view = (view_pos < 2) | (view_pos >= seen - 3)
+        want_fp = (fp_pos < 2) | (fp_pos >= store.seen.repeat_interleave(2)[:, None] - 3)
+        if start is not None:
+            want_view = want_view | (view_pos >= start[:, None, None])
+            want_fp = want_fp | (fp_pos >= start.repeat_interleave(2)[:, None])
+        assert torch.equal(budget.protected_view(store), want_view)
+        assert torch.equal(budget.protected_fp(store), want_fp)

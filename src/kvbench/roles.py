@@ -9,6 +9,7 @@ The cache engine calls the hooks below; techniques touch only kvbench's own stor
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -105,17 +106,30 @@ class Budget:
 
     def protected_view(self, store: TechniqueStore) -> torch.Tensor:
         """:meth:`protected` over ``store.view()``: ``(B, H, T)``."""
-        return self.protected(store.view().pos, store.seen[:, None, None], protected_from(store))
+        seen = _one(store.seen_host)
+        at = store.seen[:, None, None] if seen is None else seen
+        return self.protected(store.view().pos, at, protected_from(store))
 
     def protected_fp(self, store: TechniqueStore) -> torch.Tensor:
         """:meth:`protected` over the full-precision rows: ``(B * H, W)``."""
-        start, heads = store.protect_from, store.kv_heads
-        start = None if start is None else start.repeat_interleave(heads)[:, None]
-        return self.protected(store.fp_view("pos"), store.seen.repeat_interleave(heads)[:, None], start)
+        heads, start = store.kv_heads, store.protect_from
+        from_host = None if store.protect_from_host is None else _one(store.protect_from_host)
+        at_start: torch.Tensor | int | None = from_host
+        if start is not None and from_host is None:
+            at_start = start.repeat_interleave(heads)[:, None]
+        seen = _one(store.seen_host)
+        at = store.seen.repeat_interleave(heads)[:, None] if seen is None else seen
+        return self.protected(store.fp_view("pos"), at, at_start)
 
     def scaled(self, depth: int) -> Budget:
         """The budget of the ``depth``-th selection of a stack: selections compose multiplicatively."""
         return self if depth <= 1 else replace(self, fraction=self.fraction**depth)
+
+
+def _one(values: Sequence[int]) -> int | None:
+    """The value every sequence shares (host figures), else None: compared with positions as a
+    number, it needs no tensor of one value per row."""
+    return values[0] if values and all(v == values[0] for v in values) else None
 
 
 @dataclass
