@@ -101,8 +101,17 @@ _INDEXED = frozenset(
 )
 
 
-def _is_view(func) -> bool:
-    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+def _is_view(func, args: Sequence = (), out=None) -> bool:
+    """Whether ``func`` returned a view of its input. An operation whose schema may alias its input
+    (``to``, ``reshape``, ``contiguous``, ``flatten``: under inference mode they reach the counter
+    whole, not as the copy they make) is a view only where its output shares the input's memory;
+    a conversion or a copy is a launch."""
+    if not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+        return False
+    src = args[0] if args else None
+    if isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.numel():
+        return out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+    return True
 
 
 def _nbytes(x) -> int:
@@ -166,7 +175,7 @@ class LaunchCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self.on and not _is_view(func):
+        if self.on and not _is_view(func, args, out):
             name = func.overloadpacket.__name__
             self.ops += 1
             self.by_op[name] = self.by_op.get(name, 0) + 1

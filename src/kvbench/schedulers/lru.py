@@ -39,9 +39,9 @@ def ranked(primary: torch.Tensor, by_second: torch.Tensor) -> torch.Tensor:
     Ties of the primary key (tokens last used by the same query) go to the more recent arrival.
     """
     order = by_second.gather(-1, primary.gather(-1, by_second).argsort(dim=-1, stable=True))
-    rank = torch.empty_like(order)
-    rank.scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-    return rank.float()
+    rank = torch.empty_like(order, dtype=torch.float32)  # whole ranks, exact in float32
+    ranks = torch.arange(order.shape[-1], dtype=torch.float32, device=order.device)
+    return rank.scatter_(-1, order, ranks.expand_as(order))
 
 
 @dataclass
@@ -68,7 +68,8 @@ class LRUScheduler(ScoredSelection, Scheduler):
         if hit.shape[2] == 1:  # one query: used at its position, else last used as before (a
             # query's position is at least every stored one's, so the arrival need not be kept apart)
             hit = att.widen(hit[:, :, 0], pos.shape[2], False)
-            last = torch.where(hit, qpos.float()[:, None, :], pos.float())
+            # positions converted inside the maximum (whole numbers, exact in float32)
+            last = torch.where(hit, qpos[:, None, :], pos)
             if len(store.segments) == 1:  # the state is the store's own: written there in place
                 state = store.state(self.LAST)
                 torch.maximum(state, last, out=state)
@@ -81,7 +82,7 @@ class LRUScheduler(ScoredSelection, Scheduler):
 
     def last_used(self, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` last position at which each stored token was used (arrival if never)."""
-        return torch.maximum(store.state(self.LAST), store.view().pos.float())
+        return torch.maximum(store.state(self.LAST), store.view().pos)  # float32: the state's type
 
     def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` eviction scores: rank by last use, then by arrival."""
