@@ -48,7 +48,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/fastv": (20.5, 2.2),
     "compressor/lora": (57.5, 18.1),
     "compressor/lora_plus_plus": (115.5, 19.6),
-    "compressor/pikv": (103.25, 10.2),
+    "compressor/pikv": (103.5, 10.2),
     "compressor/pruning": (24.5, 7.0),
     "compressor/pyramid": (10.75, 13.65),
     "compressor/pyramidkv": (18.5, 0.34),
