@@ -352,7 +352,8 @@ def _bookkeeping(store: LayerStore) -> int:
     logit bias (float32) a slot; a compressed segment's
     own positions; merged units' member positions (int64 a member); the view's joined positions,
     valid slots and biases (9 bytes a slot, 13 with merged units; at most a quarter and 64 slots of
-    room); and the last chunk's query positions."""
+    room); the last chunk's query positions; and what side data holds beside the bytes it stores
+    (``pruning``'s int64 copy of its kept channels)."""
     bh = store.batch * store.kv_heads
     state = sum(4 * math.prod(st.shape) for st in store.states())
     merged = [seg.members() for seg in store.segments if seg.members() is not None]
@@ -364,7 +365,14 @@ def _bookkeeping(store: LayerStore) -> int:
     slot = 9 + (4 if merged else 0)
     joined = slot * bh * (width + max(64, width // 4)) if len(store.segments) > 1 else 0
     members = sum(8 * pos.numel() for pos, _ in merged)
-    return rows + 8 * store.stored_tokens() + members + joined + 8 * store.last_qpos.numel()
+    stored_side = {id(t) for data in store._side.values() for t in data.tensors()}
+    beside = sum(
+        t.nbytes
+        for data in store._side.values()
+        for t in vars(data).values()
+        if isinstance(t, torch.Tensor) and id(t) not in stored_side
+    )
+    return rows + 8 * store.stored_tokens() + members + joined + 8 * store.last_qpos.numel() + beside
 
 
 def _resident(store: LayerStore) -> int:

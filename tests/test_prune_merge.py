@@ -13,6 +13,7 @@ from conftest import tiny_cfg
 from helpers import budget_of, make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench import models
 from kvbench.cache import attention as att
+from kvbench.cache import held
 from kvbench.cache.engine import HitProbe
 from kvbench.cache.segments import FPSegment
 from kvbench.cache.store import LayerStore
@@ -82,7 +83,14 @@ def test_pruning_acts_and_stores_kept_channels_only(tiny_93):
         # Reads: exact keys on the kept channels, zeros on the others.
         exact = torch.cat(cache.shadow[layer], dim=2)[0]  # (H, S, D) keys this run produced
         k, _ = seg.read(torch.float32)
-        chans = store.side(KeptChannels).channels.long()
+        kept = store.side(KeptChannels)
+        chans = kept.channels.long()
+        # The int64 index the reads and moves take: made once, shared with the segment, held (in the
+        # resident bytes) and not stored (the int16 channels are).
+        assert kept.index.dtype == torch.int64 and torch.equal(kept.index, chans)
+        assert seg.index is kept.index and kept.tensors() == [kept.channels]
+        storages = {t.untyped_storage().data_ptr() for t in held.tensors(store)}
+        assert kept.index.untyped_storage().data_ptr() in storages
         for row in range(h):
             rk = k[row * pruned : (row + 1) * pruned]
             mask = torch.zeros(d, dtype=torch.bool)

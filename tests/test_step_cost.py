@@ -49,7 +49,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/lora": (57.5, 18.1),
     "compressor/lora_plus_plus": (115.5, 19.6),
     "compressor/pikv": (103.5, 10.2),
-    "compressor/pruning": (24.5, 7.0),
+    "compressor/pruning": (22.5, 7.0),
     "compressor/pyramid": (10.75, 13.65),
     "compressor/pyramidkv": (18.5, 0.34),
     "compressor/quantized": (11.75, 14.3),

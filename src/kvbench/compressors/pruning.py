@@ -40,9 +40,16 @@ from kvbench.select import leaving, moving_per_row
 
 @dataclass
 class KeptChannels(SideData):
-    """``channels`` ``(BH, d_keep)`` int16: the kept key channels of each head-row."""
+    """``channels`` ``(BH, d_keep)`` int16: the kept key channels of each head-row (stored, counted in
+    the layer's bytes); ``index``: the same as int64, the index gather and scatter take, made once
+    per set of channels so that no move or read converts it again (held: in the resident bytes,
+    not the stored ones)."""
 
     channels: torch.Tensor
+    index: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.channels]
 
 
 @packed_rows("kp", "v")
@@ -50,14 +57,15 @@ class KeptChannels(SideData):
 class PrunedSegment(RowCounts, Segment):
     """Tokens with thinned keys. ``kp`` ``(N, d_keep)`` kept key channels, ``v`` ``(N, D)``.
 
-    ``channels`` ``(BH, d_keep)`` int16 are the kept channel indices of each head-row; the same
-    tensor is the layer's :class:`KeptChannels` and is counted there, once.
+    ``channels`` ``(BH, d_keep)`` int16 are the kept channel indices of each head-row, ``index`` the
+    same as int64; both are the layer's :class:`KeptChannels` (the int16 counted there, once).
     """
 
     head_dim: int = 64
     kp: torch.Tensor = None  # type: ignore[assignment]
     v: torch.Tensor = None  # type: ignore[assignment]
     channels: torch.Tensor = None  # type: ignore[assignment]
+    index: torch.Tensor = None  # type: ignore[assignment]
 
     ZEROED = True  # full keys are the kept channels scattered into zeros
 
@@ -70,7 +78,7 @@ class PrunedSegment(RowCounts, Segment):
         stride): by each head-row's channels, broadcast over its tokens when every head-row holds the
         same number (no per-token index), else indexed per token. Full keys go into ``out`` when
         given: ``(BH, n, D)`` slots of zeros (any strides), returned."""
-        n, channels = self.row_count(), self.channels.long()
+        n, channels = self.row_count(), self.index
         if n is None:
             index = channels[segment_ids(self.lens)]
             if prune:
@@ -125,13 +133,13 @@ class PrunedSegment(RowCounts, Segment):
         part = super().head_rows(lo, hi)
         if part is not self:
             assert isinstance(part, PrunedSegment)
-            part.channels = self.channels[lo:hi]
+            part.channels, part.index = self.channels[lo:hi], self.index[lo:hi]
         return part
 
     def extend(self, other: Segment) -> None:
         assert isinstance(other, PrunedSegment)
         super().extend(other)
-        self.channels = other.channels
+        self.channels, self.index = other.channels, other.index
 
 
 @dataclass
@@ -144,7 +152,8 @@ class PruningCompressor(Compressor):
     """
 
     name: str = "pruning"
-    version = 2  # 2: packed pruned keys and values, resident bytes at their capacity (issue 29, CHANGELOG.md)
+    version = 3  # 2: packed pruned keys and values, resident bytes at their capacity; 3: the int64 index of
+    # the kept channels held (resident bytes) so that no step converts it (issue 29, CHANGELOG.md)
     keep_ratio: float = 0.5
     obs_window: int = 16
     flags = Flags(changes_representation=True)
@@ -201,12 +210,12 @@ class PruningCompressor(Compressor):
         qnorm = q.view(b, h, -1, q.shape[2], d).pow(2).sum((2, 3)).sqrt()  # (B, H, D)
         return (qnorm * knorm).reshape(b * h, d)
 
-    def _channels(self, store: TechniqueStore, move: torch.Tensor | Columns) -> torch.Tensor:
-        """Kept channels ``(BH, d_keep)`` int16, chosen now for head-rows with tokens in ``move``
+    def _channels(self, store: TechniqueStore, move: torch.Tensor | Columns) -> KeptChannels:
+        """The layer's kept channels ``(BH, d_keep)``, chosen now for head-rows with tokens in ``move``
         ``(BH, W)`` (the same columns of every head-row: all of them) and no set yet."""
         kept = store.side(KeptChannels)
         if store in self._settled and kept is not None:  # every head-row has its set: nothing to do
-            return kept.channels
+            return kept
         bh, d = store.batch * store.kv_heads, store.head_dim
         keep = self.kept_channels(d)
         side = (
@@ -224,23 +233,27 @@ class PruningCompressor(Compressor):
                 self._settled[store] = True
                 self._queries.pop(store, None)
         self._chosen[store] = chosen
-        store.set_side(KeptChannels(side))
-        return side
+        if kept is None or side is not kept.channels:
+            kept = KeptChannels(side, side.long())
+            store.set_side(kept)
+        return kept
 
     def compress(self, layer: int, store: TechniqueStore) -> None:
         move = leaving(store, self.budget)  # columns where the host knows them, else a mask
         if move is None or (isinstance(move, torch.Tensor) and not bool(move.any())):
             return
         per_row = moving_per_row(store, self.budget, 1)
-        channels = self._channels(store, move)
+        kept = self._channels(store, move)
 
         def build(k, v, pos, lens):
-            return self._prune(k, v, pos, lens, channels, store.head_dim)
+            return self._prune(k, v, pos, lens, kept, store.head_dim)
 
         store.move_out(move, build, per_row=per_row)
 
     @staticmethod
-    def _prune(k, v, pos, lens, channels: torch.Tensor, head_dim: int) -> PrunedSegment:
-        seg = PrunedSegment(lens=lens, pos=pos, head_dim=head_dim, kp=k, v=v, channels=channels)
+    def _prune(k, v, pos, lens, kept: KeptChannels, head_dim: int) -> PrunedSegment:
+        seg = PrunedSegment(
+            lens=lens, pos=pos, head_dim=head_dim, kp=k, v=v, channels=kept.channels, index=kept.index
+        )
         seg.kp = seg.keys(k, prune=True)
         return seg
