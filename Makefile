@@ -27,7 +27,7 @@ demo: setup
 	$(BIN)/python -m kvbench
 
 test: setup lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 lint: setup
 	$(BIN)/ruff check src tests scripts kernels

@@ -13,7 +13,12 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 if not torch.cuda.is_available():  # Triton's kernels run interpreted on the CPU (before kvbench imports them)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-torch.set_num_threads(2)
+# Two threads a test process; under pytest-xdist, the machine's cores shared among its workers (a
+# worker per core: one thread each), and the same for the processes the tests start.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = 2 if _WORKERS == 1 else max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(_THREADS)
 
 FAMILIES = {
     "llama": {"num_key_value_heads": 2},

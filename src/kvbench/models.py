@@ -14,6 +14,7 @@ import importlib.util
 import inspect
 import os
 import re
+import shutil
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -292,7 +293,12 @@ def _converted_gguf(cfg: DictConfig) -> Path:
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, out)
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process (a sweep's task, a test worker) converted it first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():
+            raise
     return out
 
 
