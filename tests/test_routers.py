@@ -14,7 +14,7 @@ from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.routers.adaptive import AdaptiveRouter, top_p_choice
-from kvbench.routers.centroids import EXPERT, Centroids
+from kvbench.routers.centroids import EXPERT, Centroids, one_dist, sq_dist
 from kvbench.routers.eplb import EPLBRouter, Placement, device_reads, eplb_plan, imbalance, water_fill
 from kvbench.routers.expert import ExpertRouter, fill_by_preference, position_blocks, top_k_choice
 from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
@@ -243,8 +243,52 @@ def test_choices_known_finite_equal_the_counted_ones():
         room[..., int(torch.randint(0, e, (1,), generator=gen))] = 1  # some expert has room
         want = torch.ones(2, 3, 1, dtype=torch.long)
         assert torch.equal(
-            TopKBalancedRouter.take_first(dist, room), TopKBalancedRouter.take(dist, want, room)
+            TopKBalancedRouter.take_first(dist, room <= 0), TopKBalancedRouter.take(dist, want, room)
         )
+
+
+@pytest.mark.parametrize("make", [TopKBalancedRouter, PikvRouter], ids=["running_mean", "ema"])
+def test_one_token_forms_agree_with_the_batch_forms(make):
+    """A decode step's token takes the expert the batch distances give and moves the centroids as
+    the batch update does, at float tolerance (one norm of the differences, one interpolation),
+    and a centroid it does not join keeps its value exactly."""
+    gen = torch.Generator().manual_seed(1)
+    router = make(num_experts=6)
+    for _ in range(50):
+        cent = torch.randn(2, 3, 6, 16, generator=gen)
+        count = torch.randint(1, 40, (2, 3, 6), generator=gen).float()
+        key = torch.randn(2, 3, 1, 16, generator=gen) * 2
+        dist = one_dist(key, cent)
+        assert torch.allclose(dist.square(), sq_dist(key, cent), rtol=1e-5, atol=1e-4)
+        assert torch.equal(dist.argmin(-1), sq_dist(key, cent).argmin(-1))  # no near ties here
+        eid = dist.argmin(-1)
+        moved, total = router.update_one(cent, count, key, eid)
+        new = torch.ones(2, 3, 1, dtype=torch.bool)
+        batch, batch_total = router.update(cent, count, key, eid, new, torch.zeros(2, 3, 1, dtype=torch.long))
+        assert torch.equal(total, batch_total)
+        assert torch.allclose(moved, batch, rtol=1e-5, atol=1e-6)
+        hit = torch.nn.functional.one_hot(eid[:, :, 0], 6).bool()
+        assert torch.equal(moved[~hit], cent[~hit])
+
+
+def test_put_state_adds_as_it_writes():
+    """``put_state(..., add=1)`` writes ``values + 1`` into the stored state in one operation where
+    the index is basic, and as a sum and a copy where it is not."""
+    from kvbench.cache.store import LayerStore
+    from kvbench.eval.stepcost import LaunchCounter
+
+    store = LayerStore(1, 2, 4, torch.float32, torch.device("cpu"))
+    store.append(torch.zeros(1, 2, 5, 4), torch.zeros(1, 2, 5, 4))
+    store.set_state(EXPERT, torch.zeros(1, 2, 5))
+    store.state(EXPERT)  # any pending write of the rows made before counting
+    placed = torch.tensor([[[2], [0]]])
+    with LaunchCounter() as counter:
+        store.put_state(EXPERT, (slice(None), slice(None), slice(3, 4)), placed, add=1)
+    assert counter.ops == 1
+    assert store.state(EXPERT).tolist() == [[[0, 0, 0, 3, 0], [0, 0, 0, 1, 0]]]
+    at = (torch.tensor([[0]]), torch.tensor([[0]]), torch.tensor([[1]]))
+    store.put_state(EXPERT, at, placed[:, :1].float(), add=1)
+    assert store.state(EXPERT)[0, 0, 1] == 3
 
 
 def test_topk_balanced_never_exceeds_write_or_read_capacity(tiny_93):

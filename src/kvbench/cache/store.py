@@ -406,10 +406,18 @@ class LayerStore:
             seg.rows.ensure(st.name, st.shape, torch.float32, st.fill)
             seg.rows.get(st.name).add_(add.float())
 
-    def put_state(self, st: TokenState, index: tuple[Any, ...], values: torch.Tensor | float) -> None:
-        """``state(st)[index] = values``, written into the store in place."""
+    def put_state(
+        self, st: TokenState, index: tuple[Any, ...], values: torch.Tensor | float, add: float = 0
+    ) -> None:
+        """``state(st)[index] = values + add``, written into the store in place: where ``index``
+        is basic (slices and integers) and ``values`` a tensor of its shape, the sum is written
+        into the state as it is made (one operation, not a sum and a copy)."""
         state = self.state(st)
-        state[index] = values
+        basic = all(isinstance(i, (slice, int)) for i in index)
+        if add and isinstance(values, torch.Tensor) and basic and state[index].shape == values.shape:
+            torch.add(values, add, out=state[index])
+        else:
+            state[index] = values + add if add else values
         if len(self._compressed):  # ``state`` concatenated the segments: a copy
             self.set_state(st, state)
 

@@ -107,11 +107,19 @@ def write_columns(budget: Budget, store: TechniqueStore) -> tuple[int, int] | No
 
 
 def sq_dist(keys: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
-    """Squared distance ``(B, H, T, E)`` from keys ``(B, H, T, D)`` to centroids ``(B, H, E, D)``."""
+    """Squared distance ``(B, H, T, E)`` from keys ``(B, H, T, D)`` to centroids ``(B, H, E, D)``,
+    as ``|k|² - 2 k·c + |c|²`` (one product for every key)."""
     cross = keys @ cent.transpose(-1, -2)
     # |k|² - 2·cross in one operation: doubling is exact, so it rounds as the two did
     near = torch.sub(keys.square().sum(-1, keepdim=True), cross, alpha=2)
     return near + cent.square().sum(-1)[:, :, None, :]
+
+
+def one_dist(key: torch.Tensor, cent: torch.Tensor) -> torch.Tensor:
+    """Distance ``(B, H, 1, E)`` from one key ``(B, H, 1, D)`` per head-row to the centroids
+    ``(B, H, E, D)``: the norm of the differences, two operations (the form of :func:`sq_dist`
+    takes seven). Its order is the squared distances' up to rounding."""
+    return torch.linalg.vector_norm(cent - key, dim=-1)[:, :, None, :]
 
 
 def lloyd(keys: torch.Tensor, pos: torch.Tensor, member: torch.Tensor, experts: int) -> torch.Tensor:
@@ -315,10 +323,10 @@ class CentroidExperts:
         """
         view = store.view()
         one = view.k[:, :, col : col + 1].float()  # (B, H, 1, D)
-        placed = self.place_one(layer, store, sq_dist(one, side.centroid), None)  # (B, H, 1)
+        placed = self.place_one(layer, store, one_dist(one, side.centroid), None)  # (B, H, 1)
         cent, count = self.update_one(side.centroid, side.count, one, placed)
         store.set_side(Centroids(cent.contiguous(), count.contiguous(), True, col + 1))
-        store.put_state(EXPERT, (slice(None), slice(None), slice(col, col + 1)), placed + 1)
+        store.put_state(EXPERT, (slice(None), slice(None), slice(col, col + 1)), placed, add=1)
         return Assigned(column=col, expert=placed)
 
     def _assign_one(
@@ -327,9 +335,10 @@ class CentroidExperts:
         """:meth:`assign_new` when every expert holds a centroid (nothing to seed) and each head-row
         has at most one new token (a decode step): the new token's distances, placement
         (:meth:`place_one`), centroid update and stored expert touch that token alone, so a step
-        costs O(E·D) per head-row here, not O(T·D). (An expert sum over one member is that
-        member's key exactly; the distances of one row may differ from those of a T-row matmul in
-        the last bit, which decides a placement only between equidistant centroids.)
+        costs O(E·D) per head-row here, not O(T·D). (The one-token forms round differently from
+        the batch forms: the distance is the norm of the differences (:func:`one_dist`), and the
+        update one interpolation (:meth:`update_one`); they agree with them at float tolerance,
+        which decides a placement only between centroids equidistant within it.)
 
         Returns:
             the assignment ``(B, H, T)`` as :meth:`assign_new`.
@@ -339,7 +348,7 @@ class CentroidExperts:
         col = new.long().argmax(-1, keepdim=True)  # (B, H, 1): the row's new token, if any
         one = view.k.gather(2, col[..., None].expand(-1, -1, 1, view.k.shape[-1])).float()
         one_new = new.gather(-1, col)
-        placed = self.place_one(layer, store, sq_dist(one, cent), one_new)  # (B, H, 1)
+        placed = self.place_one(layer, store, one_dist(one, cent), one_new)  # (B, H, 1)
         cent, count = self.update(cent, count, one, placed, one_new, view.pos.gather(-1, col))
         self._set_centroids(store, cent, count)
         placed = torch.where(one_new, placed, held.gather(-1, col))
@@ -392,9 +401,10 @@ class CentroidExperts:
         self, cent: torch.Tensor, count: torch.Tensor, key: torch.Tensor, eid: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`update` with one new key ``(B, H, 1, D)`` per head-row, in expert ``eid``
-        ``(B, H, 1)``, every expert having held a token (every count positive): its expert's sum
-        of new keys is that key, the other experts keep theirs."""
+        ``(B, H, 1)``, every expert having held a token (every count positive): its expert's mean
+        moves ``1 / (n + 1)`` of the way to the key (one interpolation), the other experts keep
+        theirs."""
         hit = (eid[..., None] == expert_ids(self.num_experts, eid))[:, :, 0]  # (B, H, E)
         total = count + hit  # at least 1: every expert has held a token
-        mean = (cent * count[..., None] + key) / total[..., None]
-        return torch.where(hit[..., None], mean, cent), total
+        # c + (k - c) / (n + 1) for the hit expert, c + 0 (c exactly) for the others
+        return cent.lerp(key, (hit / total)[..., None]), total

@@ -188,6 +188,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     what it assigned, one host read) into the plan's loads, before it refreshes the plan.
     """
 
+    version = 2  # 2: the decode step's one-token distance and update (issue 29, CHANGELOG.md)
     name: str = "eplb"
     num_experts: int = 8
     top_k: int = 2
@@ -325,14 +326,15 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        chosen = top_k_choice(score, self.top_k, self.all_held(store, count))
+        padded = top_k_choice(score, self.top_k, self.all_held(store, count), pad=True)
+        chosen = padded[..., : self.num_experts]
         self.placement(store)  # the plan the reads go to
         if every_query_real(store, qpos):  # every query real
             reads = chosen.sum((0, 1, 2), dtype=torch.float64)
         else:
             reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
         self._reads.setdefault(layer, (store, []))[1].append(reads)  # read at the layer's next write
-        return chosen
+        return padded
 
     def _serve_pending(self) -> None:
         """Put the reads kept since each layer's last write on its plan (one host read)."""

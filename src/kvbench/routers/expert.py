@@ -173,14 +173,23 @@ def block_means(keys: torch.Tensor, eid: torch.Tensor, member: torch.Tensor, exp
     return expert_sums(onehot, keys) / onehot.sum(2).clamp(min=1)[..., None]
 
 
-def top_k_choice(score: torch.Tensor, k: int, finite: bool = False) -> torch.Tensor:
+def no_choice(like: torch.Tensor, pad: bool = False) -> torch.Tensor:
+    """``(..., E)`` bool, no expert chosen, to scatter a choice into; with ``pad``, ``(..., E + 1)``
+    with column ``E`` True: a choice that carries the always-read column of :attr:`Routing.mask`
+    (one operation either way)."""
+    experts = like.shape[-1]
+    if not pad:
+        return torch.zeros_like(like, dtype=torch.bool)
+    return expert_ids(experts + 1, like).expand(*like.shape[:-1], experts + 1) >= experts
+
+
+def top_k_choice(score: torch.Tensor, k: int, finite: bool = False, pad: bool = False) -> torch.Tensor:
     """``(..., E)`` bool: the ``k`` best-scored experts; non-finite (empty) experts never chosen.
 
     ``finite``: known on the host that the ``k`` best scores are finite (every expert holds a
-    token), so each is chosen without looking."""
+    token), so each is chosen without looking. ``pad``: as :func:`no_choice`'s."""
     best = score.topk(min(k, score.shape[-1]), dim=-1)
-    chosen = torch.zeros_like(score, dtype=torch.bool)
-    return chosen.scatter_(-1, best.indices, True if finite else best.values.isfinite())
+    return no_choice(score, pad).scatter_(-1, best.indices, True if finite else best.values.isfinite())
 
 
 def fill_by_preference(
@@ -289,11 +298,21 @@ class Routing:
 
     Attributes:
         experts: the stored tokens' experts (:class:`Experts`).
-        chosen: ``(B, H, q, E)`` experts each query reads.
+        chosen: ``(B, H, q, E)`` experts each query reads. :meth:`ExpertRouter.choose` may give
+            them padded, ``(B, H, q, E + 1)`` with column ``E`` True (:func:`no_choice`): they are
+            then its first ``E`` columns, and the padded choice is the mask's, made with the
+            choice and not by a pad of its own.
+        padded: the padded choice, where ``choose`` gave one.
     """
 
     experts: Experts
     chosen: torch.Tensor
+    padded: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        experts = self.experts.count.shape[-1]
+        if self.chosen.shape[-1] == experts + 1:
+            self.padded, self.chosen = self.chosen, self.chosen[..., :experts]
 
     @property
     def eid(self) -> torch.Tensor:
@@ -312,7 +331,9 @@ class Routing:
         Built once per routing: the read figures and attention both use it."""
         q = self.chosen.shape[2]
         column = self.experts.column
-        padded = F.pad(self.chosen, (0, 1), value=True)  # column E: always read
+        padded = self.padded
+        if padded is None:
+            padded = F.pad(self.chosen, (0, 1), value=True)  # column E: always read
         return padded.gather(-1, column.expand(*column.shape[:2], q, column.shape[-1]))
 
 
@@ -487,7 +508,8 @@ class ExpertRouter(Router):
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         """``(B, H, q, E)`` bool from ``score`` ``(B, H, q, E)`` (-inf for empty experts, which are
-        never chosen: nor is any expert whose score is not finite)."""
+        never chosen: nor is any expert whose score is not finite), or padded with a column ``E``
+        of True, ``(B, H, q, E + 1)`` (:class:`Routing`)."""
         raise NotImplementedError
 
     def read_mask(

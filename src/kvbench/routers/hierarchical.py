@@ -55,6 +55,7 @@ def group_choice(
     k: int,
     mass: GroupMass | None = None,
     none_empty: bool = False,
+    pad: bool = False,
 ) -> torch.Tensor:
     """``(B, H, q, E)`` bool: top-``k`` experts inside the ``top_groups`` best groups.
 
@@ -75,7 +76,7 @@ def group_choice(
     inside = top_k_choice(gscore, top_groups, none_empty)[..., None]  # (B, H, q, G, 1)
     kept = torch.where(inside, score.reshape(*lead, groups, per), float("-inf"))
     # the k best lie inside the chosen groups (k <= top_groups * per), finite where none is empty
-    return top_k_choice(kept.view(*lead, experts), k, none_empty)
+    return top_k_choice(kept.view(*lead, experts), k, none_empty, pad)
 
 
 @dataclass
@@ -115,4 +116,4 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
         if mass is None or mass.count is not count:  # once per step where the layers share ``count``
             mass = self._mass = GroupMass.of(count, self.num_groups)
         full = self.none_empty(count)
-        return group_choice(score, count, self.num_groups, self.top_groups, self.top_k, mass, full)
+        return group_choice(score, count, self.num_groups, self.top_groups, self.top_k, mass, full, pad=True)

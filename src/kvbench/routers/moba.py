@@ -33,4 +33,4 @@ class BaseRouter(PositionExperts, ExpertRouter):
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        return top_k_choice(score, self.top_k, finite=self.none_empty(count))
+        return top_k_choice(score, self.top_k, finite=self.none_empty(count), pad=True)

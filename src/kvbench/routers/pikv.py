@@ -65,6 +65,7 @@ def ema_update(
 class PikvRouter(CentroidExperts, ExpertRouter):
     """Online k-means experts; top-k read with a bonus for the experts read at the previous step."""
 
+    version = 2  # 2: the decode step's one-token distance, update and choice (issue 29, CHANGELOG.md)
     name: str = "pikv"
     num_experts: int = 8
     top_k: int = 2
@@ -97,11 +98,11 @@ class PikvRouter(CentroidExperts, ExpertRouter):
         """:func:`ema_update` with one new key ``(B, H, 1, D)`` per head-row, in expert ``eid``
         ``(B, H, 1)``, every expert having held a token (every count positive, so every centroid
         moves by the EMA): its expert's new keys are that key alone (``m = 1``, no later key, so
-        weight ``1 - λ``), the other experts keep their centroids."""
-        decay = self.centroid_decay
+        weight ``1 - λ``), the other experts keep their centroids: ``c + (1 - λ)·(k - c)``, one
+        interpolation whose weight is 0 for the others (``c + 0``, exactly ``c``)."""
         hit = (eid[..., None] == expert_ids(self.num_experts, eid))[:, :, 0]  # (B, H, E)
-        ema = cent * decay + key * (1 - decay)  # λ^1 · c + (1 - λ) · k: every expert has a history
-        return torch.where(hit[..., None], ema, cent), count + hit
+        weight = torch.where(hit, 1 - self.centroid_decay, 0.0)[..., None]
+        return cent.lerp(key, weight), count + hit
 
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
@@ -111,9 +112,9 @@ class PikvRouter(CentroidExperts, ExpertRouter):
         prev = None if side is None else side.chosen
         if prev is None:
             prev = torch.zeros(b, h, e, dtype=torch.bool, device=score.device)
-        # the bonus times prev, added as prev's 0 or 1 times the bonus: exact, so it rounds as the sum
-        scaled = (score * store.head_dim**-0.5).add_(prev[:, :, None, :], alpha=self.locality_bonus)
-        chosen = top_k_choice(scaled, self.top_k, self.all_held(store, count))
+        # score/√D + bonus·prev ranked as score + (bonus·√D)·prev: the same order, one operation
+        ranked = score.add(prev[:, :, None, :], alpha=self.locality_bonus * store.head_dim**0.5)
+        chosen = top_k_choice(ranked, self.top_k, self.all_held(store, count))
         if every_query_real(store, qpos):  # every query real
             now = chosen[:, :, -1].contiguous()  # the last query's
         else:

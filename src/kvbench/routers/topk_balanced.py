@@ -26,7 +26,7 @@ import torch
 from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts, Centroids, sq_dist, write_columns
-from kvbench.routers.expert import ExpertRouter, expert_counts, expert_onehot, fill_by_preference
+from kvbench.routers.expert import ExpertRouter, expert_counts, expert_onehot, fill_by_preference, no_choice
 
 
 def capacity(factor: float, demand: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
@@ -35,17 +35,19 @@ def capacity(factor: float, demand: torch.Tensor, experts: torch.Tensor | int) -
     return (factor * demand.double() / per - 1e-9).ceil_().long()
 
 
-def first_finite(score: torch.Tensor, k: torch.Tensor | int, finite: bool = False) -> torch.Tensor:
+def first_finite(
+    score: torch.Tensor, k: torch.Tensor | int, finite: bool = False, pad: bool = False
+) -> torch.Tensor:
     """``(B, H, 1, E)`` bool: the first ``k`` (``(B, H, 1)``, or one for all) experts with a finite
     score, by score (ties by expert): :func:`fill_by_preference` of one query under a capacity it
     never meets. ``finite``: known on the host that every score is finite (and ``k`` one for all),
-    so the first ``k`` by score are taken without counting."""
+    so the first ``k`` by score are taken without counting. ``pad``: as :func:`no_choice`'s."""
     ranked, order = score.sort(dim=-1, descending=True, stable=True)
     if finite and isinstance(k, int):
-        return torch.zeros_like(score, dtype=torch.bool).scatter_(-1, order[..., :k], True)
+        return no_choice(score, pad).scatter_(-1, order[..., :k], True)
     ok = ranked.isfinite()
     took = ok & (ok.long().cumsum(-1) <= (k if isinstance(k, int) else k[..., None]))
-    return torch.zeros_like(ok).scatter_(-1, order, took)
+    return no_choice(score, pad).scatter_(-1, order, took)
 
 
 def shortfalls(calls: list[tuple[torch.Tensor, torch.Tensor | int]]) -> list[int]:
@@ -69,6 +71,7 @@ def shortfalls(calls: list[tuple[torch.Tensor, torch.Tensor | int]]) -> list[int
 class TopKBalancedRouter(CentroidExperts, ExpertRouter):
     """Nearest-centroid write and top-k read, both under a capacity factor ``capacity_factor``."""
 
+    version = 2  # 2: the decode step's one-token distance and update (issue 29, CHANGELOG.md)
     name: str = "topk_balanced"
     num_experts: int = 8
     top_k: int = 2
@@ -120,7 +123,7 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         assert cols is not None and side is not None
         # Some expert has room: E·cap >= factor·n > n - 1 tokens held (factor >= 1, whole rooms).
         cap = math.ceil(self.capacity_factor * float(cols[1] - cols[0]) / max(self.num_experts, 1) - 1e-9)
-        return self.take_first(dist, cap - side.count)
+        return self.take_first(dist, side.count >= cap)
 
     def write_room(self, held: torch.Tensor, valid: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """``(B, H, E)`` float: room under the write capacity, counting the ``new`` tokens in ``T``."""
@@ -137,11 +140,11 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         return took.long().argmax(-1)
 
     @staticmethod
-    def take_first(dist: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+    def take_first(dist: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         """:meth:`take` of one token per head-row that wants an expert, some expert having room
-        for it: its nearest with room, ``(B, H, 1)``."""
+        for it: its nearest with room (``full`` ``(B, H, E)``: the experts without), ``(B, H, 1)``."""
         # the nearest of those with room, ties to the first expert (as a stable order by distance)
-        return dist.masked_fill((room <= 0)[:, :, None, :], float("inf")).argmin(-1)
+        return dist.masked_fill(full[:, :, None, :], float("inf")).argmin(-1)
 
     def read_capacity(self, count: torch.Tensor, qpos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts each query wants ``(B, H)`` and queries each expert serves ``(B, H)``."""
@@ -163,9 +166,10 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
                 k: torch.Tensor | int = min(self.top_k, self.num_experts)
             else:
                 k = (count > 0).sum(-1).clamp(max=self.top_k)[..., None]  # (B, H, 1)
-            chosen = first_finite(score, k, full)
+            padded = first_finite(score, k, full, pad=True)
+            chosen = padded[..., : self.num_experts]
             self._short_pending.append((chosen, k, chosen.shape[:3].numel()))  # counted when settled
-            return chosen
+            return padded
         k, cap = self.read_capacity(count, qpos)
         real = (qpos >= 0)[:, None, :]
         need = torch.where(real, k[..., None], torch.zeros_like(k[..., None]))
