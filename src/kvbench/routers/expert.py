@@ -173,14 +173,25 @@ def block_means(keys: torch.Tensor, eid: torch.Tensor, member: torch.Tensor, exp
     return expert_sums(onehot, keys) / onehot.sum(2).clamp(min=1)[..., None]
 
 
+_NO_CHOICE: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
 def no_choice(like: torch.Tensor, pad: bool = False) -> torch.Tensor:
     """``(..., E)`` bool, no expert chosen, to scatter a choice into; with ``pad``, ``(..., E + 1)``
-    with column ``E`` True: a choice that carries the always-read column of :attr:`Routing.mask`
-    (one operation either way)."""
-    experts = like.shape[-1]
+    with column ``E`` True: a choice that carries the always-read column of :attr:`Routing.mask`.
+    One operation either way: the padded one is a copy of a padded empty choice made once per
+    shape and device (read-only; a few shapes, a decode step's and a chunk's)."""
     if not pad:
         return torch.zeros_like(like, dtype=torch.bool)
-    return expert_ids(experts + 1, like).expand(*like.shape[:-1], experts + 1) >= experts
+    key = (like.shape, devices.device_of(like))
+    empty = _NO_CHOICE.get(key)
+    if empty is None:
+        if len(_NO_CHOICE) >= 64:  # prefills of many lengths: start over rather than grow
+            _NO_CHOICE.clear()
+        experts = like.shape[-1]
+        ids = expert_ids(experts + 1, like)
+        empty = _NO_CHOICE[key] = ids.expand(*like.shape[:-1], experts + 1) >= experts
+    return empty.clone()
 
 
 def top_k_choice(score: torch.Tensor, k: int, finite: bool = False, pad: bool = False) -> torch.Tensor:
