@@ -161,17 +161,23 @@ def serve(
     return out
 
 
-def _appended(buf: torch.Tensor | None, kept: int, new: torch.Tensor) -> torch.Tensor:
-    """``buf``'s first ``kept`` rows followed by ``new``, in ``buf`` while it has room, else in a
-    buffer a quarter larger than needed: appending a step's replicas costs their rows, not a copy
-    of every replica so far."""
-    need = kept + new.shape[0]
+def _room(buf: torch.Tensor | None, kept: int, n: int, like: torch.Tensor) -> torch.Tensor:
+    """``buf`` with room for ``n`` rows after its first ``kept``, or a buffer a quarter larger than
+    needed holding those ``kept`` rows (of ``like``'s last dimension, dtype and device): appending
+    a step's replicas costs their rows, not a copy of every replica so far."""
+    need = kept + n
     if buf is None or buf.shape[0] < need:
-        grown = new.new_empty(need + max(64, need // 4), *new.shape[1:])
+        grown = like.new_empty(need + max(64, need // 4), like.shape[-1])
         if kept:
             grown[:kept] = buf[:kept]  # type: ignore[index]
         buf = grown
-    buf[kept:need] = new
+    return buf
+
+
+def _appended(buf: torch.Tensor | None, kept: int, new: torch.Tensor) -> torch.Tensor:
+    """``buf``'s first ``kept`` rows followed by ``new`` (:func:`_room`)."""
+    buf = _room(buf, kept, new.shape[0], new)
+    buf[kept : kept + new.shape[0]] = new
     return buf
 
 
@@ -225,8 +231,8 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         # one host read: the reads kept since the last write, and the experts of a column assigned now
         reads = self._reads.pop(layer, (store, []))[1]
         expert = assigned.expert
-        parts = [*reads, *([] if expert is None else [expert.flatten().double()])]
-        values = torch.cat(parts).tolist() if parts else []
+        parts = [*reads, *([] if expert is None else [expert.flatten()])]
+        values = torch.cat(parts).tolist() if parts else []  # float64 with reads (whole numbers: exact)
         e = self.num_experts
         for i in range(len(reads)):
             self.serve_reads(layer, side, values[i * e : (i + 1) * e])
@@ -272,10 +278,15 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
             return
         view = store.view()
         extra = side.room["copies"][expert.flatten()] - 1  # (B * H,)
-        rows = torch.arange(extra.shape[0], device=extra.device).repeat_interleave(extra, output_size=total)
+        rows = torch.repeat_interleave(extra, output_size=total)  # each head-row, once per copy
         d = view.k.shape[-1]
-        k, v = (x[:, :, col].reshape(-1, d)[rows] for x in (view.k, view.v))
-        self._append_replicas(side, k, v, True)
+        kept = side.replica_k.shape[0] if side.replica_k is not None else 0
+        for name, x in (("k", view.k), ("v", view.v)):
+            # the rows gathered into the replicas' buffer as they are read (no copy after)
+            buf = _room(side.room.get(name) if kept else None, kept, total, x)
+            torch.index_select(x[:, :, col].reshape(-1, d), 0, rows, out=buf[kept : kept + total])
+            side.room[name] = buf
+            setattr(side, f"replica_{name}", buf[: kept + total])
 
     @staticmethod
     def _append_replicas(side: Placement, k: torch.Tensor, v: torch.Tensor, grow: bool) -> None:
