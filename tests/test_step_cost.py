@@ -39,7 +39,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     None: (-0.25, 0.2),
     "router/adaptive": (22.75, 0.38),
     "router/base": (15.75, 0.38),
-    "router/eplb": (31.5, 1.95),
+    "router/eplb": (32.0, 1.95),
     "router/hierarchical": (23.25, 0.53),
     "router/pikv": (23.0, 0.39),
     "router/topk_balanced": (24.0, 0.39),
