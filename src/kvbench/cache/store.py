@@ -413,10 +413,12 @@ class LayerStore:
         is basic (slices and integers) and ``values`` a tensor of its shape, the sum is written
         into the state as it is made (one operation, not a sum and a copy)."""
         state = self.state(st)
-        basic = all(isinstance(i, (slice, int)) for i in index)
-        if add and isinstance(values, torch.Tensor) and basic and state[index].shape == values.shape:
-            torch.add(values, add, out=state[index])
-        else:
+        written = False
+        if add and isinstance(values, torch.Tensor) and all(isinstance(i, (slice, int)) for i in index):
+            target = state[index]  # a view into the state
+            if written := target.shape == values.shape:
+                torch.add(values, add, out=target)
+        if not written:
             state[index] = values + add if add else values
         if len(self._compressed):  # ``state`` concatenated the segments: a copy
             self.set_state(st, state)

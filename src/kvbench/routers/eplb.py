@@ -174,13 +174,6 @@ def _room(buf: torch.Tensor | None, kept: int, n: int, like: torch.Tensor) -> to
     return buf
 
 
-def _appended(buf: torch.Tensor | None, kept: int, new: torch.Tensor) -> torch.Tensor:
-    """``buf``'s first ``kept`` rows followed by ``new`` (:func:`_room`)."""
-    buf = _room(buf, kept, new.shape[0], new)
-    buf[kept : kept + new.shape[0]] = new
-    return buf
-
-
 def imbalance(per_device: torch.Tensor) -> float | None:
     mean = float(per_device.mean())
     return float(per_device.max()) / mean if mean else None
@@ -280,21 +273,25 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         extra = side.room["copies"][expert.flatten()] - 1  # (B * H,)
         rows = torch.repeat_interleave(extra, output_size=total)  # each head-row, once per copy
         d = view.k.shape[-1]
-        kept = side.replica_k.shape[0] if side.replica_k is not None else 0
-        for name, x in (("k", view.k), ("v", view.v)):
-            # the rows gathered into the replicas' buffer as they are read (no copy after)
-            buf = _room(side.room.get(name) if kept else None, kept, total, x)
-            torch.index_select(x[:, :, col].reshape(-1, d), 0, rows, out=buf[kept : kept + total])
-            side.room[name] = buf
-            setattr(side, f"replica_{name}", buf[: kept + total])
+        k, v = (x[:, :, col].reshape(-1, d) for x in (view.k, view.v))
+        self._append_replicas(side, k, v, True, rows)
 
     @staticmethod
-    def _append_replicas(side: Placement, k: torch.Tensor, v: torch.Tensor, grow: bool) -> None:
+    def _append_replicas(
+        side: Placement, k: torch.Tensor, v: torch.Tensor, grow: bool, rows: torch.Tensor | None = None
+    ) -> None:
+        """Append the rows ``k`` and ``v`` ``(n, D)`` to the replicas (``grow``), or start them over;
+        with ``rows``, the rows of ``k`` and ``v`` at ``rows``, gathered straight into the buffers."""
         # the replicas are views of their buffers (only this method sets them): keep or start over
         kept = side.replica_k.shape[0] if grow and side.replica_k is not None else 0
+        n = k.shape[0] if rows is None else rows.shape[0]
         for name, new in (("k", k), ("v", v)):
-            side.room[name] = buf = _appended(side.room.get(name) if kept else None, kept, new)
-            setattr(side, f"replica_{name}", buf[: kept + new.shape[0]])
+            side.room[name] = buf = _room(side.room.get(name) if kept else None, kept, n, new)
+            if rows is None:
+                buf[kept : kept + n] = new
+            else:
+                torch.index_select(new, 0, rows, out=buf[kept : kept + n])
+            setattr(side, f"replica_{name}", buf[: kept + n])
 
     def placement(self, store: TechniqueStore) -> Placement:
         """The layer's plan, made from the loads so far where it has none yet."""
