@@ -18,7 +18,7 @@ from kvbench.compressors.lora import LoraCompressor
 from kvbench.compressors.lora_plus_plus import LoraPlusPlusCompressor
 from kvbench.compressors.lowrank import LatentSegment
 from kvbench.compressors.svd import SVDCompressor, SVDSegment
-from kvbench.eval import perplexity
+from kvbench.eval import loop, perplexity
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
 
 
@@ -197,7 +197,7 @@ def test_observers_read_narrow_sub_blocks_as_one_full_block(tech):
 @pytest.mark.parametrize("latent", [False, True])
 def test_partials_merged_equal_attention_over_every_slot(latent):
     """A decode step attended part by part (:func:`partials.partial`, ragged slots of one part masked,
-    one part's values latent on per-head bases) and merged by log-sum-exp gives what SDPA gives over
+    one part's values latent on per-head bases) and read as one softmax gives what SDPA gives over
     every slot at once; a query group that reads nothing in one part takes the others' output."""
     gen = torch.Generator().manual_seed(3)
     b, h, g, d, r = 2, 3, 3, 16, 5
@@ -219,23 +219,22 @@ def test_partials_merged_equal_attention_over_every_slot(latent):
 
 
 def test_one_partial_merges_to_its_own_quotient_bit_for_bit():
-    """One part (a ragged layer of one segment) skips the merge's weights: the same bits as the
-    general merge, whose weight is exactly 1 where the part read something; head-rows that read
-    nothing give zeros in both."""
+    """One part (a ragged layer of one segment) is its own quotient, written out here as the
+    log-sum-exp state it was before several parts were read as one softmax: the same bits, and
+    head-rows that read nothing give zeros."""
     gen = torch.Generator().manual_seed(5)
     b, h, g, d = 2, 3, 2, 8
     q = torch.randn(b, h * g, 1, d, generator=gen)
     k, v = torch.randn(b, h, 13, d, generator=gen), torch.randn(b, h, 13, d, generator=gen)
     valid = torch.rand(b, h, 13, generator=gen) > 0.4
     valid[1, 2] = False
-    part = partials.partial(q, k, v, 0.3, valid)
-    top = part.m.masked_fill(part.m == float("-inf"), 0.0)
-    weight = torch.exp(part.m - top)
-    general = (weight[..., None] * part.acc) / (weight * part.l).masked_fill(weight * part.l == 0, 1.0)[
-        ..., None
-    ]
-    got = partials.merge([part], q, h)
-    assert torch.equal(got, general.flatten(1, 2)) and not got.view(b, h, g, 1, d)[1, 2].any()
+    logits = partials.partial(q, k, v, 0.3, valid).logits * 0.3  # its logits come unscaled
+    m = logits.amax(-1, keepdim=True)
+    p = (logits - m.masked_fill(m == float("-inf"), 0.0)).exp()
+    total = p.sum(-1)
+    want = torch.einsum("bhgqt,bhtd->bhgqd", p, v) / total.masked_fill(total == 0, 1.0)[..., None]
+    got = partials.merge([partials.partial(q, k, v, 0.3, valid)], q, h)
+    assert torch.equal(got, want.flatten(1, 2)) and not got.view(b, h, g, 1, d)[1, 2].any()
 
 
 @pytest.mark.parametrize(
@@ -270,6 +269,27 @@ def test_factored_values_are_attended_without_rebuilding_them(tiny_93, make, seg
     )
     assert cache.nbytes() == cache_decoded.nbytes()
     torch.testing.assert_close(out, decoded, atol=1e-4, rtol=1e-4)
+
+
+def test_a_bare_step_over_parts_is_read_from_the_segments_alone(tiny_93, monkeypatch):
+    """A decode step of a stack that acts outside attention only (svd), over layers of several
+    segments that each give their part, reads the segments alone: it takes no masked read (no view
+    of a layer is made or updated for it), and the parts are asked once per layer."""
+    monkeypatch.setattr(partials, "PARTIAL_MIN_SLOTS", 0)  # the tiny model's segments are short
+    masked, asked = [], []
+    masked_read, gather = engine.KVCache._attend_masked, partials.gather
+    monkeypatch.setattr(
+        engine.KVCache, "_attend_masked", lambda *a, **k: masked.append(1) or masked_read(*a, **k)
+    )
+    monkeypatch.setattr(partials, "gather", lambda *a: asked.append(a[0]) or gather(*a))
+    svd = SVDCompressor(key_rank=3, value_rank=5, block_size=8)
+    _, cache = run_chunks(tiny_93, make_stack(tiny_93, compressor=svd, window=4, sinks=2), tokens(30), [30])
+    masked.clear()
+    asked.clear()
+    for token in tokens(6, 1):
+        loop.step(tiny_93, cache, [token])
+    assert len(cache.stores[0].segments) > 1
+    assert not masked and len(asked) == 6 * len(cache.stores)
 
 
 def _lora_partials(lm, monkeypatch) -> list:

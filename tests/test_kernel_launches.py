@@ -41,9 +41,10 @@ def lm():
 
 def attention_launches(lm, technique: str) -> list[dict[str, int]]:
     """Per layer's read of its stored tokens in two decode steps (the engine's
-    :func:`engine._attend_decoded`, or the kernel's :func:`ka.attend` over the pages a read
-    selector names): the operations it ran (Triton kernels as ``triton.<name>``), allocations
-    left out. Quest selects pages in every layer (:data:`stepcost.MODEL_OVERRIDES`)."""
+    :func:`engine._attend_decoded`, its parts alone (:func:`engine._attend_parts`), or the kernel's
+    :func:`ka.attend` over the pages a read selector names): the operations it ran (Triton kernels
+    as ``triton.<name>``), allocations left out. Quest selects pages in every layer
+    (:data:`stepcost.MODEL_OVERRIDES`)."""
     stack = stepcost.technique_stack(lm, technique, 0.5)
     counter = stepcost.LaunchCounter()
     calls: list[dict[str, int]] = []
@@ -61,18 +62,23 @@ def attention_launches(lm, technique: str) -> list[dict[str, int]]:
             finally:
                 depth[0] -= 1
             ran = {k: n - before.get(k, 0) for k, n in counter.by_op.items() if n != before.get(k, 0)}
-            calls.append({k: n for k, n in ran.items() if k not in ALLOCATIONS})
+            if out is not None:  # None: a segment had no part (the step is then read as decoded)
+                calls.append({k: n for k, n in ran.items() if k not in ALLOCATIONS})
             return out
 
         return counted
 
-    reads = engine._attend_decoded, ka.attend
-    engine._attend_decoded, ka.attend = counting(reads[0], True), counting(reads[1], False)
+    reads = engine._attend_decoded, engine._attend_parts, ka.attend
+    engine._attend_decoded, engine._attend_parts, ka.attend = (
+        counting(reads[0], True),
+        counting(reads[1], True),
+        counting(reads[2], False),
+    )
     try:
         with dispatch.using("triton"):
             stepcost.kvbench_run(lm, stack, [3 + i % 250 for i in range(CONTEXT)])(2, counter)
     finally:
-        engine._attend_decoded, ka.attend = reads
+        engine._attend_decoded, engine._attend_parts, ka.attend = reads
     return calls
 
 

@@ -303,8 +303,9 @@ def test_rotation_matches_rotate_half_and_rows_share_angles(rotated, dtype):
 
 def test_layers_of_a_step_share_the_angles_of_the_same_positions(monkeypatch):
     """rotate_rows computes one head-row's angles once for the layers of a step (each layer's
-    segment holds the same positions in its own tensor); positions that change, even in place, or
-    another rotary, compute their own. Every result is rotate's, bitwise."""
+    segment holds the same positions in its own tensor), each layer's positions at one comparison;
+    positions that change, even in place, or another rotary, compute their own. Every
+    result is rotate's, bitwise."""
     torch.manual_seed(0)
     rows, per_row, d = 3, 40, 64
     rotary = Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
@@ -315,10 +316,15 @@ def test_layers_of_a_step_share_the_angles_of_the_same_positions(monkeypatch):
         "_cos_sin",
         lambda self, pos, device: computed.append(pos.numel()) or original(self, pos, device),
     )
+    compared, equal = [], torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(1) or equal(a, b))
     pos = torch.arange(per_row).repeat(rows)
     for _layer in range(4):
         x = torch.randn(rows * per_row, d)
-        assert torch.equal(rotary.rotate_rows(x, pos.clone(), per_row), original_rotate(rotary, x, pos))
+        compared.clear()
+        out = rotary.rotate_rows(x, pos.clone(), per_row)
+        assert len(compared) == 1  # the first: are the rows alike; later: the kept positions alone
+        assert equal(out, original_rotate(rotary, x, pos))
     assert computed == [per_row]  # the first layer's angles, reused by the other three
     pos[per_row - 1 :: per_row] += 1  # a new position in every row, written in place
     x = torch.randn(rows * per_row, d)

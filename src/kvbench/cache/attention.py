@@ -162,13 +162,16 @@ def attend_blocks(
     return out
 
 
-def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``(B, H, g, q, T)`` fp32 logits of grouped queries against per-KV-head keys."""
+def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """``(B, H, g, q, T)`` fp32 logits of grouped queries against per-KV-head keys (None: not yet
+    scaled)."""
     b, hq, q, d = query.shape
     h = key.shape[1]
     rows = query.view(b, h, hq // h, q, d).float().reshape(b, h, hq // h * q, d)  # the group's queries
-    # in place: the product is a fresh tensor, and a second (B, H, g, q, T) buffer costs as much
-    return (rows @ key.float().transpose(-1, -2)).mul_(scaling).view(b, h, hq // h, q, key.shape[2])
+    logits = rows @ key.float().transpose(-1, -2)
+    if scaling is not None:  # in place: a second (B, H, g, q, T) buffer costs as much as the product
+        logits.mul_(scaling)
+    return logits.view(b, h, hq // h, q, key.shape[2])
 
 
 def decode_probs(query: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -215,6 +215,10 @@ class KVCache(Cache):
             kv = store.dense_kv()
             if kv is not None:  # one decode step over full-precision rows that every head fills
                 return att.attend(query, *kv, None, scaling)
+            out = _attend_parts(store, query, scaling)  # the others, where each segment can: no view
+            if out is not None:
+                return out
+            return self._attend_masked(layer, store, query, scaling, plan, parts_asked=True)
         if plan.observed and plan.first[layer] < 1:
             kv = store.dense_kv()
             if kv is not None:
@@ -222,10 +226,17 @@ class KVCache(Cache):
         return self._attend_masked(layer, store, query, scaling, plan)
 
     def _attend_masked(
-        self, layer: int, store: LayerStore, query: torch.Tensor, scaling: float, plan: ReadPlan
+        self,
+        layer: int,
+        store: LayerStore,
+        query: torch.Tensor,
+        scaling: float,
+        plan: ReadPlan,
+        parts_asked: bool = False,
     ) -> torch.Tensor:
         """Every other read: masks from positions, padding, the read selector's routing, the tiers'
-        attention, the observers' probabilities and the KV-hit probe, as ``plan`` says."""
+        attention, the observers' probabilities and the KV-hit probe, as ``plan`` says
+        (``parts_asked``: the segments were asked for their parts of this step, and one had none)."""
         q_len, sliding_window, padded, selector = plan.q_len, plan.window, plan.padded, plan.selector
         paged = None if selector is None else self._paged_step(layer, store, query, scaling, plan)
         if paged is not None:
@@ -278,7 +289,9 @@ class KVCache(Cache):
             out = placer.attend_tiers(layer, store, query, mask, scaling)
         else:
             pos = att.Positions(view.pos, qpos, sliding_window) if per_block else None
-            out = _attend_decoded(store, query, mask, mask_fn if pos else None, scaling, plan.reads_all, pos)
+            out = _attend_decoded(
+                store, query, mask, mask_fn if pos else None, scaling, plan.reads_all and not parts_asked, pos
+            )
         for tech in plan.query_observers:
             tech.observe_queries(layer, store, query, qpos)
         # Scores only for the queries some observer reads (e.g. SnapKV's window: the last 16).
@@ -409,6 +422,23 @@ def head_blocks(batch: int, heads: int, per_head: int) -> list[tuple[int, int, i
     return [(b, b + 1, h, min(heads, h + step)) for b in range(batch) for h in range(0, heads, step)]
 
 
+def _attend_parts(store: LayerStore, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """A step reading every token of a layer that is not one dense segment, attended segment by
+    segment (:mod:`.partials`), from the segments alone (no view is made or updated): on the torch
+    path, only within :data:`DECODE_ELEMS` and without a bias; on the Triton path merged units too,
+    read in place with their bias. None where a segment cannot (the step is then decoded)."""
+    columns = store.columns()
+    kernel = dispatch.kernels("attention", store.batch, columns)
+    if kernel is None:
+        whole = store.batch * store.kv_heads * columns * store.head_dim <= DECODE_ELEMS
+        # a bias (merged units' log(count)): only the kernels' states carry it
+        if not whole or any("bias" in seg.rows for seg in store.segments):
+            return None
+    with dispatch.step(kernel):  # under auto, every segment's states of the kind merged here
+        parts = partials.gather(store.segments, query, scaling, store.batch)
+    return None if parts is None else (kernel or partials).merge(parts, query, store.kv_heads)
+
+
 def _attend_decoded(
     store: LayerStore, query, mask, mask_fn, scaling: float, reads_all: bool = False, positions=None
 ) -> torch.Tensor:
@@ -425,13 +455,10 @@ def _attend_decoded(
     view = store.view()
     one_dense = len(store.segments) == 1 and view.dense
     kernel = dispatch.kernels("attention", store.batch, view.pos.shape[2])
-    whole = store.batch * store.kv_heads * view.pos.shape[2] * store.head_dim <= DECODE_ELEMS
-    # a bias (merged units' log(count)): only the kernels' states carry it (the torch path's take none)
-    if reads_all and not one_dense and (kernel is not None or (whole and view.bias is None)):
-        with dispatch.step(kernel):  # under auto, every segment's states of the kind merged here
-            parts = partials.gather(store.segments, query, scaling, store.batch)
-        if parts is not None:
-            return (kernel or partials).merge(parts, query, store.kv_heads)
+    if reads_all and not one_dense:
+        out = _attend_parts(store, query, scaling)
+        if out is not None:
+            return out
 
     def attend(q, k, v, mask, mask_fn, bias, part=(slice(None), slice(None))):
         k, v = k.to(q.dtype), v.to(q.dtype)

@@ -1,11 +1,13 @@
-"""A decode step attended part by part: each segment of a layer gives its softmax state over its
-own tokens (:meth:`Segment.attend_partials`), and the states merge by log-sum-exp. On the Triton
-path the states come from kernels (:mod:`kvbench.kernels.attention`); here is the torch path's
-(:class:`Partial`), for segments whose encoded form saves work over decoding it (latent or
-factored values, expanded once after the sum instead of token by token)."""
+"""A decode step attended part by part: each segment of a layer gives its logits over its own tokens
+(:meth:`Segment.attend_partials`), in its encoded form where that saves work over decoding it, and
+the parts are read as one softmax. On the Triton path the parts are softmax states from kernels,
+merged by log-sum-exp (:mod:`kvbench.kernels.attention`); here is the torch path's
+(:class:`Partial`), for segments whose encoded form saves work over decoding it (latent or factored
+values, expanded once after the sum instead of token by token)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,22 +16,45 @@ import torch
 from kvbench.cache.attention import _logits
 
 # A segment attended through its own :class:`Partial` on the torch path saves the expansion of its
-# values, but costs a dozen small operations more than SDPA over the decoded rows: on the CPU it
+# values, but costs a few small operations more than SDPA over the decoded rows: on the CPU it
 # pays from about a thousand tokens per head-row (one layer's step at SmolLM2's shapes: 450 us
 # decoded against 560 us at 512 tokens, 2.9 ms against 1.7 ms at 2048).
 PARTIAL_MIN_SLOTS = 1024
 
+# A row's largest logit, lowered to this where the row read nothing (-inf): ``logit - m`` is then
+# -inf, whose exp is 0, and every other row keeps its largest logit, bit for bit.
+_LOWEST = torch.finfo(torch.float32).min
+
 
 @dataclass
 class Partial:
-    """One decode step's softmax state over some of a layer's slots, on the torch path (the Triton
-    path has its own, :class:`kvbench.kernels.attention.Partials`): per KV head's query group, the
-    largest logit ``m`` ``(B, H, g, q)`` (-inf: nothing read), the sum ``l`` of ``exp(logit - m)``
-    and the unnormalized output ``acc`` ``(B, H, g, q, D)``, float32."""
+    """One decode step's part of a layer's slots, on the torch path (the Triton path has its own,
+    :class:`kvbench.kernels.attention.Partials`): per KV head's query group, the float32 logits
+    ``(B, H, g, q, T)`` over the part's slots before the ``scaling`` (-inf where a slot is not read:
+    the parts of a step are scaled together), and its values ``(B, H, T, Dv)``: rows of the output,
+    or latents on ``basis`` (see :func:`partial`)."""
 
-    m: torch.Tensor
-    l: torch.Tensor  # noqa: E741
-    acc: torch.Tensor
+    logits: torch.Tensor
+    scaling: float
+    value: torch.Tensor
+    basis: torch.Tensor | None = None
+
+    def output(self, p: torch.Tensor) -> torch.Tensor:
+        """``(B, H, g, q, D)`` float32: the part's values weighted by ``p`` (its slots' share of
+        the probabilities, or of their unnormalized exponentials), summed; latents summed in
+        latent space and expanded once per basis, ``(p·latents)·basisᵀ``."""
+        value, basis = self.value.float(), self.basis
+        if basis is None:
+            return torch.einsum("bhgqt,bhtd->bhgqd", p, value)
+        if basis.dim() == 3:
+            return torch.einsum(
+                "bhgqr,hdr->bhgqd", torch.einsum("bhgqt,bhtr->bhgqr", p, value), basis.float()
+            )
+        blocks = basis.shape[2]
+        lat = torch.einsum(
+            "bhgqmn,bhmnr->bhgqmr", p.unflatten(-1, (blocks, -1)), value.unflatten(2, (blocks, -1))
+        )
+        return torch.einsum("bhgqmr,bhmdr->bhgqd", lat, basis.float())
 
 
 def partial(
@@ -44,48 +69,36 @@ def partial(
     ``(B, H, T, Dv)``, the slots where ``valid`` ``(B, H, T)`` holds (None: all).
 
     ``basis``: the values are latents, on per-head bases ``(H, D, Dv)`` or on per-block bases
-    ``(B, H, M, D, Dv)`` (each of a head-row's ``M`` blocks of ``T / M`` consecutive slots its own);
-    the output is summed in latent space and expanded once per basis, ``(p·latents)·basisᵀ``,
-    instead of expanding every value."""
-    logits = _logits(query, key, scaling)  # (B, H, g, q, T)
+    ``(B, H, M, D, Dv)`` (each of a head-row's ``M`` blocks of ``T / M`` consecutive slots its own)."""
+    logits = _logits(query, key, None)  # (B, H, g, q, T)
     if valid is not None:
         logits.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
-    m = logits.amax(-1, keepdim=True)
-    p = logits.sub_(m.masked_fill(m == float("-inf"), 0.0)).exp_()  # a row that read nothing: zeros
-    value = value.float()
-    if basis is None:
-        acc = torch.einsum("bhgqt,bhtd->bhgqd", p, value)
-    elif basis.dim() == 3:
-        acc = torch.einsum("bhgqr,hdr->bhgqd", torch.einsum("bhgqt,bhtr->bhgqr", p, value), basis.float())
-    else:
-        blocks = basis.shape[2]
-        lat = torch.einsum(
-            "bhgqmn,bhmnr->bhgqmr", p.unflatten(-1, (blocks, -1)), value.unflatten(2, (blocks, -1))
-        )
-        acc = torch.einsum("bhgqmr,bhmdr->bhgqd", lat, basis.float())
-    return Partial(m.squeeze(-1), p.sum(-1), acc)
+    return Partial(logits, scaling, value, basis)
 
 
 def merge(parts: list[Partial], query: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """The attention output ``(B, Hq, q, D)`` (the query's dtype) from the :class:`Partial` of each
-    part of a layer's slots, merged by their log-sum-exp: ``Σ e^(m_i - M) acc_i / Σ e^(m_i - M) l_i``.
-    A query that read nothing gets zeros, as SDPA gives. (``kv_heads``: as the Triton path's
-    :func:`kvbench.kernels.attention.merge`, whose partials are not grouped by head; here they are.)
+    """The attention output ``(B, Hq, q, D)`` (the query's dtype) over the slots of every part.
+    (``kv_heads``: as the Triton path's :func:`kvbench.kernels.attention.merge`, whose partials are
+    not grouped by head; here they are.)
+
+    Several parts are read as one softmax over their logits side by side, each part's share of the
+    probabilities summing its own values. Every head-row reads at least the step's own token (it is
+    stored before the step attends), so no row of the whole is empty.
 
     One part (a layer of one segment whose head-rows hold different numbers of tokens) is its own
-    sum divided: its weight ``e^(m - M)`` is exactly 1 where it read something and its sums are
-    zeros where it read nothing, so the merge's products leave every bit as it is."""
+    quotient, ``Σ e^(x - m) v / Σ e^(x - m)``; a query group that reads nothing gets zeros, as SDPA
+    gives (``e^(x - m)`` is 0 on every slot, and the sum, at least 1 where anything is read, is
+    taken as 1)."""
     if len(parts) == 1:
-        total, acc = parts[0].l, parts[0].acc
-        return (acc / total.masked_fill(total == 0, 1.0)[..., None]).flatten(1, 2).to(query.dtype)
-    top = torch.stack([p.m for p in parts]).amax(0)
-    top = top.masked_fill(top == float("-inf"), 0.0)
-    weight = torch.exp(parts[0].m - top)
-    total, acc = weight * parts[0].l, weight[..., None] * parts[0].acc
-    for p in parts[1:]:
-        weight = torch.exp(p.m - top)
-        total, acc = total + weight * p.l, acc + weight[..., None] * p.acc
-    out = acc / total.masked_fill(total == 0, 1.0)[..., None]  # (B, H, g, q, D)
+        logits = parts[0].logits.mul_(parts[0].scaling)  # -inf scaled stays -inf
+        p = logits.sub_(logits.amax(-1, keepdim=True).clamp_min_(_LOWEST)).exp_()
+        out = parts[0].output(p) / p.sum(-1, keepdim=True).clamp_min_(1.0)
+        return out.flatten(1, 2).to(query.dtype)
+    p = torch.softmax(torch.cat([part.logits for part in parts], -1).mul_(parts[0].scaling), -1)
+    ends = list(itertools.accumulate(part.logits.shape[-1] for part in parts))
+    out = parts[0].output(p[..., : ends[0]])
+    for part, start, stop in zip(parts[1:], ends, ends[1:]):
+        out.add_(part.output(p[..., start:stop]))
     return out.flatten(1, 2).to(query.dtype)
 
 

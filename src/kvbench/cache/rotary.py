@@ -15,7 +15,8 @@ import torch
 from kvbench.cache import devices
 from kvbench.errors import ConfigError
 
-# The last head-row's angles on the CPU (:meth:`Rotary._row_angles`): at most one entry, outside the cache.
+# The last positions whose head-rows all held the same, with that row's angles, on the CPU
+# (:meth:`Rotary._row_angles`): at most one entry, outside the cache.
 _ROW_ANGLES: list[tuple[Rotary, object, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
 ROTATE_HALF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gemma", "gemma2", "phi3", "olmo2")
@@ -66,24 +67,26 @@ class Rotary:
         for one row and shared: the same values, and the angles cost as much as the rotation."""
         if per_row and pos.device.type == "cpu":
             p = pos.view(-1, per_row)
-            if p.shape[0] > 1 and torch.equal(p, p[:1].expand_as(p)):
-                turned = self._turn(
-                    x.view(p.shape[0], per_row, x.shape[-1]), *self._row_angles(p[0]), undo=False
-                )
-                return turned.view(x.shape)
+            angles = self._row_angles(p) if p.shape[0] > 1 else None
+            if angles is not None:
+                return self._turn(x.view(p.shape[0], per_row, x.shape[-1]), *angles, undo=False).view(x.shape)
         return self.rotate(x, pos)
 
-    def _row_angles(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_cos_sin` of one head-row's positions ``(T,)`` on the CPU, computed once for the
-        layers of a step: each layer's segment holds the same positions (a representation keeps
-        every token it is given), so the last row's angles are kept, with a copy of its positions
-        to compare. The same values; the memo sits in this module, not in the cache, so what a
-        cache holds is measured as before (it is at most one row's angles)."""
+    def _row_angles(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`_cos_sin` of the one row of positions that every head-row of ``pos`` ``(BH, n)``
+        holds, on the CPU; None when the rows differ. Computed once for the layers of a step: each
+        layer's segment holds the same positions (a representation keeps every token it is given),
+        so the last positions found shared are kept with their row's angles, and a layer holding
+        the same ones is answered by one comparison. The same values; the memo sits in this module,
+        not in the cache, so what a cache holds is measured as before (it is one layer's positions
+        and one row's angles)."""
         device = devices.device_of(pos)
         for rotary, where, seen, cos, sin in _ROW_ANGLES:
             if rotary is self and where == device and seen.shape == pos.shape and torch.equal(seen, pos):
                 return cos, sin
-        cos, sin = self._cos_sin(pos, pos.device)
+        if not torch.equal(pos, pos[:1].expand_as(pos)):
+            return None
+        cos, sin = self._cos_sin(pos[0], pos.device)
         _ROW_ANGLES[:] = [(self, device, pos.clone(), cos, sin)]
         return cos, sin
 

@@ -36,7 +36,9 @@ class LoraCompressor(Compressor):
     """
 
     name: str = "lora"
-    version = 2  # 2: packed latents, resident bytes at the buffers' capacity (issue 29, CHANGELOG.md)
+    # 2: packed latents, resident bytes at the buffers' capacity; 3: a long decode step read as one
+    # softmax over the latents and the full-precision rows (issue 29, CHANGELOG.md)
+    version = 3
     key_rank: int = 32
     value_rank: int = 32
     calibration_tokens: int = 2048

@@ -31,7 +31,9 @@ class LoraPlusPlusCompressor(Compressor):
     """
 
     name: str = "lora_plus_plus"
-    version = 2  # 2: packed latents, resident bytes at the buffers' capacity (issue 29, CHANGELOG.md)
+    # 2: packed latents, resident bytes at the buffers' capacity; 3: a long decode step read as one
+    # softmax over the latents and the full-precision rows (issue 29, CHANGELOG.md)
+    version = 3
     key_rank: int = 16
     value_rank: int = 32
     latent_bits: int = 8

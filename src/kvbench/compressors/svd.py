@@ -119,6 +119,9 @@ class SVDCompressor(Compressor):
     """
 
     name: str = "svd"
+    # 2: a long decode step read as one softmax over the factored blocks and the full-precision rows
+    # (issue 29, CHANGELOG.md)
+    version = 2
     key_rank: int = 16
     value_rank: int | None = 32
     block_size: int = 64
@@ -161,7 +164,7 @@ class SVDCompressor(Compressor):
             kb=kb.to(dtype),
             vb=vb,
             gcount=ragged.tell(torch.full((kb.shape[0],), n, dtype=torch.int16, device=k.device), n),
-            glens=lens // n,
+            glens=_groups(lens, n),
         )
         # What is stored, rebuilt for the residuals.
         krebuilt = seg.expand(seg.ka, seg.kb, n)
@@ -178,3 +181,11 @@ class SVDCompressor(Compressor):
         if not hasattr(self, "residuals"):
             return {}
         return {"key_residual": self.residuals[0].value(), "value_residual": self.residuals[1].value()}
+
+
+def _groups(lens: torch.Tensor, block: int) -> torch.Tensor:
+    """Blocks per head-row ``lens // block``, known to hold one count where ``lens`` is
+    (:func:`kvbench.cache.ragged.told`): joining segments then reads no count from the device."""
+    count = ragged.told(lens)
+    groups = lens // block
+    return groups if count is None else ragged.tell(groups, count // block)
