@@ -16,9 +16,9 @@ import torch
 from kvbench.cache.attention import _logits
 
 # A segment attended through its own :class:`Partial` on the torch path saves the expansion of its
-# values, but costs a few small operations more than SDPA over the decoded rows: on the CPU it
-# pays from about a thousand tokens per head-row (one layer's step at SmolLM2's shapes: 450 us
-# decoded against 560 us at 512 tokens, 2.9 ms against 1.7 ms at 2048).
+# values (a third of the bytes a step writes), but costs 3 operations more than SDPA over the
+# decoded rows. It was set where the log-sum-exp merge it replaced began to pay on the CPU; read as
+# one softmax, the parts take the same step time either way from 512 tokens on (docs/performance.md).
 PARTIAL_MIN_SLOTS = 1024
 
 # A row's largest logit, lowered to this where the row read nothing (-inf): ``logit - m`` is then
