@@ -37,6 +37,14 @@ def told(lens: torch.Tensor) -> int | None:
     return _SAME.get(lens)
 
 
+def groups_of(lens: torch.Tensor, size: int) -> torch.Tensor:
+    """Whole groups of ``size`` per row of ``lens`` tokens (multiples of ``size``), told what
+    :func:`tell` recorded of ``lens``: one count in every row where the tokens are, as a decode
+    step moves them."""
+    count = told(lens)
+    return tell(lens // size, None if count is None else count // size)
+
+
 def slice_of(lens: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """``lens[lo:hi]``, known to hold one count where ``lens`` is known to (:func:`told`)."""
     part = lens[lo:hi]

@@ -157,12 +157,5 @@ def quantize_tokens(
         kzero=kzero,
         kstep=kstep,
         gcount=ragged.tell(torch.full((kzero.shape[0],), g, dtype=torch.int16, device=k.device), g),
-        glens=_groups(lens, g),
+        glens=ragged.groups_of(lens, g),
     )
-
-
-def _groups(lens: torch.Tensor, g: int) -> torch.Tensor:
-    """Groups per head-row of ``lens`` tokens in whole groups of ``g`` (the same in every row when
-    the tokens are, as a decode step moves them)."""
-    per_row = ragged.told(lens)
-    return ragged.tell(lens // g, None if per_row is None else per_row // g)

@@ -164,7 +164,7 @@ class SVDCompressor(Compressor):
             kb=kb.to(dtype),
             vb=vb,
             gcount=ragged.tell(torch.full((kb.shape[0],), n, dtype=torch.int16, device=k.device), n),
-            glens=_groups(lens, n),
+            glens=ragged.groups_of(lens, n),
         )
         # What is stored, rebuilt for the residuals.
         krebuilt = seg.expand(seg.ka, seg.kb, n)
@@ -181,11 +181,3 @@ class SVDCompressor(Compressor):
         if not hasattr(self, "residuals"):
             return {}
         return {"key_residual": self.residuals[0].value(), "value_residual": self.residuals[1].value()}
-
-
-def _groups(lens: torch.Tensor, block: int) -> torch.Tensor:
-    """Blocks per head-row ``lens // block``, known to hold one count where ``lens`` is
-    (:func:`kvbench.cache.ragged.told`): joining segments then reads no count from the device."""
-    count = ragged.told(lens)
-    groups = lens // block
-    return groups if count is None else ragged.tell(groups, count // block)
