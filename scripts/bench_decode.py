@@ -9,9 +9,9 @@
     context beyond a few bytes of per-token state) and the host reads of device values (syncs).
 (2) Host time: on a random Llama whose arithmetic is negligible (8 layers, hidden 64, 4/2 heads of
     16) at --host-context tokens and one thread, where a step costs what the host spends per
-    operation, as a batch-1 step on a GPU: the mean decode step against plain transformers' (target:
-    the full cache at most 1.0x, every technique at most 1.5x), each round alternating the sides,
-    the median ratio over --rounds.
+    operation, as a batch-1 step on a GPU: the median decode step against plain transformers' (target:
+    the full cache at most 1.0x, every technique at most 1.5x), the two sides' steps timed in turn
+    (one of each, --steps of each per round), the median ratio over --rounds.
 
     python scripts/bench_decode.py [--only scheduler/h2o,compressor/quantized] [--contexts 1000,2000]
         [--host-context 256] [--steps 32] [--rounds 3] [--skip-host] [--skip-counts] [--budget 0.5]
@@ -100,8 +100,11 @@ def host(names: list[str | None], context: int, steps: int, rounds: int, budget:
     for r in range(rounds):
         print(f"(2) round {r + 1}/{rounds}", file=sys.stderr, flush=True)
         for name in names:  # the plain step beside each, so drift hits both alike
-            p = stepcost.timed_steps(lambda: stepcost.plain_stepper(lm, model, ids), steps)
-            k = stepcost.timed_steps(lambda n=name: stepcost.kvbench_stepper(lm, stacks[n], ids), steps)
+            p, k = stepcost.paired_steps(
+                lambda: stepcost.plain_stepper(lm, model, ids),
+                lambda n=name: stepcost.kvbench_stepper(lm, stacks[n], ids),
+                steps,
+            )
             ratios[name].append(k / p)
             plain_ms.append(p * 1e3)
             mine_ms[name].append(k * 1e3)
@@ -132,8 +135,8 @@ def main() -> None:
     )
     ap.add_argument("--contexts", default="1000,2000", help="(1): prefill lengths, comma-separated")
     ap.add_argument("--host-context", type=int, default=256, help="(2): prefill length")
-    ap.add_argument("--steps", type=int, default=32, help="(2): timed decode steps per run")
-    ap.add_argument("--rounds", type=int, default=3, help="(2): rounds, alternating the sides")
+    ap.add_argument("--steps", type=int, default=32, help="(2): timed decode steps of each side per round")
+    ap.add_argument("--rounds", type=int, default=3, help="(2): rounds, each from a fresh prefill")
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--skip-counts", action="store_true")
     ap.add_argument("--skip-host", action="store_true")

@@ -10,8 +10,8 @@ Python around it. Both can be measured without a GPU:
   (:func:`decode_cost`). Deterministic: tests bound them per technique.
 - **Host time**, on a model whose arithmetic is negligible (:data:`HOST_MODEL`: eight thin layers,
   a short context, one thread): its step costs what the host spends per operation and per line of
-  Python, as a batch-1 step on a GPU does (:func:`timed_steps`). Time ratios belong to the benchmark
-  (``scripts/bench_decode.py``), not to tests.
+  Python, as a batch-1 step on a GPU does (:func:`paired_steps`: one step of each side in turn).
+  Time ratios belong to the benchmark (``scripts/bench_decode.py``), not to tests.
 
 Both sides run the same greedy loop: the next token read on the host after each step (as
 ``generate()`` does to test for the end of a sequence), transformers through its own
@@ -22,6 +22,7 @@ every step.
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -281,15 +282,27 @@ def plain_run(lm: LoadedModel, model: Any, ids: list[int]) -> Run:
     return counted(lambda: plain_stepper(lm, model, ids))
 
 
-def timed_steps(make: Callable[[], Callable[[], None]], steps: int, warm: int = 2) -> float:
-    """Mean seconds of ``steps`` calls of the step function ``make()`` prepares, after ``warm`` untimed."""
-    step = make()
+Stepper = Callable[[], Callable[[], None]]
+
+
+def paired_steps(make_a: Stepper, make_b: Stepper, steps: int, warm: int = 2) -> tuple[float, float]:
+    """Median seconds of a step of ``make_a()``'s and of ``make_b()``'s step functions, timed in
+    turn, one step of each by one of the other (``steps`` each, after ``warm`` untimed each): a
+    drift of the machine's speed hits both sides alike, which timing one side's steps and then the
+    other's does not."""
+    step_a, step_b = make_a(), make_b()
     for _ in range(warm):
-        step()
-    start = time.perf_counter()
+        step_a()
+        step_b()
+    times_a, times_b = [], []
     for _ in range(steps):
-        step()
-    return (time.perf_counter() - start) / steps
+        start = time.perf_counter()
+        step_a()
+        mid = time.perf_counter()
+        step_b()
+        times_a.append(mid - start)
+        times_b.append(time.perf_counter() - mid)
+    return statistics.median(times_a), statistics.median(times_b)
 
 
 def kvbench_stepper(lm: LoadedModel, stack: Stack, ids: list[int]) -> Callable[[], None]:
