@@ -40,7 +40,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     None: (-0.25, 0.2),
     "router/adaptive": (22.75, 0.38),
     "router/base": (14.75, 0.38),
-    "router/eplb": (32.0, 1.95),
+    "router/eplb": (31.0, 1.95),
     "router/hierarchical": (22.25, 0.53),
     "router/pikv": (23.0, 0.39),
     "router/topk_balanced": (24.0, 0.39),

@@ -40,8 +40,9 @@ from kvbench.routers.expert import ExpertRouter, top_k_choice
 
 @dataclass
 class Placement(SideData):
-    """One layer's plan: read load per expert ``(E,)`` and per device, the expert and device of
-    every slot, the devices without replication, and the replicas' keys and values ``(n, D)``."""
+    """One layer's plan: read load per expert ``(E,)`` and per device when it last changed, the
+    expert and device of every slot, the devices without replication, and the replicas' keys and
+    values ``(n, D)``."""
 
     load: torch.Tensor
     device_load: torch.Tensor
@@ -51,14 +52,13 @@ class Placement(SideData):
     replica_k: torch.Tensor | None = None
     replica_v: torch.Tensor | None = None
     replica_key: tuple[Any, ...] | None = None  # (store edits, slot experts) the replicas were made under
-    loads_stale: bool = False  # the host's loads moved since ``load`` and ``device_load`` were sent
     # the same plan on the host, where it is made and served (the tensors above are what the
     # layer stores and counts): loads per expert and device, each slot's expert and device, the
     # devices without replication
     host: dict[str, list] = field(default_factory=dict, repr=False)
     # not counted (the layer's bytes are the replicas and the plan above): the buffers the
-    # replicas are views of, with rows past them to grow into ("k", "v"), and the plan's copies of
-    # each expert ("copies")
+    # replicas are views of, with rows past them to grow into ("k", "v"), and the plan's extra
+    # copies of each expert, its slots less one ("extra")
     room: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
 
@@ -246,13 +246,13 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         held, new = assigned.held, assigned.new
         if held is None or new is None:  # a column known on the host: made anew (not ``grow``)
             held = held_experts(store, self.num_experts)
-        reps = side.room["copies"]  # copies of each expert in the plan
+        extra_of = side.room["extra"]  # extra copies of each expert in the plan
         view = store.view()
         # The same plan over the same stored tokens (appends aside): the replicas so far stay and
         # the tokens assigned now add theirs (replicas are counted, not read: order is free).
         copied = (new & (held >= 0)) if grow and new is not None else held >= 0
         # a copy per extra replica of each token's expert (0: none), in storage order
-        extra = torch.where(copied, reps[held.clamp(min=0)] - 1, 0)
+        extra = torch.where(copied, extra_of[held.clamp(min=0)], 0)
         flat = torch.repeat_interleave(extra.flatten())  # the one read: how many copies
         t = extra.shape[-1]
         at = (flat // t, flat % t)  # head-row and column
@@ -270,7 +270,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         if not total:
             return
         view = store.view()
-        extra = side.room["copies"][expert.flatten()] - 1  # (B * H,)
+        extra = side.room["extra"][expert.flatten()]  # (B * H,)
         rows = torch.repeat_interleave(extra, output_size=total)  # each head-row, once per copy
         d = view.k.shape[-1]
         k, v = (x[:, :, col].reshape(-1, d) for x in (view.k, view.v))
@@ -301,9 +301,10 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     def plan(self, store: TechniqueStore) -> Placement:
         """Refresh the placement from the loads so far (created empty on first use), on the host.
 
-        The plan's tensors (slots' experts and devices, the unreplicated placement, the copies of
-        each expert; the loads per expert and device, as the bits of their float64 values) are
-        views of one buffer, sent to the device when the plan or the loads changed."""
+        The plan's tensors (slots' experts and devices, the unreplicated placement, the extra copies
+        of each expert; the loads per expert and device it changed at, as the bits of their float64
+        values) are views of one buffer, sent to the device when the plan changes: the host serves
+        the reads from its own figures, so a step that keeps the plan sends nothing."""
         side = store.side(Placement)
         if side is None:
             side = Placement(
@@ -318,16 +319,15 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         same = (slot_expert, slot_device, base_device) == tuple(
             host.get(name) for name in ("slot_expert", "slot_device", "base_device")
         )
-        if side.slot_expert is not None and same and not side.loads_stale:
-            return side  # the same plan and loads: their tensors stand
+        if side.slot_expert is not None and same:
+            return side  # the same plan: its tensors stand
         host["slot_expert"], host["slot_device"], host["base_device"] = slot_expert, slot_device, base_device
-        side.loads_stale = False
-        copies = [slot_expert.count(e) for e in range(self.num_experts)]
+        extra = [slot_expert.count(e) - 1 for e in range(self.num_experts)]
         loads = [struct.unpack("<q", struct.pack("<d", x))[0] for x in host["load"] + host["device_load"]]
-        parts = [slot_expert, slot_device, base_device, copies, loads]
+        parts = [slot_expert, slot_device, base_device, extra, loads]
         flat = torch.tensor([x for part in parts for x in part], dtype=torch.long, device=store.device)
         *plan, bits = flat.split([len(part) for part in parts])
-        side.slot_expert, side.slot_device, side.base_device, side.room["copies"] = plan
+        side.slot_expert, side.slot_device, side.base_device, side.room["extra"] = plan
         side.load, side.device_load = bits.view(torch.float64).split([self.num_experts, self.num_devices])
         return side
 
@@ -364,7 +364,6 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         for e, d in enumerate(host["base_device"]):
             unreplicated[d] += counts[e]
         host["device_load"] = [x + y for x, y in zip(host["device_load"], served)]
-        side.loads_stale = True
         for per, add in ((self.after, served), (self.before, unreplicated)):
             per[layer] = [x + y for x, y in zip(per.get(layer, [0.0] * self.num_devices), add)]
 
