@@ -18,7 +18,7 @@ from kvbench.roles import BindContext
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
 from kvbench.schedulers.duo_attention import DuoAttentionScheduler
-from kvbench.schedulers.lru import LRUScheduler, used
+from kvbench.schedulers.lru import POSITION_SPAN, LRUScheduler, ranked, used
 from kvbench.schedulers.lru_plus import LRUPlusScheduler
 from kvbench.stack import Stack
 
@@ -161,6 +161,20 @@ def test_lru_use_is_any_query_head_above_tau():
     probs[0, 1, 1, 0, 2] = 0.2  # KV head 1, query 3 -> token 2 used at 3 (arrival 2)
     sched.observe(0, store, probs, torch.tensor([[3, 4]]))
     assert store.state(LRUScheduler.LAST)[0].tolist() == [[0, 3, 2, 3, 4], [4, 1, 3, 3, 4]]
+
+
+def test_lru_score_orders_as_last_use_then_arrival():
+    """LRU's one float64 key orders a head-row's tokens as ranking them by last use and then by
+    position does (:func:`ranked`), its values distinct, wherever the slots hold their positions."""
+    gen = torch.Generator().manual_seed(0)
+    for t in (7, 300, 4096):
+        pos = torch.stack([torch.randperm(1 << 23, generator=gen)[:t] for _ in range(6)]).view(2, 3, t)
+        last = torch.maximum(torch.randint(0, 1 << 24, (2, 3, t), generator=gen).float(), pos)
+        last[..., : t // 2] = float(1 << 23)  # used by one query: ties of the last use, by position
+        key = torch.add(pos, last.double(), alpha=POSITION_SPAN)
+        rank = ranked(last, pos.argsort(-1))
+        assert torch.equal(key.argsort(-1), rank.argsort(-1))
+        assert all(len(set(row)) == t for row in key.view(-1, t).tolist())
 
 
 def test_lru_keeps_the_most_recently_used(tiny):

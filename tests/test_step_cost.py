@@ -52,19 +52,19 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/pikv": (103.5, 10.2),
     "compressor/pruning": (22.5, 7.0),
     "compressor/pyramid": (10.75, 13.65),
-    "compressor/pyramidkv": (18.5, 0.34),
+    "compressor/pyramidkv": (16.0, 0.34),
     "compressor/quantized": (11.75, 14.3),
-    "compressor/random": (10.0, 0.24),
-    "compressor/snapkv": (18.0, 0.37),
+    "compressor/random": (8.25, 0.24),
+    "compressor/snapkv": (15.75, 0.37),
     "compressor/svd": (13.5, 15.81),
     "scheduler/adakv": (80.0, 4.95),
     "scheduler/duo_attention": (3.25, 0.5),
     "scheduler/flexgen": (2.75, 0.25),
-    "scheduler/h2o": (15.5, 0.35),
-    "scheduler/lru": (21.0, 0.41),
-    "scheduler/lru_plus": (21.5, 0.41),
+    "scheduler/h2o": (13.25, 0.35),
+    "scheduler/lru": (15.25, 0.41),
+    "scheduler/lru_plus": (19.25, 0.41),
     "scheduler/quest": (19.75, 0.29),  # every layer paged (stepcost.MODEL_OVERRIDES)
-    "scheduler/streaming_llm": (9.0, 0.23),
+    "scheduler/streaming_llm": (7.25, 0.23),
 }
 
 

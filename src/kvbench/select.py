@@ -124,7 +124,11 @@ def within(store: TechniqueStore, capacity: Callable[[int], int]) -> bool:
 
 
 def evict_by_score(
-    store: TechniqueStore, budget: Budget, score: Callable[[], torch.Tensor], capacity: Callable[[int], int]
+    store: TechniqueStore,
+    budget: Budget,
+    score: Callable[[], torch.Tensor],
+    capacity: Callable[[int], int],
+    distinct: bool = False,
 ) -> None:
     """Keep the ``capacity(seen)`` best-scored tokens per head-row of each sequence, sinks, the window
     and protected positions always kept.
@@ -134,6 +138,8 @@ def evict_by_score(
             head-row is over its capacity.
         capacity: tokens a head-row of a sequence that has seen ``seen`` tokens keeps, on the host
             (e.g. :meth:`Budget.capacity_host`).
+        distinct: no two valid unprotected tokens of a head-row have the same score, so no tie is
+            broken by position: the tokens that leave are chosen without their position order.
     """
     if within(store, capacity):
         return
@@ -142,7 +148,8 @@ def evict_by_score(
     scores = score().masked_fill(budget.protected_view(store), float("inf"))
     if kept is not None and store.can_drop(kept[0]):  # a few leave: into their slots go the last
         # tokens (O(evicted) writes)
-        store.drop(lowest(scores, None if store.in_position_order() else store.by_position(), kept[0]))
+        by_pos = None if distinct or store.in_position_order() else store.by_position()
+        store.drop(lowest(scores, by_pos, kept[0]))
         return
     if kept is not None:  # exactly ``kept`` per head-row, known on the host: no count to take
         store.keep(keep_top(scores, None, kept[0], protected_fit=True), kept)
@@ -161,8 +168,11 @@ class ScoredSelection(Technique):
     for a compressor, ``evict`` for a scheduler.
 
     ``capacity`` is the budget's; a subclass that mixes in :class:`Allocated` takes its split
-    across layers instead (``capacity = Allocated.layer_capacity_host``).
+    across layers instead (``capacity = Allocated.layer_capacity_host``). A subclass whose scores
+    are distinct in every head-row sets ``distinct_scores`` (:func:`evict_by_score`'s ``distinct``).
     """
+
+    distinct_scores = False
 
     def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         """``(B, H, T)`` scores aligned with ``store.view()``, the highest kept; asked only where some
@@ -174,7 +184,13 @@ class ScoredSelection(Technique):
         return self.budget.capacity_host(seen)
 
     def select(self, layer: int, store: TechniqueStore) -> None:
-        evict_by_score(store, self.budget, lambda: self.score(layer, store), partial(self.capacity, layer))
+        evict_by_score(
+            store,
+            self.budget,
+            lambda: self.score(layer, store),
+            partial(self.capacity, layer),
+            self.distinct_scores,
+        )
 
     def compress(self, layer: int, store: TechniqueStore) -> None:
         self.select(layer, store)

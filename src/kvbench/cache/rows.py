@@ -517,20 +517,21 @@ class Rows:
         bh, e = cols.shape
         width = self.width - e
         if e == 1:  # the last slot's token moves into the freed one (onto itself if that is the last)
-            dst = self._row_starts() + cols
-            src = self._row_starts() + width
+            dst, src = (self._row_starts() + cols).view(-1), None
         else:  # holes below ``width`` first, paired with the last slots that stay, in order
             holes = cols.sort(-1).values
             leaves = torch.zeros(bh, e, dtype=torch.int8, device=self.device)
             leaves.scatter_add_(1, (holes - width).clamp(min=0), (holes >= width).to(torch.int8))
             stay = torch.argsort(leaves, dim=-1, stable=True)  # the last slots that stay, first
             # pairs past the holes join a leaving slot to a leaving slot: both past the new width
-            dst, src = self._row_starts() + holes, self._row_starts() + width + stay
-        dst, src = dst.view(-1), src.view(-1)
+            dst = (self._row_starts() + holes).view(-1)
+            src = (self._row_starts() + width + stay).view(-1)
         with inference():  # in place, as appends: a forward's fields are inference tensors
             for field in self.fields.values():
                 flat = field.view(bh * self.capacity, *field.shape[2:])
-                flat.index_copy_(0, dst, flat.index_select(0, src))
+                # one token leaving: the last slot of each row is its column ``width``, read as a
+                # view (no gather); the slot it fills lies below it, or is it
+                flat.index_copy_(0, dst, field[:, width] if src is None else flat.index_select(0, src))
         self.width, self._lens = width, None  # every row still full: lengths made when read
         self.ordered = False
         self._changed(0)

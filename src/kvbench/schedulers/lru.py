@@ -31,6 +31,9 @@ def used(probs: torch.Tensor, qpos: torch.Tensor, tau: float) -> torch.Tensor:
     return (probs.amax(2) >= tau) & (qpos >= 0)[:, None, :, None]
 
 
+POSITION_SPAN = 2**24  # above every position a float32 last use holds exactly
+
+
 def ranked(primary: torch.Tensor, by_second: torch.Tensor) -> torch.Tensor:
     """Rank of each token by ``(primary, secondary)``, both ascending: ``(B, H, T)`` float, where
     ``by_second`` holds the columns in ascending order of the secondary key (positions:
@@ -53,6 +56,7 @@ class LRUScheduler(ScoredSelection, Scheduler):
     """
 
     name: str = "lru"
+    distinct_scores = True  # a token's position is part of its score
     version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
@@ -85,5 +89,8 @@ class LRUScheduler(ScoredSelection, Scheduler):
         return torch.maximum(store.state(self.LAST), store.view().pos)  # float32: the state's type
 
     def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
-        """``(B, H, T)`` eviction scores: rank by last use, then by arrival."""
-        return ranked(self.last_used(store), store.by_position())
+        """``(B, H, T)`` eviction scores: by last use, then by arrival, as one float64 key
+        ``last use · 2**24 + position``, distinct in each head-row (positions are distinct). The
+        last uses are whole numbers in float32, exact below 2**24, as the positions are: the key is
+        exact, and orders the tokens as the two keys do one after the other (:func:`ranked`)."""
+        return torch.add(store.view().pos, self.last_used(store).double(), alpha=POSITION_SPAN)
