@@ -40,6 +40,7 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
 
     name: str = "lru_plus"
     version = 3  # 2: the decode step of issue 29; 3: no per-token "seen" flag (CHANGELOG.md)
+    distinct_scores = True  # ranks: a permutation of each head-row's columns
     decay: float = 0.9
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)

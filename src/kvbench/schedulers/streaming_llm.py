@@ -24,6 +24,7 @@ class StreamingLLMScheduler(ScoredSelection, Scheduler):
 
     name: str = "streaming_llm"
     version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    distinct_scores = True  # positions, exact in float32 below 2**24
     position_mode: str = "original"
     flags = Flags(evicts_tokens=True)
 
