@@ -454,6 +454,20 @@ def test_an_eviction_breaks_ties_by_position_whatever_the_layout():
     assert sorted(spos[0, 0, left].tolist()) == [2, 4]
 
 
+def test_distinct_scores_leave_in_the_same_order_without_the_position_order():
+    """Scores distinct in each row (``distinct_scores``: `lru`'s key, `lru_plus`'s ranks,
+    `streaming_llm`'s positions) leave the same tokens, in the same order, whether or not the rows'
+    position order breaks ties: there are none."""
+    from kvbench.select import lowest
+
+    gen = torch.Generator().manual_seed(0)
+    for t in (6, 50, 300):
+        pos = torch.stack([torch.randperm(t, generator=gen) for _ in range(4)]).view(2, 2, t)
+        scores = torch.randperm(2 * 2 * t, generator=gen).double().view(2, 2, t)
+        for kept in (0, 1, t // 2, t - 1):
+            assert torch.equal(lowest(scores, pos.argsort(-1), kept), lowest(scores, None, kept))
+
+
 @pytest.mark.parametrize("compressor", ["quantized", "pruning"])
 @pytest.mark.parametrize("protect", [None, 30])
 @pytest.mark.parametrize("sizes", [[40, 1, 1, 1, 1, 1, 1, 1, 1, 1], [7, 9, 1, 1, 1], [33, 8, 1]])
