@@ -11,6 +11,7 @@ import torch
 from helpers import make_stack, run_chunks, tokens
 from kvbench.cache import quant
 from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
+from kvbench.eval.stepcost import LaunchCounter
 from kvbench.routers.expert import position_blocks
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.h2o import SCORE, H2OScheduler
@@ -114,6 +115,29 @@ def test_kivi_error_within_half_a_step():
         packed = quant.pack(codes.view(-1, 80), bits)
         assert packed.shape[-1] == 80 * bits // 8
         assert torch.equal(quant.unpack(packed, bits), codes.view(-1, 80))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kivi_decode_is_one_pass_rounding_as_a_product_then_a_sum(dtype):
+    """The decode writes one decoded copy (one ``addcmul``) and gives what ``codes * step`` rounded
+    and then ``+ zero`` rounded give: a code times a float16 step is exact in float32."""
+    torch.manual_seed(0)
+    x = torch.randn(96, 128) * torch.logspace(-3, 3, 96)[:, None]  # steps of many magnitudes
+    for bits in quant.SUPPORTED_BITS:
+        packed, zero, step = quant.quantize_keys(x, bits, 32)
+        out = torch.empty(96, 128, dtype=dtype)
+        counter = LaunchCounter()
+        with counter:
+            quant.dequantize_keys(packed, zero, step, bits, dtype, per_group=32, out=out)
+        assert counter.by_op.get("addcmul") == 1 and "add_" not in counter.by_op, counter.by_op
+        codes = quant.unpack(packed, bits).view(-1, 32, 128)
+        two = (codes * step.float()[:, None]).add_(zero.float()[:, None]).view(96, 128).to(dtype)
+        assert torch.equal(out, two)
+        vals, vzero, vstep = quant.quantize_values(x, bits, 32)
+        got = quant.dequantize_values(vals, vzero, vstep, bits, 128, 32, dtype)
+        codes = quant.unpack(vals, bits).view(96, 4, 32)
+        two = (codes * vstep.float()[..., None]).add_(vzero.float()[..., None]).view(96, 128).to(dtype)
+        assert torch.equal(got, two)
 
 
 def test_kivi_then_eviction_frees_codes(tiny):

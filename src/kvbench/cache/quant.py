@@ -111,9 +111,10 @@ def quantize_dequantize(
     x: torch.Tensor, bits: int, dim: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`quantize`, and what :func:`dequantize` gives back from its codes in float32, computed
-    from the codes before they are cast to uint8 (integers up to 255: the same floats)."""
+    from the codes before they are cast to uint8 (integers up to 255: the same floats, and
+    :func:`_dequantized`'s one pass)."""
     codes, zero, step, (zero32, step32) = _quantize(x, bits, dim)
-    return codes.to(torch.uint8), zero, step, codes * step32 + zero32
+    return codes.to(torch.uint8), zero, step, torch.addcmul(zero32, codes, step32)
 
 
 def _quantize(
@@ -129,7 +130,7 @@ def _quantize(
 def dequantize(
     codes: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """``codes * step + zero`` in float32 (products, then sums updated in place), then ``dtype``;
+    """``codes * step + zero`` in float32 (one ``addcmul``, :func:`_dequantized`), then ``dtype``;
     ``zero`` and ``step`` broadcast over ``codes``. The codes are cast as they are multiplied, not
     copied to float32 first."""
     return _dequantized(codes, step.float(), zero, dtype)
@@ -144,14 +145,16 @@ def _dequantized(
 ) -> torch.Tensor:
     """``codes * step + zero``, float32 ``step`` and ``zero`` of any float type broadcast over
     ``codes``: float32 products and sums, then ``dtype``; written into ``out`` (of ``dtype``,
-    ``codes``' shape, any strides) when given, the float32 sums rounded as they are written."""
+    ``codes``' shape, any strides) when given, the float32 sums rounded as they are written.
+
+    One pass (``addcmul``), so one decoded copy is all it writes. Whether or not it fuses the
+    multiply and the add, it rounds as a product and then a sum do: a code (at most 8 bits) times
+    a float16 step (11 significant bits), each scaled by a power of two or not
+    (:func:`placed_codes`), is exact in float32, so the product has nothing to round."""
     if out is None:
-        x = torch.mul(codes, step).add_(zero)
+        x = torch.addcmul(zero, codes, step)
         return x if dtype == torch.float32 else x.to(dtype)
-    if out.dtype == torch.float32:
-        torch.mul(codes, step, out=out)
-        return out.add_(zero)
-    return torch.add(torch.mul(codes, step), zero, out=out)
+    return torch.addcmul(zero, codes, step, out=out)
 
 
 @functools.lru_cache(maxsize=16)
