@@ -4,7 +4,8 @@ At batch 1 a decode step on a GPU is bound by the host: one kernel launch per op
 Python around it. Both can be measured without a GPU:
 
 - **Launches and bytes written**, counted: every aten operation that is not a view (each at least
-  one launch on a GPU) and the bytes it writes, while decoding only (:class:`LaunchCounter`). Per
+  one launch on a GPU) and the bytes it writes (an allocation writes none), while decoding only
+  (:class:`LaunchCounter`). Per
   layer per step, from the difference of two runs of ``short`` and ``long`` new tokens after the
   same prefill, so prefill and compression points before the first step cancel
   (:func:`decode_cost`). Deterministic: tests bound them per technique.
@@ -100,6 +101,9 @@ SYNCS = frozenset({"_local_scalar_dense", "is_nonzero", "nonzero", "nonzero_nump
 _INDEXED = frozenset(
     {"index_put_", "index_copy_", "index_add_", "scatter_", "scatter_add_", "scatter_reduce_"}
 )
+# Allocations: memory handed out uninitialized, nothing written (what is written into it later is
+# counted by the operations that write it). Each still counts as an operation.
+_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 
 
 def _is_view(func, args: Sequence = (), out=None) -> bool:
@@ -120,7 +124,10 @@ def _nbytes(x) -> int:
 
 
 def _written(name: str, args: Sequence, out) -> int:
-    """Bytes an operation writes: its outputs; for an indexed in-place write, the slots it names."""
+    """Bytes an operation writes: its outputs; for an indexed in-place write, the slots it names;
+    none for an allocation."""
+    if name in _ALLOCATIONS:
+        return 0
     if name in _INDEXED:
         target = args[0]
         if name == "index_put_":  # a bool index names its true slots (read here, on the host)
