@@ -47,10 +47,10 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "router/topk_balanced": (24.0, 0.39),
     "compressor/chunkkv": (13.5, 0.91),
     "compressor/distillation": (87.5, 16.1),
-    "compressor/fastv": (20.5, 1.46),
+    "compressor/fastv": (20.25, 1.46),
     "compressor/lora": (57.0, 15.2),
     "compressor/lora_plus_plus": (111.25, 16.0),
-    "compressor/pikv": (99.25, 5.62),
+    "compressor/pikv": (95.75, 5.62),
     "compressor/pruning": (22.5, 6.0),
     "compressor/pyramid": (8.75, 5.24),
     "compressor/pyramidkv": (16.0, 0.34),
@@ -58,7 +58,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/random": (8.25, 0.24),
     "compressor/snapkv": (15.75, 0.37),
     "compressor/svd": (13.5, 13.78),
-    "scheduler/adakv": (80.0, 3.38),
+    "scheduler/adakv": (77.5, 3.38),
     "scheduler/duo_attention": (3.25, 0.5),
     "scheduler/flexgen": (2.75, 0.25),
     "scheduler/h2o": (13.25, 0.35),
@@ -66,6 +66,23 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "scheduler/lru_plus": (18.25, 0.41),
     "scheduler/quest": (19.75, 0.29),  # every layer paged (stepcost.MODEL_OVERRIDES)
     "scheduler/streaming_llm": (5.75, 0.23),
+}
+
+
+# Host reads of device values per layer per decode step at CONTEXT tokens (each a synchronisation on
+# a GPU), where a technique makes more than plain transformers' one a step (its next token, 0.5 on
+# the two layers; the others are held to that). `svd`, `lora` and `lora_plus_plus`: 1.0 of theirs
+# is a test of rotary angles that runs on the CPU only.
+SYNC_CEILINGS: dict[str | None, float] = {
+    "router/eplb": 1.5,  # its plan's loads read on the host
+    "compressor/chunkkv": 0.75,
+    "compressor/distillation": 2.0,  # its k-means convergence test, as defined
+    "compressor/fastv": 1.0,
+    "compressor/lora": 1.5,
+    "compressor/lora_plus_plus": 1.5,
+    "compressor/pikv": 3.5625,  # evictions across its segments, and their 8-bit share
+    "compressor/svd": 1.5,
+    "scheduler/adakv": 2.5,  # per-head budgets over ragged rows
 }
 
 
@@ -145,6 +162,8 @@ def test_decode_step_launches_and_writes_within_its_ceiling(launch_model, prompt
         f"transformers' {plain.ops}; ceiling {extra} beyond"
     )
     assert cost.mb <= mb, f"{name}: {cost.mb:.3f} MB written per layer per decode step, ceiling {mb}"
+    syncs = SYNC_CEILINGS.get(technique, plain.syncs)
+    assert cost.syncs <= syncs, f"{name}: {cost.syncs} host reads per layer per decode step, ceiling {syncs}"
 
 
 # Representations read in their encoded form on the torch path from PARTIAL_MIN_SLOTS tokens per

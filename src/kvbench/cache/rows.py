@@ -472,15 +472,27 @@ class Rows:
         lens = torch.full((self.bh,), moved, dtype=torch.long, device=self.device)
         return taken, lens, moved
 
-    def keep(self, mask: torch.Tensor, kept: int | None = None) -> None:
+    def keep(
+        self,
+        mask: torch.Tensor,
+        kept: int | None = None,
+        counted: tuple[torch.Tensor, list[int]] | None = None,
+    ) -> None:
         """Keep the slots where ``mask`` ``(BH, width)`` holds, in order, compacted to each row's front;
-        ``kept``: the slots every row keeps, when the caller knows it on the host (no synchronisation).
+        ``kept``: the slots every row keeps, when the caller knows it on the host (no synchronisation);
+        ``counted``: each row's kept slots ``(BH,)`` and the same on the host, read by the caller,
+        ``mask`` then within the live slots already.
 
         Writes new tensors: rectangles read before keep what they showed.
         """
-        keep = mask if self.uniform else mask & self.valid()
-        counts = None if kept is None else [kept] * self.bh
-        lens = None if kept is None else torch.full((self.bh,), kept, dtype=torch.long, device=self.device)
+        keep, lens, counts = mask, None, None
+        if counted is not None:
+            lens, counts = counted
+        elif not self.uniform:
+            keep = mask & self.valid()
+        if kept is not None and counted is None:
+            counts = [kept] * self.bh
+            lens = torch.full((self.bh,), kept, dtype=torch.long, device=self.device)
         self._compact(_Compaction.of(keep, self.capacity, lens, counts))  # one plan for every field
 
     def _compact(self, plan: _Compaction) -> None:

@@ -234,23 +234,30 @@ class LayerStore:
 
         ``kept``: per segment (as :attr:`segments`), the tokens every head-row of it keeps, when
         known on the host: a segment that keeps none goes whole, the others compact without a
-        synchronisation."""
+        synchronisation. Otherwise each head-row's kept tokens in every segment are read in one
+        synchronisation, which tells both the segments that keep every token (left as they are)
+        and the compactions' widths."""
         segs = self.segments
+        parts = self._split(mask)
         counts: list[int | None] = list(kept) if kept is not None else [None] * len(segs)
+        bh = self.batch * self.kv_heads
+        counted = [None] * len(segs) if kept is not None else _kept_counts(segs, parts, bh)
         changed = False
-        for seg, keep, n in zip(segs, self._split(mask), counts):
+        for seg, keep, n, count in zip(segs, parts, counts, counted):
             rows = seg.rows
-            if n is None and bool(keep.all() if rows.uniform else (keep | ~rows.valid()).all()):
-                continue
-            if n is not None and rows.uniform and n == rows.width:  # keeps every token
+            if count is not None:
+                keep, lens, per_row, live = count
+                if per_row == live:  # every live token stays
+                    continue
+            elif n is not None and rows.uniform and n == rows.width:  # keeps every token
                 continue
             changed = True
             if n == 0 and isinstance(seg, Segment):
                 self._compressed.remove(seg)
                 continue
-            if isinstance(seg, Segment):
-                seg.keep(keep[rows.valid()])
-            seg.rows.keep(keep, n)
+            if isinstance(seg, Segment):  # its flat tokens: every slot of full rows, in order
+                seg.keep(keep.reshape(-1) if rows.uniform else keep[rows.valid()])
+            seg.rows.keep(keep, n, None if count is None else (lens, per_row))
         if not changed:  # every token stays: the store, its view and its edits are as they were
             return
         self._compressed = [s for s in self._compressed if s.rows.width > 0]
@@ -477,3 +484,21 @@ class LayerStore:
     def row_tokens(self) -> torch.Tensor:
         """Stored tokens per head-row ``(B * H,)``."""
         return sum((s.lens for s in self.segments), torch.zeros_like(self._fp.lens))
+
+
+def _kept_counts(
+    segs: list[Any], parts: list[torch.Tensor], bh: int
+) -> list[tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None]:
+    """Per segment: the slots ``parts`` keep among its live ones ``(BH, w)``, their count in each
+    head-row ``(BH,)``, and that count and the live tokens of each head-row on the host, every
+    segment's read in one synchronisation."""
+    keeps = [keep if seg.rows.uniform else keep & seg.rows.valid() for seg, keep in zip(segs, parts)]
+    lens = [keep.sum(-1) for keep in keeps]
+    live = [seg.rows.lens for seg in segs if not seg.rows.uniform]
+    flat = torch.cat([*lens, *live]).tolist()
+    rows = [flat[i * bh : (i + 1) * bh] for i in range(len(lens) + len(live))]
+    held = iter(rows[len(lens) :])
+    return [
+        (keep, n, per_row, [seg.rows.width] * bh if seg.rows.uniform else next(held))
+        for seg, keep, n, per_row in zip(segs, keeps, lens, rows)
+    ]
