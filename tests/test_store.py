@@ -159,6 +159,32 @@ def test_keep_compacts_every_row_in_order(seed):
         assert torch.equal(compact(old, keep), want), name
 
 
+def test_rows_know_their_lengths_on_the_host_while_they_can():
+    """``lens_host`` is ``lens`` where the host knows it without a read: full rows, a compaction's
+    counts, grown by later appends; None after an append of counts only the device holds. It holds
+    no tensor of its own (what the rows hold stays what they held)."""
+    from kvbench.cache import held
+    from kvbench.cache.rows import Rows
+
+    gen = torch.Generator().manual_seed(0)
+    bh, w = 4, 20
+    rows = Rows(bh, torch.device("cpu"))
+    rows.append({"k": torch.randn(bh, w, 3, generator=gen)})
+    assert rows.lens_host == [w] * bh
+    keep = torch.rand(bh, w, generator=gen) > 0.5
+    rows.keep(keep)
+    assert not rows.uniform and rows.lens_host == rows.lens.tolist() == keep.sum(-1).tolist()
+    rows.append({"k": torch.randn(bh, 1, 3, generator=gen)})
+    assert rows.lens_host == rows.lens.tolist()
+    resident = held.resident_bytes(rows)
+    rows._lens_host = None
+    assert held.resident_bytes(rows) == resident
+    rows.keep(torch.ones(bh, rows.width, dtype=torch.bool))
+    assert rows.lens_host == rows.lens.tolist()
+    rows.append_ragged({"k": torch.randn(6, 3, generator=gen)}, torch.tensor([3, 0, 2, 1]))
+    assert rows.uniform or rows.lens_host is None
+
+
 def test_packed_rows_extend_in_place_and_read_flat_in_order():
     """A segment with packed fields: an extend of the same count in every head-row writes its own
     tokens into per-head-row buffers with room (no copy of the tokens stored: the buffers stay the

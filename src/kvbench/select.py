@@ -154,9 +154,16 @@ def evict_by_score(
     if kept is not None:  # exactly ``kept`` per head-row, known on the host: no count to take
         store.keep(keep_top(scores, None, kept[0], protected_fit=True), kept)
         return
-    cap = torch.tensor([capacity(seen) for seen in store.seen_host], device=store.device)
-    if not view.dense and not bool((view.valid.sum(-1) > cap[:, None]).any()):
-        return
+    caps = [capacity(seen) for seen in store.seen_host]
+    if not view.dense:  # nothing to evict where every head-row is within its capacity
+        held = store.row_tokens_host()
+        if held is not None:
+            heads = store.kv_heads
+            if all(n <= caps[i // heads] for i, n in enumerate(held)):
+                return
+        elif not bool((view.valid.sum(-1) > torch.tensor(caps, device=store.device)[:, None]).any()):
+            return
+    cap = torch.tensor(caps, device=store.device)
     store.keep(keep_top(scores, None if view.dense else view.valid, cap))
 
 

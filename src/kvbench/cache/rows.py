@@ -16,7 +16,9 @@ are kept on the host, so reading the rectangle needs no device synchronisation.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
+import weakref
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -60,7 +62,7 @@ class _Compaction:
     row, between ``least`` and ``width``; ``keep`` itself, which the Triton path's kernel reads
     instead of a plan (:mod:`kvbench.kernels.compaction`: there ``src`` is empty and ``dst`` None);
     ``kernel``, that module on the Triton path (asked once, when planning, so the plan and its
-    application take the same path), else None."""
+    application take the same path), else None; ``counts``, ``lens`` on the host."""
 
     src: torch.Tensor
     dst: tuple[torch.Tensor, torch.Tensor] | None
@@ -69,6 +71,7 @@ class _Compaction:
     width: int
     keep: torch.Tensor
     kernel: ModuleType | None = None
+    counts: list[int] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(
@@ -86,17 +89,17 @@ class _Compaction:
         low, high = (min(counts), max(counts)) if counts else (0, 0)
         kernel = dispatch.kernels("compaction", slots=keep.shape[1])
         if kernel is not None:  # the kernel ranks the kept slots itself: no plan to make
-            return cls(keep.new_empty(0, dtype=torch.long), None, lens, low, high, keep, kernel)
+            return cls(keep.new_empty(0, dtype=torch.long), None, lens, low, high, keep, kernel, counts)
         if low == high:  # every row keeps ``high``: its kept slots are its first ``high`` after a stable sort
             cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
             rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
-            return cls((rows * stride + cols).reshape(-1), None, lens, low, high, keep)
+            return cls((rows * stride + cols).reshape(-1), None, lens, low, high, keep, counts=counts)
         rows, cols = keep.nonzero(as_tuple=True)  # the kept slots, row after row, in order
         src = rows * stride + cols
         dst = None
         if low != high:
             dst = rows, (keep.long().cumsum(-1) - 1)[rows, cols]
-        return cls(src, dst, lens, low, high, keep)
+        return cls(src, dst, lens, low, high, keep, counts=counts)
 
     def apply(self, values: torch.Tensor, out: torch.Tensor) -> None:
         """Write the kept slots of ``values`` ``(BH, stride, ...)`` into ``out`` (``(BH, capacity,
@@ -168,6 +171,9 @@ class Rows:
     def __init__(self, bh: int, device: torch.device):
         self.bh, self.device = bh, device
         self._lens: torch.Tensor | None = None  # None while every row holds ``width``: made when read
+        # ``_lens`` (a weak reference: what the rows hold is ``_lens`` alone, :mod:`kvbench.cache.held`)
+        # and the same on the host, where known: checked against ``_lens`` when read
+        self._lens_host: tuple[weakref.ref[torch.Tensor], list[int]] | None = None
         self.width = 0  # lens.max(), on the host
         self.uniform = True  # every row holds ``width`` tokens
         self.capacity = 0
@@ -227,6 +233,16 @@ class Rows:
     @lens.setter
     def lens(self, value: torch.Tensor) -> None:
         self._lens = value
+
+    @property
+    def lens_host(self) -> list[int] | None:
+        """:attr:`lens` on the host where known without reading the device (every row full, or the
+        lengths a compaction counted, grown by the appends since), else None."""
+        if self.uniform:
+            return [self.width] * self.bh
+        held = self._lens_host
+        lens = None if held is None else held[0]()
+        return held[1] if held is not None and lens is not None and lens is self._lens else None
 
     def __contains__(self, name: str) -> bool:
         return name in self._fields
@@ -362,7 +378,10 @@ class Rows:
             for name, value in new.items():
                 self.fields[name][rows, cols] = value
             self._fill_absent(new, rows, cols)
+        known = None if self.uniform else self.lens_host
         self._lens = None if self.uniform else self.lens + q
+        if known is not None and self._lens is not None:
+            self._lens_host = weakref.ref(self._lens), [n + q for n in known]
         self.width += q
 
     def _fill_absent(self, new: dict[str, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor) -> None:
@@ -510,6 +529,7 @@ class Rows:
             self._ones = self._starts = None
         self.capacity = cap
         self.lens, self.width, self.uniform = plan.lens, plan.width, plan.least == plan.width
+        self._lens_host = (weakref.ref(plan.lens), plan.counts) if plan.counts else None
 
     def _row_starts(self) -> torch.Tensor:
         """``(BH, 1)``: each row's first slot in a flat ``(BH * capacity, ...)`` view of a field."""

@@ -481,6 +481,17 @@ class LayerStore:
         segs = self.segments
         return sum(s.rows.width for s in segs) if all(s.rows.uniform for s in segs) else None
 
+    def row_tokens_host(self) -> list[int] | None:
+        """:meth:`row_tokens` on the host, where every segment's rows know their lengths there
+        (:attr:`Rows.lens_host`), else None."""
+        total = [0] * (self.batch * self.kv_heads)
+        for seg in self.segments:
+            lens = seg.rows.lens_host
+            if lens is None:
+                return None
+            total = [a + b for a, b in zip(total, lens)]
+        return total
+
     def row_tokens(self) -> torch.Tensor:
         """Stored tokens per head-row ``(B * H,)``."""
         return sum((s.lens for s in self.segments), torch.zeros_like(self._fp.lens))
@@ -494,11 +505,12 @@ def _kept_counts(
     segment's read in one synchronisation."""
     keeps = [keep if seg.rows.uniform else keep & seg.rows.valid() for seg, keep in zip(segs, parts)]
     lens = [keep.sum(-1) for keep in keeps]
-    live = [seg.rows.lens for seg in segs if not seg.rows.uniform]
+    known = [seg.rows.lens_host for seg in segs]  # every row full, or counted before
+    live = [seg.rows.lens for seg, held in zip(segs, known) if held is None]
     flat = torch.cat([*lens, *live]).tolist()
     rows = [flat[i * bh : (i + 1) * bh] for i in range(len(lens) + len(live))]
-    held = iter(rows[len(lens) :])
+    read = iter(rows[len(lens) :])
     return [
-        (keep, n, per_row, [seg.rows.width] * bh if seg.rows.uniform else next(held))
-        for seg, keep, n, per_row in zip(segs, keeps, lens, rows)
+        (keep, n, per_row, held if held is not None else next(read))
+        for keep, n, per_row, held in zip(keeps, lens, rows, known)
     ]

@@ -64,8 +64,16 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
         if within(store, self.budget.capacity_host):  # every head-row within the mean: nothing over
             return
         cap = self.budget.capacity_of(store)  # per head on average: (B,), or one for all
-        total = store.view().valid.sum((1, 2))  # (B,)
-        if bool((total > cap * store.kv_heads).any()):
+        held, heads = store.row_tokens_host(), store.kv_heads
+        if held is not None:  # the tokens of each sequence, known on the host
+            over = any(
+                sum(held[b * heads : (b + 1) * heads]) > self.budget.capacity_host(seen) * heads
+                for b, seen in enumerate(store.seen_host)
+            )
+        else:
+            total = store.view().valid.sum((1, 2))  # (B,)
+            over = bool((total > cap * heads).any())
+        if over:
             store.keep(self.select(store, self.window_scores(store), cap))
 
     def select(self, store: TechniqueStore, score: torch.Tensor, cap: torch.Tensor | int) -> torch.Tensor:
