@@ -50,7 +50,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/fastv": (20.25, 1.46),
     "compressor/lora": (57.0, 15.2),
     "compressor/lora_plus_plus": (111.25, 16.0),
-    "compressor/pikv": (92.5, 5.62),
+    "compressor/pikv": (92.75, 5.62),  # 92.56; 92.31 where a cached helper is made in the shorter run
     "compressor/pruning": (22.5, 6.0),
     "compressor/pyramid": (8.75, 5.24),
     "compressor/pyramidkv": (16.0, 0.34),
