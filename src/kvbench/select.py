@@ -155,15 +155,12 @@ def evict_by_score(
         store.keep(keep_top(scores, None, kept[0], protected_fit=True), kept)
         return
     caps = [capacity(seen) for seen in store.seen_host]
-    if not view.dense:  # nothing to evict where every head-row is within its capacity
-        held = store.row_tokens_host()
-        if held is not None:
-            heads = store.kv_heads
-            if all(n <= caps[i // heads] for i, n in enumerate(held)):
-                return
-        elif not bool((view.valid.sum(-1) > torch.tensor(caps, device=store.device)[:, None]).any()):
-            return
+    held = None if view.dense else store.row_tokens_host()
+    if held is not None and all(n <= caps[i // store.kv_heads] for i, n in enumerate(held)):
+        return  # every head-row within its capacity, known on the host: nothing to evict
     cap = torch.tensor(caps, device=store.device)
+    if not view.dense and held is None and not bool((view.valid.sum(-1) > cap[:, None]).any()):
+        return
     store.keep(keep_top(scores, None if view.dense else view.valid, cap))
 
 

@@ -378,10 +378,13 @@ class Rows:
             for name, value in new.items():
                 self.fields[name][rows, cols] = value
             self._fill_absent(new, rows, cols)
-        known = None if self.uniform else self.lens_host
-        self._lens = None if self.uniform else self.lens + q
-        if known is not None and self._lens is not None:
-            self._lens_host = weakref.ref(self._lens), [n + q for n in known]
+        if self.uniform:
+            self._lens = None
+        else:
+            known = self.lens_host
+            self._lens = self.lens + q
+            if known is not None:
+                self._lens_host = weakref.ref(self._lens), [n + q for n in known]
         self.width += q
 
     def _fill_absent(self, new: dict[str, torch.Tensor], rows: torch.Tensor, cols: torch.Tensor) -> None:
@@ -504,11 +507,8 @@ class Rows:
 
         Writes new tensors: rectangles read before keep what they showed.
         """
-        keep, lens, counts = mask, None, None
-        if counted is not None:
-            lens, counts = counted
-        elif not self.uniform:
-            keep = mask & self.valid()
+        keep = mask if self.uniform or counted is not None else mask & self.valid()
+        lens, counts = counted if counted is not None else (None, None)
         if kept is not None and counted is None:
             counts = [kept] * self.bh
             lens = torch.full((self.bh,), kept, dtype=torch.long, device=self.device)
