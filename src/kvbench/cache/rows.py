@@ -337,11 +337,10 @@ class Rows:
         q = next(iter(new.values())).shape[1]
         fields, pending, width = self._fields, self._run, self.width
         if (  # a decode step's append: every field known, the positions continuing the pending run
+            # (or starting one, where a reader of the positions wrote the last)
             self.uniform
-            and pending is not None
             and run is not None
-            and pending[0] == run[0]
-            and pending[2] + width - pending[1] == run[1]
+            and (pending is None or (pending[0] == run[0] and pending[2] + width - pending[1] == run[1]))
             and new.keys() <= fields.keys()
         ):
             if width + q > self.capacity:
@@ -350,7 +349,8 @@ class Rows:
             for name, field in fields.items():  # the fields not given take their fill
                 if name != run[0]:
                     field[:, width : width + q] = new.get(name, self.fill.get(name, 0))
-            self._run = (run[0], pending[1], pending[2], new[run[0]])
+            first, start = (width, run[1]) if pending is None else pending[1:3]
+            self._run = (run[0], first, start, new[run[0]])
             if self.changed_from is None or self.changed_from > width:
                 self.changed_from = width
             self._lens, self.width = None, width + q
