@@ -12,9 +12,15 @@
     operation, as a batch-1 step on a GPU: the median decode step against plain transformers' (target:
     the full cache at most 1.0x, every technique at most 1.5x), the two sides' steps timed in turn
     (one of each, --steps of each per round), the median ratio over --rounds.
+(3) With --parts, where each side's host time goes, on (2)'s model after its rounds: per decode step,
+    the cache's update (storing the step's keys and values), the attention function (reading them:
+    SDPA, or kvbench's engine with its read selection), the technique hooks after the forward, and
+    the rest (the model's own layers and the loop, the same on both sides); what a technique adds
+    beyond transformers' step is in the first three.
 
     python scripts/bench_decode.py [--only scheduler/h2o,compressor/quantized] [--contexts 1000,2000]
         [--host-context 256] [--steps 32] [--rounds 3] [--skip-host] [--skip-counts] [--budget 0.5]
+        [--parts]
 """
 
 from __future__ import annotations
@@ -85,7 +91,7 @@ def counts(names: list[str | None], contexts: list[int], budget: float) -> None:
     )
 
 
-def host(names: list[str | None], context: int, steps: int, rounds: int, budget: float) -> None:
+def host(names: list[str | None], context: int, steps: int, rounds: int, budget: float, parts: bool) -> None:
     lm = models.load(stepcost.model_config(stepcost.HOST_MODEL), "cpu")
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (context,), generator=gen).tolist()
@@ -126,6 +132,34 @@ def host(names: list[str | None], context: int, steps: int, rounds: int, budget:
         f"  {meet}/{len(names)} within their host-time target "
         f"(full cache {TARGET_FULL}x, techniques {TARGET_TECH}x)"
     )
+    if parts:
+        where(lm, model, stacks, ids, steps)
+
+
+def where(lm, model, stacks: dict, ids: list[int], steps: int) -> None:
+    """(3): each technique's step and transformers' beside it, timed in turn and in their parts
+    (:func:`stepcost.paired_parts`), ms per step."""
+    print(
+        f"(3) where the host's time goes, ms per decode step ({steps} steps of each side in turn, timed "
+        "in their parts): the cache's update, the attention function, the technique hooks after the "
+        "forward, the rest; beyond: the step minus transformers' beside it"
+    )
+    head = " ".join(f"{c:>7s}" for c in ("step", "update", "attend", "hooks", "rest", "beyond"))
+    print(f"  {'stack':28s} {head}")
+
+    def row(label: str, p: stepcost.HostParts, beyond: str) -> None:
+        cols = " ".join(f"{x:7.2f}" for x in (p.step, p.update, p.attention, p.hooks, p.rest))
+        print(f"  {label:28s} {cols} {beyond:>7s}", flush=True)
+
+    for name, stack in stacks.items():
+        print(f"(3) timing the parts of {name or FULL}", file=sys.stderr, flush=True)
+        plain, mine = stepcost.paired_parts(
+            lambda: stepcost.plain_stepper(lm, model, ids),
+            lambda s=stack: stepcost.kvbench_stepper(lm, s, ids),
+            steps,
+        )
+        row(f"{PLAIN} (beside)", plain, "")
+        row(name or FULL, mine, f"{mine.step - plain.step:+7.2f}")
 
 
 def main() -> None:
@@ -140,6 +174,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--skip-counts", action="store_true")
     ap.add_argument("--skip-host", action="store_true")
+    ap.add_argument("--parts", action="store_true", help="(3): time each side's step in its parts, after (2)")
     args = ap.parse_args()
     known = stepcost.catalog()
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else known
@@ -155,7 +190,7 @@ def main() -> None:
             counts(names, sorted(int(c) for c in args.contexts.split(",") if c.strip()), args.budget)
         if not args.skip_host:
             torch.set_num_threads(1)
-            host(names, args.host_context, args.steps, args.rounds, args.budget)
+            host(names, args.host_context, args.steps, args.rounds, args.budget, args.parts)
 
 
 if __name__ == "__main__":

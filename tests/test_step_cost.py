@@ -250,6 +250,7 @@ def test_the_benchmark_runs_and_prints_both_parts():
             "2",
             "--rounds",
             "1",
+            "--parts",
         ],
         capture_output=True,
         text=True,
@@ -260,6 +261,7 @@ def test_the_benchmark_runs_and_prints_both_parts():
     for line in ("transformers", "full cache", "scheduler/quest", "MB@48", "MB@64"):
         assert line in out, out
     assert "within their launch target" in out and "within their host-time target" in out, out
+    assert "(3) where the host's time goes" in out and "transformers (beside)" in out, out
 
 
 def test_paired_steps_time_one_step_of_each_side_in_turn():
@@ -280,3 +282,31 @@ def test_paired_steps_time_one_step_of_each_side_in_turn():
     a, b = stepcost.paired_steps(side("a", 0.0), side("b", 0.004), steps=5, warm=1)
     assert calls == ["a", "b"] * 6
     assert a < 0.004 <= b
+
+
+def test_paired_parts_split_each_side_s_step_and_restore_what_they_wrap(launch_model, prompt):
+    """The benchmark's parts (:func:`stepcost.paired_parts`): each side's cache update and attention
+    are timed (kvbench's hooks too; transformers has none), their sum stays within the step, the
+    sides alternate, and the wrapped methods and attention functions are restored after."""
+    from transformers import DynamicCache
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvbench.cache.engine import ATTN_NAME, KVCache
+
+    before = (DynamicCache.update, KVCache.update, KVCache.after_forward)
+    attends = (ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS[ATTN_NAME])
+    model = stepcost.plain_model(launch_model)
+    stack = stepcost.technique_stack(launch_model, "scheduler/h2o", 0.5)
+    ids = prompt[:64]
+    plain, mine = stepcost.paired_parts(
+        lambda: stepcost.plain_stepper(launch_model, model, ids),
+        lambda: stepcost.kvbench_stepper(launch_model, stack, ids),
+        steps=3,
+    )
+    for side in (plain, mine):
+        assert side.update > 0 and side.attention > 0 and side.rest > 0
+        assert side.update + side.attention + side.hooks < side.step
+    assert plain.hooks == 0 and mine.hooks > 0
+    assert (DynamicCache.update, KVCache.update, KVCache.after_forward) == before
+    assert "update" not in DynamicCache.__dict__  # inherited, as before
+    assert (ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS[ATTN_NAME]) == attends

@@ -12,7 +12,9 @@ Python around it. Both can be measured without a GPU:
 - **Host time**, on a model whose arithmetic is negligible (:data:`HOST_MODEL`: eight thin layers,
   a short context, one thread): its step costs what the host spends per operation and per line of
   Python, as a batch-1 step on a GPU does (:func:`paired_steps`: one step of each side in turn).
-  Time ratios belong to the benchmark (``scripts/bench_decode.py``), not to tests.
+  Time ratios belong to the benchmark (``scripts/bench_decode.py``), not to tests. Where that
+  time goes (:func:`paired_parts`): the cache's update, the attention function and the technique
+  hooks after the forward, against the same parts of transformers' step.
 
 Both sides run the same greedy loop: the next token read on the host after each step (as
 ``generate()`` does to test for the end of a sequence), transformers through its own
@@ -25,7 +27,8 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,8 +37,10 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import DynamicCache
+from transformers import AttentionInterface, DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvbench.cache.engine import ATTN_NAME, KVCache
 from kvbench.eval import loop
 from kvbench.models import LoadedModel
 from kvbench.paths import CONF_DIR
@@ -310,6 +315,95 @@ def paired_steps(make_a: Stepper, make_b: Stepper, steps: int, warm: int = 2) ->
         times_a.append(mid - start)
         times_b.append(time.perf_counter() - mid)
     return statistics.median(times_a), statistics.median(times_b)
+
+
+# The parts of a step :func:`step_parts` times, each the host's time in one call site of both sides.
+PARTS = ("update", "attention", "hooks")
+
+
+@dataclass
+class HostParts:
+    """Mean milliseconds of a decode step and of three parts of it (:func:`paired_parts`):
+
+    - ``update``: the cache's ``update``, which stores the step's keys and values (kvbench's
+      :meth:`KVCache.update`; transformers' ``DynamicCache.update``);
+    - ``attention``: the model's attention function, which reads them (kvbench's engine, with the
+      read selector's routing and the observers' probabilities; transformers' SDPA);
+    - ``hooks``: the stack's work after the forward (:meth:`KVCache.after_forward`: compression,
+      eviction, router writes); none in transformers.
+
+    ``rest`` is the model's own layers and the greedy loop, the same work on both sides."""
+
+    step: float
+    update: float
+    attention: float
+    hooks: float
+
+    @property
+    def rest(self) -> float:
+        return self.step - self.update - self.attention - self.hooks
+
+
+@contextmanager
+def _parts_timed(spent: list[dict[str, float]]) -> Iterator[None]:
+    """Add the seconds spent in each of :data:`PARTS` to ``spent[0]`` (the running side's) while
+    active: the two caches' ``update`` and :meth:`KVCache.after_forward` wrapped on their classes,
+    and the attention functions registered as ``"sdpa"`` and kvbench's in transformers' attention
+    interface; all restored after."""
+
+    def timed(fn: Callable, part: str) -> Callable:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[0][part] += time.perf_counter() - start
+
+        return call
+
+    methods = [
+        (DynamicCache, "update", "update"),
+        (KVCache, "update", "update"),
+        (KVCache, "after_forward", "hooks"),
+    ]
+    saved = [(cls, name, cls.__dict__.get(name)) for cls, name, _ in methods]  # None: inherited
+    attends = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("sdpa", ATTN_NAME)}
+    try:
+        for cls, name, part in methods:
+            setattr(cls, name, timed(getattr(cls, name), part))
+        for name, fn in attends.items():
+            AttentionInterface.register(name, timed(fn, "attention"))
+        yield
+    finally:
+        for cls, name, fn in saved:
+            if fn is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, fn)
+        for name, fn in attends.items():
+            AttentionInterface.register(name, fn)
+
+
+def paired_parts(make_a: Stepper, make_b: Stepper, steps: int, warm: int = 2) -> tuple[HostParts, HostParts]:
+    """:class:`HostParts` of ``make_a()``'s and ``make_b()``'s step functions, ``steps`` of each
+    timed in turn as :func:`paired_steps` times them (after ``warm`` untimed), whole and in their
+    parts (timed around their calls: a few microseconds a call on top of the ratio's steps)."""
+    step_a, step_b = make_a(), make_b()
+    for _ in range(warm):
+        step_a()
+        step_b()
+    sides = [dict.fromkeys(("step", *PARTS), 0.0) for _ in range(2)]
+    running = [sides[0]]
+    with _parts_timed(running):
+        for _ in range(steps):
+            for side, step in zip(sides, (step_a, step_b)):
+                running[0] = side
+                start = time.perf_counter()
+                step()
+                side["step"] += time.perf_counter() - start
+    ms = 1e3 / steps
+    a, b = (HostParts(*(side[p] * ms for p in ("step", *PARTS))) for side in sides)
+    return a, b
 
 
 def kvbench_stepper(lm: LoadedModel, stack: Stack, ids: list[int]) -> Callable[[], None]:
