@@ -130,6 +130,20 @@ class Columns:
 
 _CLOSING: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
+# ``(rows, device)`` -> ``(rows, 1)`` long, each row's index: read-only, outside any cache (what a
+# cache holds is measured as before), a few entries (the stores' head-row counts).
+_ROW_IDS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _row_ids(bh: int, device: torch.device) -> torch.Tensor:
+    """``(bh, 1)`` long ``0 .. bh - 1``, made once per count of rows and device."""
+    ids = _ROW_IDS.get((bh, device))
+    if ids is None:
+        if len(_ROW_IDS) >= 16:
+            _ROW_IDS.clear()
+        ids = _ROW_IDS[(bh, device)] = torch.arange(bh, device=device)[:, None]
+    return ids
+
 
 def _closing(
     capacity: int, col: int, stop: int, rows: tuple[bool, ...], like: torch.Tensor
@@ -373,8 +387,9 @@ class Rows:
                 self._run = (key, first, start, new[key])
         else:
             self._open(self.width + q)
-            cols = self.lens[:, None] + torch.arange(q, device=self.device)  # (BH, q)
-            rows = torch.arange(self.bh, device=self.device)[:, None].expand_as(cols)
+            # (BH, q): a decode step's one token goes at each row's length, indexed without arithmetic
+            cols = self.lens[:, None] if q == 1 else self.lens[:, None] + torch.arange(q, device=self.device)
+            rows = _row_ids(self.bh, self.device).expand_as(cols)
             for name, value in new.items():
                 self.fields[name][rows, cols] = value
             self._fill_absent(new, rows, cols)
