@@ -94,7 +94,9 @@ class _Compaction:
             cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
             rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
             return cls((rows * stride + cols).reshape(-1), None, lens, low, high, keep, counts=counts)
-        rows, cols = keep.nonzero(as_tuple=True)  # the kept slots, row after row, in order
+        # the kept slots, row after row, in order; as many as the counts say, so none is read from
+        # the device (``nonzero`` reads how many there are: a synchronisation on a GPU)
+        rows, cols = torch.nonzero_static(keep, size=sum(counts)).unbind(1)
         src = rows * stride + cols
         dst = None
         if low != high:
@@ -464,7 +466,8 @@ class Rows:
             counts, kept_counts = torch.stack([lens, kept]).tolist()  # the one synchronisation
             if not any(counts):
                 return None
-            rows, cols = move.nonzero(as_tuple=True)  # the moved slots, row after row, in order
+            # the moved slots, row after row, in order (as many as the counts just read: no other read)
+            rows, cols = torch.nonzero_static(move, size=sum(counts)).unbind(1)
             src = rows * self.capacity + cols
         taken = {
             name: field.view(self.bh * self.capacity, *field.shape[2:]).index_select(0, src)
