@@ -180,6 +180,10 @@ def main() -> None:
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else known
     if unknown := sorted(set(only) - set(known)):
         raise SystemExit(f"--only: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    if args.parts and args.skip_host:
+        raise SystemExit(
+            "--parts times the host part (2)'s steps in their parts: it cannot go with --skip-host"
+        )
     if args.rounds < 1 or args.steps < 1:
         raise SystemExit(f"--rounds={args.rounds}, --steps={args.steps}: each must be >= 1")
     names: list[str | None] = [None, *only]

@@ -310,3 +310,22 @@ def test_paired_parts_split_each_side_s_step_and_restore_what_they_wrap(launch_m
     assert (DynamicCache.update, KVCache.update, KVCache.after_forward) == before
     assert "update" not in DynamicCache.__dict__  # inherited, as before
     assert (ALL_ATTENTION_FUNCTIONS["sdpa"], ALL_ATTENTION_FUNCTIONS[ATTN_NAME]) == attends
+
+
+def test_parts_timing_undoes_what_it_patched_when_it_fails(monkeypatch):
+    """A failure while :func:`stepcost._parts_timed` patches (here: kvbench's attention function not
+    registered) undoes what it had patched, and nothing else, and lets the error through."""
+    from transformers import DynamicCache
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from kvbench.cache.engine import ATTN_NAME, KVCache
+
+    def patched() -> tuple:
+        return DynamicCache.update, KVCache.update, KVCache.after_forward, ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+    before = patched()
+    monkeypatch.delitem(type(ALL_ATTENTION_FUNCTIONS)._global_mapping, ATTN_NAME, raising=False)
+    with pytest.raises(KeyError), stepcost._parts_timed([dict.fromkeys(stepcost.PARTS, 0.0)]):
+        pass
+    assert patched() == before
+    assert "update" not in DynamicCache.__dict__

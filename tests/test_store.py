@@ -434,3 +434,17 @@ def test_protected_slots_from_host_figures_equal_those_from_the_device(protect):
             want_fp = want_fp | (fp_pos >= start.repeat_interleave(2)[:, None])
         assert torch.equal(budget.protected_view(store), want_view)
         assert torch.equal(budget.protected_fp(store), want_fp)
+
+
+def test_true_slots_are_nonzero_s_taken_at_the_known_count():
+    """:func:`rows.true_slots`: the True slots of a mask row after row, as ``nonzero`` gives them,
+    taken at the count the caller knows (no read of it from the device)."""
+    from kvbench.cache.rows import true_slots
+
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(1, 1), (3, 7), (8, 130), (16, 2)]:
+        for p in (0.0, 0.3, 1.0):
+            mask = torch.rand(shape, generator=gen) < p
+            rows, cols = true_slots(mask, int(mask.sum()))
+            want = mask.nonzero(as_tuple=True)
+            assert torch.equal(rows, want[0]) and torch.equal(cols, want[1])

@@ -94,9 +94,7 @@ class _Compaction:
             cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
             rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
             return cls((rows * stride + cols).reshape(-1), None, lens, low, high, keep, counts=counts)
-        # the kept slots, row after row, in order; as many as the counts say, so none is read from
-        # the device (``nonzero`` reads how many there are: a synchronisation on a GPU)
-        rows, cols = torch.nonzero_static(keep, size=sum(counts)).unbind(1)
+        rows, cols = true_slots(keep, sum(counts))  # the kept slots, row after row, in order
         src = rows * stride + cols
         dst = None
         if low != high:
@@ -131,6 +129,22 @@ class Columns:
 
 
 _CLOSING: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+# ``torch.nonzero_static`` has a CUDA kernel since PyTorch 2.6 (the CPU one is older).
+_STATIC_NONZERO_ANYWHERE = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 6)
+
+
+def true_slots(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask.nonzero(as_tuple=True)`` of a ``(rows, cols)`` mask holding ``count`` True slots, a
+    count the caller knows on the host: taken at that size, so it is not read again from the device
+    (``nonzero`` reads it: a synchronisation on a GPU). ``nonzero`` where this PyTorch has no
+    ``nonzero_static`` for the device."""
+    if _STATIC_NONZERO_ANYWHERE or mask.device.type == "cpu":
+        rows, cols = torch.nonzero_static(mask, size=count).unbind(1)
+        return rows, cols
+    rows, cols = mask.nonzero(as_tuple=True)
+    return rows, cols
+
 
 # ``(rows, device)`` -> ``(rows, 1)`` long, each row's index: read-only, outside any cache (what a
 # cache holds is measured as before), a few entries (the stores' head-row counts).
@@ -466,8 +480,7 @@ class Rows:
             counts, kept_counts = torch.stack([lens, kept]).tolist()  # the one synchronisation
             if not any(counts):
                 return None
-            # the moved slots, row after row, in order (as many as the counts just read: no other read)
-            rows, cols = torch.nonzero_static(move, size=sum(counts)).unbind(1)
+            rows, cols = true_slots(move, sum(counts))  # the moved slots, row after row, in order
             src = rows * self.capacity + cols
         taken = {
             name: field.view(self.bh * self.capacity, *field.shape[2:]).index_select(0, src)

@@ -25,6 +25,7 @@ every step.
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -317,7 +318,7 @@ def paired_steps(make_a: Stepper, make_b: Stepper, steps: int, warm: int = 2) ->
     return statistics.median(times_a), statistics.median(times_b)
 
 
-# The parts of a step :func:`step_parts` times, each the host's time in one call site of both sides.
+# The parts of a step :func:`paired_parts` times, each the host's time in one call site of both sides.
 PARTS = ("update", "attention", "hooks")
 
 
@@ -352,6 +353,7 @@ def _parts_timed(spent: list[dict[str, float]]) -> Iterator[None]:
     interface; all restored after."""
 
     def timed(fn: Callable, part: str) -> Callable:
+        @functools.wraps(fn)
         def call(*args, **kwargs):
             start = time.perf_counter()
             try:
@@ -366,22 +368,24 @@ def _parts_timed(spent: list[dict[str, float]]) -> Iterator[None]:
         (KVCache, "update", "update"),
         (KVCache, "after_forward", "hooks"),
     ]
-    saved = [(cls, name, cls.__dict__.get(name)) for cls, name, _ in methods]  # None: inherited
-    attends = {name: ALL_ATTENTION_FUNCTIONS[name] for name in ("sdpa", ATTN_NAME)}
+    undo: list[Callable[[], None]] = []  # what was patched, each undone in reverse order
     try:
         for cls, name, part in methods:
+            own = cls.__dict__.get(name)  # None: inherited
             setattr(cls, name, timed(getattr(cls, name), part))
-        for name, fn in attends.items():
+            undo.append(
+                functools.partial(delattr, cls, name)
+                if own is None
+                else functools.partial(setattr, cls, name, own)
+            )
+        for name in ("sdpa", ATTN_NAME):
+            fn = ALL_ATTENTION_FUNCTIONS[name]
             AttentionInterface.register(name, timed(fn, "attention"))
+            undo.append(functools.partial(AttentionInterface.register, name, fn))
         yield
     finally:
-        for cls, name, fn in saved:
-            if fn is None:
-                delattr(cls, name)
-            else:
-                setattr(cls, name, fn)
-        for name, fn in attends.items():
-            AttentionInterface.register(name, fn)
+        for step in reversed(undo):
+            step()
 
 
 def paired_parts(make_a: Stepper, make_b: Stepper, steps: int, warm: int = 2) -> tuple[HostParts, HostParts]:
