@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -146,19 +147,11 @@ def true_slots(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tens
     return rows, cols
 
 
-# ``(rows, device)`` -> ``(rows, 1)`` long, each row's index: read-only, outside any cache (what a
-# cache holds is measured as before), a few entries (the stores' head-row counts).
-_ROW_IDS: dict[tuple[int, torch.device], torch.Tensor] = {}
-
-
+@functools.lru_cache(maxsize=16)
 def _row_ids(bh: int, device: torch.device) -> torch.Tensor:
-    """``(bh, 1)`` long ``0 .. bh - 1``, made once per count of rows and device."""
-    ids = _ROW_IDS.get((bh, device))
-    if ids is None:
-        if len(_ROW_IDS) >= 16:
-            _ROW_IDS.clear()
-        ids = _ROW_IDS[(bh, device)] = torch.arange(bh, device=device)[:, None]
-    return ids
+    """``(bh, 1)`` long ``0 .. bh - 1``, made once per count of rows and device (read-only, outside
+    any cache: what a cache holds is measured as before)."""
+    return torch.arange(bh, device=device)[:, None]
 
 
 def _closing(
