@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvbench.cache import devices
 from kvbench.cache.rotary import Rotary
 from kvbench.cache.surface import StoreView, TechniqueStore, protected_from
 from kvbench.errors import ConfigError
@@ -320,6 +321,6 @@ def keep_top(
     masked = scores if valid is None else scores.masked_fill(~valid, float("-inf"))
     order = masked.argsort(dim=-1, descending=True, stable=True)
     # The first kk of each row in sorted order, put back in place.
-    kept = (torch.arange(t, device=scores.device) < kk).expand(b, h, t)
+    kept = (devices.arange(t, scores) < kk).expand(b, h, t)
     kept = torch.empty(b, h, t, dtype=torch.bool, device=scores.device).scatter_(-1, order, kept)
     return kept if valid is None else kept & valid

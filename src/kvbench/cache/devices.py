@@ -12,3 +12,18 @@ def device_of(t: torch.Tensor) -> object:
     devices by replacing it, as :meth:`kvbench.cache.store.LayerStore.position_key` names the device
     for the same reason)."""
     return t.device
+
+
+_COUNTS: dict[tuple[object, torch.dtype], torch.Tensor] = {}
+
+
+def arange(n: int, like: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """``torch.arange(n)`` in ``dtype`` on ``like``'s device, as a slice of one tensor kept per device
+    and dtype (grown to twice what was asked when too short): no launch per call. Read-only: its
+    callers compare, index or expand it, never write into it."""
+    key = (device_of(like), dtype)
+    held = _COUNTS.get(key)
+    if held is None or held.shape[0] < n:
+        with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
+            held = _COUNTS[key] = torch.arange(max(2 * n, 1024), device=like.device, dtype=dtype)
+    return held[:n]

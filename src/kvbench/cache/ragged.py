@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from kvbench.cache import devices
+
 # Count tensors ``lens`` whose common value (or None: they differ) is known on the host: told when
 # made from host figures (a move of the same number from each row, an extend), or read once.
 _SAME: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -70,7 +72,7 @@ def span(lens: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
 
 def valid_mask(lens: torch.Tensor, width: int) -> torch.Tensor:
     """Boolean ``(BH, width)`` mask, True for the first ``lens[i]`` slots of row ``i``."""
-    return torch.arange(width, device=lens.device)[None, :] < lens[:, None]
+    return devices.arange(width, lens)[None, :] < lens[:, None]
 
 
 def to_padded(flat: torch.Tensor, lens: torch.Tensor, fill: float = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from kvbench.cache import devices
 from kvbench.cache.ragged import segment_ids, starts, valid_mask
@@ -57,16 +58,16 @@ def inference() -> contextlib.AbstractContextManager:
 @dataclass
 class _Compaction:
     """Where the kept slots of ``keep`` ``(BH, W)`` go when each row's are moved to its front, in
-    order, from fields whose rows are ``stride`` slots apart: ``src`` the kept slots (flat slot
-    indices of a ``(BH * stride, ...)`` view), ``dst`` their new places as (row, column) (None when
-    every row keeps ``width``: then they fill ``[:, :width]`` in order), ``lens`` ``(BH,)`` kept per
-    row, between ``least`` and ``width``; ``keep`` itself, which the Triton path's kernel reads
-    instead of a plan (:mod:`kvbench.kernels.compaction`: there ``src`` is empty and ``dst`` None);
-    ``kernel``, that module on the Triton path (asked once, when planning, so the plan and its
-    application take the same path), else None; ``counts``, ``lens`` on the host."""
+    order: ``cols`` ``(BH, width)``, each row's kept columns in order, left-aligned (past a row's
+    count: columns it does not keep); ``pad`` ``(BH, width)``, the slots past each row's count (None
+    when every row keeps ``width``); ``lens`` ``(BH,)`` kept per row, between ``least`` and
+    ``width``; ``keep`` itself, which the Triton path's kernel reads instead of a plan
+    (:mod:`kvbench.kernels.compaction`: there ``cols`` is empty); ``kernel``, that module on the
+    Triton path (asked once, when planning, so the plan and its application take the same path),
+    else None; ``counts``, ``lens`` on the host."""
 
-    src: torch.Tensor
-    dst: tuple[torch.Tensor, torch.Tensor] | None
+    cols: torch.Tensor
+    pad: torch.Tensor | None
     lens: torch.Tensor
     least: int
     width: int
@@ -78,7 +79,6 @@ class _Compaction:
     def of(
         cls,
         keep: torch.Tensor,
-        stride: int,
         lens: torch.Tensor | None = None,
         counts: list[int] | None = None,
     ) -> _Compaction:
@@ -91,34 +91,26 @@ class _Compaction:
         kernel = dispatch.kernels("compaction", slots=keep.shape[1])
         if kernel is not None:  # the kernel ranks the kept slots itself: no plan to make
             return cls(keep.new_empty(0, dtype=torch.long), None, lens, low, high, keep, kernel, counts)
-        if low == high:  # every row keeps ``high``: its kept slots are its first ``high`` after a stable sort
-            cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
-            rows = torch.arange(keep.shape[0], device=keep.device)[:, None]
-            return cls((rows * stride + cols).reshape(-1), None, lens, low, high, keep, counts=counts)
-        rows, cols = true_slots(keep, sum(counts))  # the kept slots, row after row, in order
-        src = rows * stride + cols
-        dst = None
-        if low != high:
-            dst = rows, (keep.long().cumsum(-1) - 1)[rows, cols]
-        return cls(src, dst, lens, low, high, keep, counts=counts)
+        # each row's kept slots are its first after a stable sort of the slots it does not keep last
+        cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
+        pad = None if low == high else devices.arange(high, lens) >= lens[:, None]
+        return cls(cols, pad, lens, low, high, keep, counts=counts)
 
     def apply(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the kept slots of ``values`` ``(BH, stride, ...)`` into ``out`` (``(BH, capacity,
-        ...)``, ``capacity >= width``, its slots past ``width`` left as they are): whole slots move by
-        one ``index_select`` over a ``(BH * stride, ...)`` view; slots of a row past its length read
-        as zeros. On the Triton path, one kernel pass per field (kept slots read once, written at
-        their new columns)."""
+        """Write the kept slots of ``values`` ``(BH, W', ...)`` (``W' >= W``) into ``out`` (``(BH,
+        capacity, ...)``, ``capacity >= width``, its slots past ``width`` left as they are): whole
+        slots move by one ``gather`` into ``out[:, :width]``; slots of a row past its length are then
+        zeroed. On the Triton path, one kernel pass per field (kept slots read once, written at their
+        new columns)."""
         if self.kernel is not None:
             self.kernel.compact_into(values, self.keep, out, self.width)
             return
-        bh, stride, *rest = values.shape
-        kept = values.reshape(bh * stride, *rest).index_select(0, self.src)
-        if self.dst is None:
-            out[:, : self.width] = kept.view(bh, self.width, *rest)
-        else:
-            out[:, self.least : self.width] = 0  # where some row ends short: zeros, then its tokens
-            rows, cols = self.dst
-            out.view(bh * out.shape[1], *rest).index_copy_(0, rows * out.shape[1] + cols, kept)
+        bh, _, *rest = values.shape
+        ones = [1] * len(rest)
+        dest = out[:, : self.width]
+        torch.gather(values, 1, self.cols.view(bh, self.width, *ones).expand(bh, self.width, *rest), out=dest)
+        if self.pad is not None:  # where some row ends short: zeros past its tokens
+            dest.masked_fill_(self.pad.view(bh, self.width, *ones), 0)
 
 
 @dataclass(frozen=True)
@@ -145,6 +137,11 @@ def true_slots(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tens
         return rows, cols
     rows, cols = mask.nonzero(as_tuple=True)
     return rows, cols
+
+
+# ``valid()`` of ragged rows per ``lens`` tensor, made once for the readers of a step (read-only;
+# outside the rows, so what a cache holds is measured as before; gone with its ``lens``)
+_VALID: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
 @functools.lru_cache(maxsize=16)
@@ -177,7 +174,7 @@ def _closing(
 def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``values`` ``(BH, W, ...)`` without the slots where ``keep`` ``(BH, W)`` is False, per row, in
     order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
-    plan = _Compaction.of(keep, values.shape[1])
+    plan = _Compaction.of(keep)
     out = torch.empty_like(values, memory_format=torch.contiguous_format)
     plan.apply(values.contiguous(), out)
     return out[:, : plan.width]
@@ -298,7 +295,11 @@ class Rows:
             if self._ones is None or self._ones.shape[1] < self.width:
                 self._ones = torch.ones(self.bh, self.capacity, dtype=torch.bool, device=self.device)
             return self._ones[:, : self.width]
-        return valid_mask(self.lens, self.width)
+        lens = self.lens
+        made = _VALID.get(lens)
+        if made is None or made.shape[1] != self.width:
+            made = _VALID[lens] = valid_mask(lens, self.width)
+        return made
 
     def size(self) -> int:
         """Live tokens over all rows."""
@@ -480,7 +481,7 @@ class Rows:
             for name, field in self.fields.items()
         }
         stays = ~move if self.uniform else ~move & self.valid()
-        self._compact(_Compaction.of(stays, self.capacity, kept, kept_counts))
+        self._compact(_Compaction.of(stays, kept, kept_counts))
         return taken, lens, counts[0] if len(set(counts)) == 1 else None
 
     def take_columns(self, cols: Columns) -> tuple[dict[str, torch.Tensor], torch.Tensor, int] | None:
@@ -536,7 +537,7 @@ class Rows:
         if kept is not None and counted is None:
             counts = [kept] * self.bh
             lens = torch.full((self.bh,), kept, dtype=torch.long, device=self.device)
-        self._compact(_Compaction.of(keep, self.capacity, lens, counts))  # one plan for every field
+        self._compact(_Compaction.of(keep, lens, counts))  # one plan for every field
 
     def _compact(self, plan: _Compaction) -> None:
         """Apply ``plan`` to every field, into new tensors: at the present capacity, or a smaller

@@ -25,6 +25,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from kvbench.cache import devices
 from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Compressor, Flags
@@ -48,9 +49,7 @@ def chunk_keep(
     """
     big = torch.iinfo(pos.dtype).max
     order = torch.where(cand, pos, torch.full_like(pos, big)).argsort(dim=-1, stable=True)
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
-    )
+    rank = torch.empty_like(order).scatter_(-1, order, devices.arange(pos.shape[-1], pos).expand_as(order))
     cid = torch.where(cand, rank // chunk, torch.zeros_like(rank))  # (B, H, T)
     n = -(-pos.shape[-1] // chunk)
     csum = score.new_zeros(*score.shape[:2], n).scatter_add_(-1, cid, score.float() * cand)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.cache import attention as att
+from kvbench.cache import devices
 from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import BindContext, Compressor, Flags, keep_top
@@ -110,7 +111,7 @@ class FastVCompressor(Compressor):
         if self._score is not None and self._score.shape[0] == b:
             known = min(width, self._score.shape[1])
             score[:, :known] = store.local(self._score)[:, :known]  # scored at layer K - 1
-        allpos = torch.arange(width, device=store.device)
+        allpos = devices.arange(width, store.seen)
         protect_from = None if store.protect_from is None else store.protect_from[:, None]
         protected = self.budget.protected(allpos[None, :], store.seen[:, None], protect_from)
         score = score.masked_fill(protected, float("inf"))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.cache import attention as att
+from kvbench.cache import devices
 from kvbench.cache.side import TokenState
 from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
@@ -43,7 +44,7 @@ def ranked(primary: torch.Tensor, by_second: torch.Tensor) -> torch.Tensor:
     """
     order = by_second.gather(-1, primary.gather(-1, by_second).argsort(dim=-1, stable=True))
     rank = torch.empty_like(order, dtype=torch.float32)  # whole ranks, exact in float32
-    ranks = torch.arange(order.shape[-1], dtype=torch.float32, device=order.device)
+    ranks = devices.arange(order.shape[-1], order, torch.float32)
     return rank.scatter_(-1, order, ranks.expand_as(order))
 
 

@@ -204,7 +204,7 @@ class QuestScheduler(Scheduler):
         keys = torch.gather(view.k, 2, order[..., None].expand(b, h, t, d))
         npages = -(-t // p)
         keys = torch.nn.functional.pad(keys, (0, 0, 0, npages * p - t)).view(b, h, npages, p, d)
-        full = torch.arange(npages, device=keys.device) < (view.valid.sum(-1) // p)[..., None]  # (B, H, P)
+        full = devices.arange(npages, keys) < (view.valid.sum(-1) // p)[..., None]  # (B, H, P)
         kmin, kmax = keys.amin(3)[full].contiguous(), keys.amax(3)[full].contiguous()
         self._set_bounds(layer, store, kmin, kmax)
         self._kept_bounds.pop(store, None)
@@ -397,7 +397,7 @@ class QuestScheduler(Scheduler):
         else:
             key = torch.where(prior, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max))
             order = key.argsort(-1)
-            ranks = torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
+            ranks = devices.arange(pos.shape[-1], pos).expand_as(order)
             rank = torch.empty_like(order).scatter_(-1, order, ranks)
         n_full = prior.sum(-1) // self.page_size
         page = rank // self.page_size
