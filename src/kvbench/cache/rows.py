@@ -58,22 +58,24 @@ def inference() -> contextlib.AbstractContextManager:
 @dataclass
 class _Compaction:
     """Where the kept slots of ``keep`` ``(BH, W)`` go when each row's are moved to its front, in
-    order: ``cols`` ``(BH, width)``, each row's kept columns in order, left-aligned (past a row's
-    count: columns it does not keep); ``pad`` ``(BH, width)``, the slots past each row's count (None
-    when every row keeps ``width``); ``lens`` ``(BH,)`` kept per row, between ``least`` and
-    ``width``; ``keep`` itself, which the Triton path's kernel reads instead of a plan
-    (:mod:`kvbench.kernels.compaction`: there ``cols`` is empty); ``kernel``, that module on the
-    Triton path (asked once, when planning, so the plan and its application take the same path),
-    else None; ``counts``, ``lens`` on the host."""
+    order: ``order`` ``(BH, W)``, each row's columns with the kept ones first, in order (a stable
+    sort); ``lens`` ``(BH,)`` kept per row, between ``least`` and ``width``; ``keep`` itself, which
+    the Triton path's kernel reads instead of a plan (:mod:`kvbench.kernels.compaction`: there
+    ``order`` is empty); ``kernel``, that module on the Triton path (asked once, when planning, so
+    the plan and its application take the same path), else None; ``counts``, ``lens`` on the host."""
 
-    cols: torch.Tensor
-    pad: torch.Tensor | None
+    order: torch.Tensor
     lens: torch.Tensor
     least: int
     width: int
     keep: torch.Tensor
     kernel: ModuleType | None = None
     counts: list[int] = dataclasses.field(default_factory=list)
+    # the flat slots each field's new tensor takes, per (stride, capacity); the slots ending short rows
+    _src: dict[tuple[int, int], torch.Tensor] = dataclasses.field(
+        default_factory=dict, init=False, repr=False
+    )
+    _pad: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False)
 
     @classmethod
     def of(
@@ -90,27 +92,47 @@ class _Compaction:
         low, high = (min(counts), max(counts)) if counts else (0, 0)
         kernel = dispatch.kernels("compaction", slots=keep.shape[1])
         if kernel is not None:  # the kernel ranks the kept slots itself: no plan to make
-            return cls(keep.new_empty(0, dtype=torch.long), None, lens, low, high, keep, kernel, counts)
-        # each row's kept slots are its first after a stable sort of the slots it does not keep last
-        cols = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, :high]
-        pad = None if low == high else devices.arange(high, lens) >= lens[:, None]
-        return cls(cols, pad, lens, low, high, keep, counts=counts)
+            return cls(keep.new_empty(0, dtype=torch.long), lens, low, high, keep, kernel, counts)
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+        return cls(order, lens, low, high, keep, counts=counts)
 
-    def apply(self, values: torch.Tensor, out: torch.Tensor) -> None:
-        """Write the kept slots of ``values`` ``(BH, W', ...)`` (``W' >= W``) into ``out`` (``(BH,
-        capacity, ...)``, ``capacity >= width``, its slots past ``width`` left as they are): whole
-        slots move by one ``gather`` into ``out[:, :width]``; slots of a row past its length are then
-        zeroed. On the Triton path, one kernel pass per field (kept slots read once, written at their
-        new columns)."""
+    def zeroed_to(self, capacity: int) -> int:
+        """The column up to which :meth:`take` leaves zeros past every row's count (at a new
+        ``capacity``): one past the width where rows end short on the torch path, else the width."""
+        if self.kernel is not None or self.least == self.width:
+            return self.width
+        return min(capacity, self.width + 1)
+
+    def take(self, values: torch.Tensor, capacity: int) -> torch.Tensor:
+        """A new ``(BH, capacity, ...)`` tensor (``capacity >= width``) holding the kept slots of
+        ``values`` ``(BH, stride, ...)`` at the front of each row, in order, zeros past a row's
+        count up to :meth:`zeroed_to`, its slots from there on unset: one ``index_select`` of whole
+        slots (and, where rows end short, zeros written over the columns where some row does). On
+        the Triton path, one kernel pass (kept slots read once, written at their new columns)."""
+        bh, stride, *rest = values.shape
         if self.kernel is not None:
+            out = values.new_empty(bh, capacity, *rest)
             self.kernel.compact_into(values, self.keep, out, self.width)
-            return
-        bh, _, *rest = values.shape
-        ones = [1] * len(rest)
-        dest = out[:, : self.width]
-        torch.gather(values, 1, self.cols.view(bh, self.width, *ones).expand(bh, self.width, *rest), out=dest)
-        if self.pad is not None:  # where some row ends short: zeros past its tokens
-            dest.masked_fill_(self.pad.view(bh, self.width, *ones), 0)
+            return out
+        src = self._src.get((stride, capacity))
+        if src is None:
+            order, width = self.order, self.order.shape[1]
+            # past the kept slots: any slot of the row (those up to ``width`` zeroed below)
+            cols = (
+                order[:, :capacity]
+                if capacity <= width
+                else torch.cat([order, order[:, :1].expand(bh, capacity - width)], dim=1)
+            )
+            src = self._src[(stride, capacity)] = (_row_ids(bh, order.device) * stride + cols).view(-1)
+        out = values.reshape(bh * stride, *rest).index_select(0, src).view(bh, capacity, *rest)
+        if self.least < self.width:  # where some row ends short: zeros past its tokens, and in
+            # the column past the width (where the next append goes: it then clears nothing)
+            stop = self.zeroed_to(capacity)
+            if self._pad is None or self._pad.shape[1] != stop - self.least:
+                self._pad = devices.arange(stop, self.lens)[self.least :] >= self.lens[:, None]
+            tail = out[:, self.least : stop]
+            tail.masked_fill_(self._pad.view(*self._pad.shape, *[1] * len(rest)), 0)
+        return out
 
 
 @dataclass(frozen=True)
@@ -175,9 +197,7 @@ def compact(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """``values`` ``(BH, W, ...)`` without the slots where ``keep`` ``(BH, W)`` is False, per row, in
     order: aligned with the rows after :meth:`Rows.keep` with the same ``keep`` (freed slots zero)."""
     plan = _Compaction.of(keep)
-    out = torch.empty_like(values, memory_format=torch.contiguous_format)
-    plan.apply(values.contiguous(), out)
-    return out[:, : plan.width]
+    return plan.take(values.contiguous(), values.shape[1])[:, : plan.width]
 
 
 class Rows:
@@ -198,6 +218,9 @@ class Rows:
         self.uniform = True  # every row holds ``width`` tokens
         self.capacity = 0
         self._fields: dict[str, torch.Tensor] = {}
+        # columns ``width ..< _zeroed`` of every field hold zeros (a compaction or a resize left them
+        # so): an append there has nothing to clear
+        self._zeroed = 0
         self.fill: dict[str, float] = {}  # what a token holds in a field until set, where not 0
         # A field's values still to write: (name, first column, its value, the last append's values)
         # for columns ``first ..< width`` that hold ``value, value + 1, ...`` in every row (the
@@ -341,14 +364,18 @@ class Rows:
             new[:, : self.width] = old[:, : self.width]
             self._fields[name] = new
         self.capacity = cap
+        self._zeroed = cap  # new zeros past the width
         self._ones = self._starts = None
         self._heads.clear()
 
     def _open(self, width: int) -> None:
-        """Make room for ``width`` slots and zero the new span past the current width."""
+        """Make room for ``width`` slots and zero the new span past the current width (where a
+        compaction or a resize has not left zeros there)."""
         self._reserve(width)
-        for field in self.fields.values():
-            field[:, self.width : width] = 0
+        start = max(self.width, self._zeroed)
+        if width > start:
+            for field in self.fields.values():
+                field[:, start:width] = 0
 
     def append(self, new: dict[str, torch.Tensor], run: tuple[str, int] | None = None) -> None:
         """Append ``q`` tokens to every row: ``new[name]`` ``(BH, q, *rest)`` (or ``(1, q, *rest)``,
@@ -515,7 +542,7 @@ class Rows:
         self._heads.clear()  # views of the tensors replaced
         if cap != self.capacity:
             self._ones = self._starts = None
-        self.capacity, self.width, self._lens = cap, kept, None
+        self.capacity, self.width, self._lens, self._zeroed = cap, kept, None, kept
         lens = torch.full((self.bh,), moved, dtype=torch.long, device=self.device)
         return taken, lens, moved
 
@@ -546,9 +573,8 @@ class Rows:
         self._changed(0)
         cap = kept_capacity(plan.width, self.capacity)
         for name, field in self.fields.items():
-            new = field.new_empty(field.shape[0], cap, *field.shape[2:])
-            plan.apply(field, new)
-            self.fields[name] = new
+            self.fields[name] = plan.take(field, cap)
+        self._zeroed = plan.zeroed_to(cap)
         self._heads.clear()  # views of the tensors replaced
         if cap != self.capacity:
             self._ones = self._starts = None
@@ -590,6 +616,7 @@ class Rows:
                 # view (no gather); the slot it fills lies below it, or is it
                 flat.index_copy_(0, dst, field[:, width] if src is None else flat.index_select(0, src))
         self.width, self._lens = width, None  # every row still full: lengths made when read
+        self._zeroed = width  # the slots past it held the tokens that moved
         self.ordered = False
         self._changed(0)
 
@@ -611,6 +638,7 @@ class Rows:
                 flat.index_copy_(0, dst, flat.index_select(0, src))
         if every:
             self.width, self._lens = stop - 1, None
+            self._zeroed = self.width  # its last slot held the last token
         else:
             self._lens = self.lens - marked
         self._changed(col)
