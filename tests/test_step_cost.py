@@ -58,7 +58,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/random": (8.25, 0.24),
     "compressor/snapkv": (15.75, 0.37),
     "compressor/svd": (13.5, 13.78),
-    "scheduler/adakv": (55.75, 2.5),
+    "scheduler/adakv": (50.75, 2.5),
     "scheduler/duo_attention": (3.0, 0.5),
     "scheduler/flexgen": (2.75, 0.25),
     "scheduler/h2o": (13.25, 0.35),

@@ -295,7 +295,11 @@ class Router(Technique):
 
 
 def keep_top(
-    scores: torch.Tensor, valid: torch.Tensor | None, k: int | torch.Tensor, protected_fit: bool = False
+    scores: torch.Tensor,
+    valid: torch.Tensor | None,
+    k: int | torch.Tensor,
+    protected_fit: bool = False,
+    finite: bool = False,
 ) -> torch.Tensor:
     """Boolean mask of the ``k`` highest valid scores per head-row (ties: the earlier slot).
 
@@ -305,19 +309,23 @@ def keep_top(
         k: tokens to keep per head-row: an int, or per sequence ``(B,)``, or per head-row ``(B, H)``.
         protected_fit: the caller knows that no head-row holds more than ``k`` (an int) protected
             tokens, so ``k`` is kept exactly, without counting them.
+        finite: the caller knows that no valid score is ``+inf`` (nothing protected by its score),
+            so ``k`` (an int or a tensor) is kept exactly, without counting them.
 
     Returns:
         ``(B, H, T)`` bool.
     """
     b, h, t = scores.shape
-    if protected_fit and isinstance(k, int):
+    if (protected_fit or finite) and isinstance(k, int):
         kk: torch.Tensor | int = k
     else:
         kk = torch.as_tensor(k, device=scores.device).long()
         kk = kk.view(b, 1) if kk.dim() == 1 else kk
         kk = kk.expand(b, h) if kk.dim() else kk.expand(b, h)
-        protected = scores == float("inf")
-        kk = torch.maximum(kk, (protected if valid is None else protected & valid).sum(-1))[..., None]
+        if not finite:
+            protected = scores == float("inf")
+            kk = torch.maximum(kk, (protected if valid is None else protected & valid).sum(-1))
+        kk = kk[..., None]
     masked = scores if valid is None else scores.masked_fill(~valid, float("-inf"))
     order = masked.argsort(dim=-1, descending=True, stable=True)
     # The first kk of each row in sorted order, put back in place.

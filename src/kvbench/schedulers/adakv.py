@@ -80,7 +80,7 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
         """Tokens kept: ``(B, H, T)`` bool, aligned with ``store.view()``.
 
         Args:
-            score: ``(B, H, T)`` token scores, comparable across heads.
+            score: ``(B, H, T)`` finite token scores, comparable across heads.
             cap: ``(B,)`` mean tokens per head-row, or one for every sequence; a sequence keeps at
                 most ``cap * H`` tokens.
         """
@@ -89,10 +89,13 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
         per_seq = cap[:, None] if isinstance(cap, torch.Tensor) else cap
         free = (per_seq - prot.sum(-1)).clamp(min=0)  # (B, H) selectable slots of each head
         floor = torch.floor(free.double() * self.alpha + 1e-9).long()
-        cand = view.valid & ~prot
-        safe = keep_top(score, cand, floor)
-        rest = cand & ~safe
+        cand = view.valid ^ prot  # the valid tokens not protected (``prot`` lies within ``valid``)
+        # window scores are finite: no token is protected by a score of +inf
+        safe = keep_top(score, cand, floor, finite=True)
+        rest = cand ^ safe  # ``safe`` lies within ``cand``
         spare = free.sum(-1) - safe.sum((1, 2))  # (B,) slots left for the layer-wide top
         b, h, t = score.shape
-        top = keep_top(score.reshape(b, 1, h * t), rest.reshape(b, 1, h * t), spare).view(b, h, t)
+        top = keep_top(score.reshape(b, 1, h * t), rest.reshape(b, 1, h * t), spare, finite=True).view(
+            b, h, t
+        )
         return prot | safe | top
