@@ -45,7 +45,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "router/hierarchical": (22.25, 0.53),
     "router/pikv": (23.0, 0.39),
     "router/topk_balanced": (24.0, 0.39),
-    "compressor/chunkkv": (12.5, 0.7),
+    "compressor/chunkkv": (12.25, 0.7),
     "compressor/distillation": (87.5, 16.1),
     "compressor/fastv": (18.0, 1.05),
     "compressor/lora": (57.0, 15.2),
@@ -55,17 +55,17 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/pyramid": (8.75, 5.24),
     "compressor/pyramidkv": (16.0, 0.34),
     "compressor/quantized": (9.75, 5.83),
-    "compressor/random": (8.25, 0.24),
-    "compressor/snapkv": (15.75, 0.37),
+    "compressor/random": (7.75, 0.24),
+    "compressor/snapkv": (15.25, 0.37),
     "compressor/svd": (13.5, 13.78),
     "scheduler/adakv": (50.75, 2.5),
     "scheduler/duo_attention": (3.0, 0.5),
     "scheduler/flexgen": (2.75, 0.25),
-    "scheduler/h2o": (13.25, 0.35),
+    "scheduler/h2o": (12.75, 0.35),
     "scheduler/lru": (15.25, 0.41),
-    "scheduler/lru_plus": (18.25, 0.41),
+    "scheduler/lru_plus": (17.25, 0.41),
     "scheduler/quest": (19.75, 0.29),  # every layer paged (stepcost.MODEL_OVERRIDES)
-    "scheduler/streaming_llm": (5.75, 0.23),
+    "scheduler/streaming_llm": (5.25, 0.23),
 }
 
 

@@ -252,7 +252,8 @@ class Rows:
         return self._fields
 
     def _write_run(self) -> None:
-        """Write the pending run of consecutive values (one launch for one append, two for more)."""
+        """Write the pending run of consecutive values, in one launch (the values of several
+        appends: a slice of a held ``arange``)."""
         assert self._run is not None
         name, first, value, last = self._run
         self._run = None
@@ -262,9 +263,7 @@ class Rows:
             if n == last.shape[-1]:
                 field[:, first : self.width] = last
             else:
-                field[:, first : self.width] = torch.arange(value, value + n, device=self.device).to(
-                    field.dtype
-                )
+                field[:, first : self.width] = devices.arange(value + n, field, field.dtype)[value:]
 
     @property
     def lens(self) -> torch.Tensor:
