@@ -159,6 +159,96 @@ def test_keep_compacts_every_row_in_order(seed):
         assert torch.equal(compact(old, keep), want), name
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_ragged_rows_read_zeros_past_each_row_through_keeps_appends_and_filled_fields(seed):
+    """Through keeps that leave rows of different lengths (a compaction clears the column the next
+    append takes, which that append then leaves as it is), appends of one token and of ragged
+    counts, a state field made with a fill, and rows emptied whole: every row holds its tokens in
+    order and reads zeros past its length, in every field made with zeros, against a row-by-row
+    reference; a field made with a fill holds it in the slots appended since."""
+    from kvbench.cache.rows import Rows
+
+    gen = torch.Generator().manual_seed(seed)
+    bh = 3
+    rows = Rows(bh, torch.device("cpu"))
+    ref: list[list[float]] = [[] for _ in range(bh)]
+    filled: list[list[bool]] = [[] for _ in range(bh)]  # per slot: appended since the filled field
+    nxt = 0.0
+
+    def take(n: list[int]) -> torch.Tensor:
+        nonlocal nxt
+        vals = torch.arange(nxt, nxt + sum(n))
+        nxt += sum(n)
+        return vals
+
+    def check() -> None:
+        lens = [len(r) for r in ref]
+        assert rows.width == max(lens) and rows.lens.tolist() == lens
+        k = rows.get("k")
+        for r in range(bh):
+            assert k[r, : lens[r], 0].tolist() == ref[r] and not k[r, lens[r] :].any()
+        if "state" in rows:
+            state = rows.get("state")
+            for r in range(bh):
+                for j, f in enumerate(filled[r]):
+                    assert state[r, j] == (-1.0 if f else 0.0)
+
+    for step in range(40):
+        action = torch.randint(0, 5, (1,), generator=gen).item() if step > 1 else 0
+        if action in (0, 1) and all(len(r) == len(ref[0]) for r in ref):  # one token or more in every row
+            q = 1 + int(action == 0) * 3
+            vals = take([q] * bh).view(bh, q, 1).float()
+            rows.append({"k": vals})
+            for r in range(bh):
+                ref[r] += vals[r, :, 0].tolist()
+                filled[r] += [True] * q
+        elif action in (0, 1):  # rows of different lengths: one token at each row's end
+            vals = take([1] * bh).view(bh, 1, 1).float()
+            rows.append({"k": vals})
+            for r in range(bh):
+                ref[r].append(vals[r, 0, 0].item())
+                filled[r].append(True)
+        elif action == 2:  # ragged counts
+            n = torch.randint(0, 3, (bh,), generator=gen).tolist()
+            vals = take(n).float()
+            rows.append_ragged({"k": vals[:, None]}, torch.tensor(n))
+            at = 0
+            for r in range(bh):
+                ref[r] += vals[at : at + n[r]].tolist()
+                filled[r] += [True] * n[r]
+                at += n[r]
+        elif action == 3 and rows.width:  # a keep: rows of different lengths, or emptied
+            keep = torch.rand(bh, rows.width, generator=gen) > (0.3 if step % 7 else 1.0)
+            keep &= rows.valid()
+            rows.keep(keep)
+            for r in range(bh):
+                ref[r] = [x for x, k in zip(ref[r], keep[r].tolist()) if k]
+                filled[r] = [x for x, k in zip(filled[r], keep[r].tolist()) if k]
+        elif action == 4 and "state" not in rows:  # a state made with a fill, past rows compacted
+            rows.ensure("state", (), torch.float32, -1.0)
+            for r in range(bh):
+                filled[r] = [True] * len(ref[r])
+        check()
+
+
+def test_an_append_clears_its_new_column_in_a_field_made_with_a_fill_after_a_compaction():
+    """A compaction leaves the column past the width zeroed for the next append; a field made
+    afterwards with a fill holds the fill there, so that append clears it (a shorter row's
+    padding reads zeros, as before), and a keep of rows emptied whole makes empty rows."""
+    from kvbench.cache.rows import Rows
+
+    rows = Rows(2, torch.device("cpu"))
+    rows.append({"k": torch.ones(2, 4, 1)})
+    rows.keep(torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool))
+    rows.ensure("lrfu", (), torch.float32, float("-inf"))
+    rows.append({"k": torch.ones(2, 1, 1)})
+    assert rows.get("lrfu")[1].tolist() == [float("-inf")] * 3 + [0.0]
+    rows.keep(torch.zeros(2, rows.width, dtype=torch.bool))
+    assert rows.width == 0 and rows.get("k").shape == (2, 0, 1)
+    rows.keep(torch.zeros(2, 0, dtype=torch.bool))  # rows already empty: nothing to take
+    assert rows.width == 0 and rows.get("k").shape == (2, 0, 1)
+
+
 def test_rows_know_their_lengths_on_the_host_while_they_can():
     """``lens_host`` is ``lens`` where the host knows it without a read: full rows, a compaction's
     counts, grown by later appends; None after an append of counts only the device holds. It holds

@@ -121,7 +121,10 @@ class _Compaction:
             cols = (
                 order[:, :capacity]
                 if capacity <= width
-                else torch.cat([order, order[:, :1].expand(bh, capacity - width)], dim=1)
+                else torch.cat(
+                    [order, (order[:, :1] if width else order.new_zeros(bh, 1)).expand(bh, capacity - width)],
+                    1,
+                )
             )
             src = self._src[(stride, capacity)] = (_row_ids(bh, order.device) * stride + cols).view(-1)
         out = values.reshape(bh * stride, *rest).index_select(0, src).view(bh, capacity, *rest)
@@ -342,6 +345,7 @@ class Rows:
             else:
                 self._fields[name] = torch.full(shape, fill, dtype=dtype, device=self.device)
                 self.fill[name] = fill
+                self._zeroed = min(self._zeroed, self.width)  # its columns past the width hold the fill
         elif fill != 0 and name not in self.fill:  # made by an append that gave it: later ones may not
             self.fill[name] = fill
         self._flush(name)  # a pending run of another field stays pending
