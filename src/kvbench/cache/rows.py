@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -126,7 +125,8 @@ class _Compaction:
                     1,
                 )
             )
-            src = self._src[(stride, capacity)] = (_row_ids(bh, order.device) * stride + cols).view(-1)
+            starts = devices.arange(bh, order)[:, None] * stride  # each row's first flat slot
+            src = self._src[(stride, capacity)] = (starts + cols).view(-1)
         out = values.reshape(bh * stride, *rest).index_select(0, src).view(bh, capacity, *rest)
         if self.least < self.width:  # where some row ends short: zeros past its tokens, and in
             # the column past the width (where the next append goes: it then clears nothing)
@@ -167,13 +167,6 @@ def true_slots(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tens
 # ``valid()`` of ragged rows per ``lens`` tensor, made once for the readers of a step (read-only;
 # outside the rows, so what a cache holds is measured as before; gone with its ``lens``)
 _VALID: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-
-
-@functools.lru_cache(maxsize=16)
-def _row_ids(bh: int, device: torch.device) -> torch.Tensor:
-    """``(bh, 1)`` long ``0 .. bh - 1``, made once per count of rows and device (read-only, outside
-    any cache: what a cache holds is measured as before)."""
-    return torch.arange(bh, device=device)[:, None]
 
 
 def _closing(
@@ -429,7 +422,7 @@ class Rows:
             self._open(self.width + q)
             # (BH, q): a decode step's one token goes at each row's length, indexed without arithmetic
             cols = self.lens[:, None] if q == 1 else self.lens[:, None] + torch.arange(q, device=self.device)
-            rows = _row_ids(self.bh, self.device).expand_as(cols)
+            rows = devices.arange(self.bh, cols)[:, None].expand_as(cols)
             for name, value in new.items():
                 self.fields[name][rows, cols] = value
             self._fill_absent(new, rows, cols)

@@ -25,17 +25,10 @@ from kvbench.roles import Flags, Router
 
 T = TypeVar("T")
 
-_IDS: dict[tuple[int, object], torch.Tensor] = {}
-
 
 def expert_ids(experts: int, like: torch.Tensor) -> torch.Tensor:
-    """``arange(experts)`` on ``like``'s device, made once per process and device (read-only; keyed
-    by :func:`kvbench.cache.devices.device_of`, so no layer reads one made on another device)."""
-    key = (experts, devices.device_of(like))
-    ids = _IDS.get(key)
-    if ids is None:
-        ids = _IDS[key] = torch.arange(experts, device=like.device)
-    return ids
+    """``arange(experts)`` on ``like``'s device (read-only: :func:`kvbench.cache.devices.arange`)."""
+    return devices.arange(experts, like)
 
 
 _SCALAR: dict[object, tuple[float, torch.Tensor]] = {}
