@@ -292,6 +292,42 @@ def test_a_bare_step_over_parts_is_read_from_the_segments_alone(tiny_93, monkeyp
     assert not masked and len(asked) == 6 * len(cache.stores)
 
 
+def test_an_observed_step_over_ragged_rows_makes_its_logits_once(tiny_93, monkeypatch):
+    """A decode step over ragged full-precision rows (AdaKV's per-head budgets) whose only
+    technique inside attention observes the probabilities makes the rows' logits once, for the
+    output and the observer alike: the same logits, observer state and stored rows, bit for bit,
+    as the masked read that makes them twice, which it no longer takes."""
+    from kvbench.schedulers.adakv import AdaKVScheduler
+
+    def run(ragged_path: bool):
+        if not ragged_path:
+            monkeypatch.setattr(engine, "_observed_ragged", lambda *a: None)
+        stack = make_stack(
+            tiny_93, scheduler=AdaKVScheduler(obs_window=4, pool=3), budget=0.4, window=4, sinks=2
+        )
+        _, cache = run_chunks(tiny_93, stack, tokens(40), [40])
+        masked = []
+        masked_read = engine.KVCache._attend_masked
+        monkeypatch.setattr(
+            engine.KVCache, "_attend_masked", lambda *a, **k: masked.append(1) or masked_read(*a, **k)
+        )
+        logits = [loop.step(tiny_93, cache, [t]) for t in tokens(8, 1)]
+        monkeypatch.undo()
+        return torch.cat(logits), cache, masked
+
+    fast, cache, masked = run(True)
+    slow, ref, masked_ref = run(False)
+    assert not cache.stores[0].fp.rows.uniform  # ragged rows
+    assert not masked and len(masked_ref) == 8 * len(ref.stores)
+    assert torch.equal(fast, slow)
+    for store, want in zip(cache.stores, ref.stores):
+        assert store.states() == want.states() and store.states()
+        for st in store.states():
+            assert torch.equal(store.state(st), want.state(st))
+        view, want_view = store.view(), want.view()
+        assert torch.equal(view.k, want_view.k) and torch.equal(view.valid, want_view.valid)
+
+
 def _lora_partials(lm, monkeypatch) -> list:
     """What LatentSegment.attend_partials returned over a tiny lora run (prefill 30, 5 steps)."""
     given = []

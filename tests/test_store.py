@@ -232,7 +232,7 @@ def test_ragged_rows_read_zeros_past_each_row_through_keeps_appends_and_filled_f
 
 
 def test_an_append_clears_its_new_column_in_a_field_made_with_a_fill_after_a_compaction():
-    """A compaction leaves the column past the width zeroed for the next append; a field made
+    """A compaction leaves columns past the width zeroed for the next appends; a field made
     afterwards with a fill holds the fill there, so that append clears it (a shorter row's
     padding reads zeros, as before), and a keep of rows emptied whole makes empty rows."""
     from kvbench.cache.rows import Rows

@@ -223,6 +223,9 @@ class KVCache(Cache):
             kv = store.dense_kv()
             if kv is not None:
                 return self._observed_step(layer, store, query, scaling, kv, plan.observers)
+            out = _observed_ragged(layer, store, query, scaling, plan.observers)
+            if out is not None:
+                return out
         return self._attend_masked(layer, store, query, scaling, plan)
 
     def _attend_masked(
@@ -437,6 +440,29 @@ def _attend_parts(store: LayerStore, query: torch.Tensor, scaling: float) -> tor
     with dispatch.step(kernel):  # under auto, every segment's states of the kind merged here
         parts = partials.gather(store.segments, query, scaling, store.batch)
     return None if parts is None else (kernel or partials).merge(parts, query, store.kv_heads)
+
+
+def _observed_ragged(
+    layer: int, store: LayerStore, query: torch.Tensor, scaling: float, observers: tuple
+) -> torch.Tensor | None:
+    """One unpadded decode step over full-precision rows alone whose head-rows hold different
+    numbers of tokens, on the torch path, whose only technique inside attention observes the
+    probabilities: the rows' logits are made once (:func:`partials.partial`), the observers'
+    probabilities are their softmax, and the output is read from the same logits
+    (:func:`partials.merge`). The masked read would make the logits twice, once for each, with the
+    same values. None elsewhere (compressed segments, the Triton path, beyond :data:`DECODE_ELEMS`)."""
+    if len(store.segments) != 1 or dispatch.kernels("attention", store.batch, store.columns()) is not None:
+        return None
+    if store.batch * store.kv_heads * store.columns() * store.head_dim > DECODE_ELEMS:
+        return None
+    part = store.segments[0].attend_partials(query, scaling, store.batch)
+    probs = part.scaled_probs()
+    qpos = store.last_qpos
+    for tech in observers:
+        tech.observe(layer, store, probs, qpos)
+    out = partials.merge([part], query, store.kv_heads)
+    store.release()
+    return out
 
 
 def _attend_decoded(

@@ -35,9 +35,18 @@ class Partial:
     or latents on ``basis`` (see :func:`partial`)."""
 
     logits: torch.Tensor
-    scaling: float
+    scaling: float | None  # None: the logits are scaled already (:meth:`scaled_probs`)
     value: torch.Tensor
     basis: torch.Tensor | None = None
+
+    def scaled_probs(self) -> torch.Tensor:
+        """The part's slots' probabilities ``(B, H, g, q, T)`` float32, as one softmax over its
+        logits; the logits are scaled in place first, so :func:`merge` of this part alone reads
+        them as they are."""
+        if self.scaling is not None:
+            self.logits.mul_(self.scaling)
+            self.scaling = None
+        return torch.softmax(self.logits, -1)
 
     def output(self, p: torch.Tensor) -> torch.Tensor:
         """``(B, H, g, q, D)`` float32: the part's values weighted by ``p`` (its slots' share of
@@ -90,11 +99,14 @@ def merge(parts: list[Partial], query: torch.Tensor, kv_heads: int) -> torch.Ten
     gives (``e^(x - m)`` is 0 on every slot, and the sum, at least 1 where anything is read, is
     taken as 1)."""
     if len(parts) == 1:
-        logits = parts[0].logits.mul_(parts[0].scaling)  # -inf scaled stays -inf
+        scaling = parts[0].scaling
+        logits = parts[0].logits if scaling is None else parts[0].logits.mul_(scaling)  # -inf stays -inf
         p = logits.sub_(logits.amax(-1, keepdim=True).clamp_min_(_LOWEST)).exp_()
         out = parts[0].output(p) / p.sum(-1, keepdim=True).clamp_min_(1.0)
         return out.flatten(1, 2).to(query.dtype)
-    p = torch.softmax(torch.cat([part.logits for part in parts], -1).mul_(parts[0].scaling), -1)
+    scaling = parts[0].scaling
+    assert scaling is not None and all(part.scaling == scaling for part in parts)
+    p = torch.softmax(torch.cat([part.logits for part in parts], -1).mul_(scaling), -1)
     ends = list(itertools.accumulate(part.logits.shape[-1] for part in parts))
     out = parts[0].output(p[..., : ends[0]])
     for part, start, stop in zip(parts[1:], ends, ends[1:]):

@@ -45,6 +45,10 @@ def kept_capacity(kept: int, capacity: int) -> int:
     return capacity if 2 * kept >= capacity else with_room(kept)
 
 
+# Columns :meth:`Rows._open` zeros past the width it opens, where it zeros at all: a decode step's
+# append to ragged rows, one column, then writes zeros once every this many steps, not at each.
+ZERO_AHEAD = 4
+
 _ON = contextlib.nullcontext()
 
 
@@ -97,10 +101,11 @@ class _Compaction:
 
     def zeroed_to(self, capacity: int) -> int:
         """The column up to which :meth:`take` leaves zeros past every row's count (at a new
-        ``capacity``): one past the width where rows end short on the torch path, else the width."""
+        ``capacity``): :data:`ZERO_AHEAD` past the width where rows end short on the torch path
+        (where the next appends go: they then clear nothing), else the width."""
         if self.kernel is not None or self.least == self.width:
             return self.width
-        return min(capacity, self.width + 1)
+        return min(capacity, self.width + ZERO_AHEAD)
 
     def take(self, values: torch.Tensor, capacity: int) -> torch.Tensor:
         """A new ``(BH, capacity, ...)`` tensor (``capacity >= width``) holding the kept slots of
@@ -129,7 +134,7 @@ class _Compaction:
             src = self._src[(stride, capacity)] = (starts + cols).view(-1)
         out = values.reshape(bh * stride, *rest).index_select(0, src).view(bh, capacity, *rest)
         if self.least < self.width:  # where some row ends short: zeros past its tokens, and in
-            # the column past the width (where the next append goes: it then clears nothing)
+            # the columns past the width up to :meth:`zeroed_to`
             stop = self.zeroed_to(capacity)
             if self._pad is None or self._pad.shape[1] != stop - self.least:
                 self._pad = devices.arange(stop, self.lens)[self.least :] >= self.lens[:, None]
@@ -366,12 +371,15 @@ class Rows:
 
     def _open(self, width: int) -> None:
         """Make room for ``width`` slots and zero the new span past the current width (where a
-        compaction or a resize has not left zeros there)."""
+        compaction or a resize has not left zeros there), with up to :data:`ZERO_AHEAD` columns
+        more within the capacity: the appends to ragged rows that follow clear nothing."""
         self._reserve(width)
         start = max(self.width, self._zeroed)
         if width > start:
+            stop = min(self.capacity, width + ZERO_AHEAD)
             for field in self.fields.values():
-                field[:, start:width] = 0
+                field[:, start:stop] = 0
+            self._zeroed = stop
 
     def append(self, new: dict[str, torch.Tensor], run: tuple[str, int] | None = None) -> None:
         """Append ``q`` tokens to every row: ``new[name]`` ``(BH, q, *rest)`` (or ``(1, q, *rest)``,
