@@ -326,7 +326,7 @@ def keep_top(
             protected = scores == float("inf")
             kk = torch.maximum(kk, (protected if valid is None else protected & valid).sum(-1))
         kk = kk[..., None]
-    masked = scores if valid is None else scores.masked_fill(~valid, float("-inf"))
+    masked = scores if valid is None else torch.where(valid, scores, float("-inf"))
     order = masked.argsort(dim=-1, descending=True, stable=True)
     # The first kk of each row in sorted order, put back in place.
     kept = (devices.arange(t, scores) < kk).expand(b, h, t)

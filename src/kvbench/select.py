@@ -321,8 +321,8 @@ class ObservationWindow:
         if view.dense:  # every slot a token, in position order
             return pool_sorted(score, self.pool)
         # In position order, each row's tokens first: its padding pools as -inf, reads as 0
-        padding = ~view.valid
-        return pool_sorted(score.masked_fill(padding, float("-inf")), self.pool).masked_fill(padding, 0.0)
+        valid = view.valid
+        return torch.where(valid, pool_sorted(torch.where(valid, score, float("-inf")), self.pool), 0.0)
 
 
 def pool_scores(
@@ -342,9 +342,9 @@ def pool_scores(
         order = torch.where(valid, pos, torch.full_like(pos, torch.iinfo(pos.dtype).max)).argsort(-1)
     s = torch.gather(score, -1, order)
     if not dense:
-        s = s.masked_fill(~torch.gather(valid, -1, order), float("-inf"))
+        s = torch.where(torch.gather(valid, -1, order), s, float("-inf"))
     out = torch.empty_like(score).scatter_(-1, order, pool_sorted(s, kernel))
-    return out if dense else out.masked_fill(~valid, 0.0)
+    return out if dense else torch.where(valid, out, 0.0)
 
 
 def pool_sorted(score: torch.Tensor, kernel: int) -> torch.Tensor:

@@ -81,7 +81,7 @@ def partial(
     ``(B, H, M, D, Dv)`` (each of a head-row's ``M`` blocks of ``T / M`` consecutive slots its own)."""
     logits = _logits(query, key, None)  # (B, H, g, q, T)
     if valid is not None:
-        logits.masked_fill_(~valid[:, :, None, None, :], float("-inf"))
+        logits = torch.where(valid[:, :, None, None, :], logits, float("-inf"))
     return Partial(logits, scaling, value, basis)
 
 

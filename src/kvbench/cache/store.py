@@ -328,7 +328,7 @@ class LayerStore:
         if self._by_pos is None or self._by_pos[0] is not view:
             pos = view.pos
             if not view.dense:
-                pos = pos.masked_fill(~view.valid, torch.iinfo(pos.dtype).max)
+                pos = torch.where(view.valid, pos, torch.iinfo(pos.dtype).max)
             self._by_pos = view, pos.argsort(dim=-1, stable=True)
         return self._by_pos[1]
 

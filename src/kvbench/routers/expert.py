@@ -140,7 +140,7 @@ def position_blocks(
         rank = key.argsort(-1).argsort(-1)
         n = routable.sum(-1, keepdim=True).clamp(min=1)
     eid = rank * experts // n
-    return eid.masked_fill_(~routable, -1)
+    return torch.where(routable, eid, -1)
 
 
 def expert_onehot(eid: torch.Tensor, member: torch.Tensor | None, experts: int) -> torch.Tensor:
