@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -123,6 +124,7 @@ class KVCache(Cache):
         self.routed = False  # read selectors act for queries after the first compression point
         self.real: torch.Tensor | None = None  # (B, q) non-padding tokens of the coming forward
         self._plans: dict[tuple[int, int | None], ReadPlan] = {}  # this forward's (see ``plan``)
+        self.made_plans: dict[tuple[Any, ...], ReadPlan] = {}  # every situation's (ReadPlan.make)
         self.timer: AttnTimer | None = None  # set for a sampled decode step only (kvbench.cache.timing)
 
     # --- transformers interface -------------------------------------------------------------

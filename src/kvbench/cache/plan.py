@@ -38,12 +38,27 @@ class ReadPlan:
 
     @classmethod
     def make(cls, cache: KVCache, q_len: int, window: int | None) -> ReadPlan:
-        stack, real = cache.stack, cache.real
+        """The plan of ``cache``'s next forward: made once per situation (the query count, the
+        window, padding, the probe, the first compression point passed), for the cache's stack,
+        which does not change; a decode loop's steps share one."""
+        real = cache.real
         padded = real is not None and not bool(real.all())
-        observers, query_observers = tuple(stack.observers), tuple(stack.query_observers)
-        selector, placer = stack.read_selector, stack.placer
         # one decode step of real queries, unwindowed and not probed
         step = q_len == 1 and window is None and real is None and cache.probe is None
+        key = (q_len, window, padded, step, cache.routed)
+        made = cache.made_plans
+        plan = made.get(key)
+        if plan is None:
+            if len(made) >= 64:  # prefills of many chunk lengths: start over rather than grow
+                made.clear()
+            plan = made[key] = cls._make(cache, q_len, window, padded, step)
+        return plan
+
+    @classmethod
+    def _make(cls, cache: KVCache, q_len: int, window: int | None, padded: bool, step: bool) -> ReadPlan:
+        stack = cache.stack
+        observers, query_observers = tuple(stack.observers), tuple(stack.query_observers)
+        selector, placer = stack.read_selector, stack.placer
         routed = selector if cache.routed else None
         first = tuple(
             min((t.observed_from(layer, q_len, padded) for t in observers), default=q_len)

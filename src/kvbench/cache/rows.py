@@ -299,13 +299,13 @@ class Rows:
         if held is None or held[0] is not field:
             held = field, field.view(batch, self.bh // batch, *field.shape[1:])
             self._heads[name] = held
-        return held[1][:, :, : self.width]
+        return held[1].narrow(2, 0, self.width)
 
     def get(self, name: str) -> torch.Tensor:
         """The padded rectangle of a field: ``(BH, width, *rest)``, a view (slots past a row's
         length read as zeros)."""
         self._flush(name)
-        return self._fields[name][:, : self.width]
+        return self._fields[name].narrow(1, 0, self.width)
 
     def _flush(self, name: str) -> None:
         """Write the pending run if it is field ``name``'s (a reader of that field needs it)."""
@@ -403,7 +403,11 @@ class Rows:
                 fields = self._fields
             for name, field in fields.items():  # the fields not given take their fill
                 if name != run[0]:
-                    field[:, width : width + q] = new.get(name, self.fill.get(name, 0))
+                    value = new.get(name)
+                    if value is None:
+                        field.narrow(1, width, q).fill_(self.fill.get(name, 0))
+                    else:
+                        field.narrow(1, width, q).copy_(value)
             first, start = (width, run[1]) if pending is None else pending[1:3]
             self._run = (run[0], first, start, new[run[0]])
             if self.changed_from is None or self.changed_from > width:
