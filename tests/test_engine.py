@@ -295,8 +295,9 @@ def test_a_bare_step_over_parts_is_read_from_the_segments_alone(tiny_93, monkeyp
 def test_an_observed_step_over_ragged_rows_makes_its_logits_once(tiny_93, monkeypatch):
     """A decode step over ragged full-precision rows (AdaKV's per-head budgets) whose only
     technique inside attention observes the probabilities makes the rows' logits once, for the
-    output and the observer alike: the same logits, observer state and stored rows, bit for bit,
-    as the masked read that makes them twice, which it no longer takes."""
+    output and the observer alike: the same logits, observer state, stored rows and resident bytes
+    after every step, bit for bit, as the masked read that makes them twice, which it no longer
+    takes."""
     from kvbench.schedulers.adakv import AdaKVScheduler
 
     def run(ragged_path: bool):
@@ -311,15 +312,19 @@ def test_an_observed_step_over_ragged_rows_makes_its_logits_once(tiny_93, monkey
         monkeypatch.setattr(
             engine.KVCache, "_attend_masked", lambda *a, **k: masked.append(1) or masked_read(*a, **k)
         )
-        logits = [loop.step(tiny_93, cache, [t]) for t in tokens(8, 1)]
+        logits, resident = [], []
+        for t in tokens(8, 1):
+            logits.append(loop.step(tiny_93, cache, [t]))
+            resident.append(cache.resident_bytes())
         monkeypatch.undo()
-        return torch.cat(logits), cache, masked
+        return torch.cat(logits), cache, masked, resident
 
-    fast, cache, masked = run(True)
-    slow, ref, masked_ref = run(False)
+    fast, cache, masked, resident = run(True)
+    slow, ref, masked_ref, resident_ref = run(False)
     assert not cache.stores[0].fp.rows.uniform  # ragged rows
     assert not masked and len(masked_ref) == 8 * len(ref.stores)
     assert torch.equal(fast, slow)
+    assert resident == resident_ref  # what the stores hold after each step
     for store, want in zip(cache.stores, ref.stores):
         assert store.states() == want.states() and store.states()
         for st in store.states():

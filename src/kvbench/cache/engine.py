@@ -457,6 +457,7 @@ def _observed_ragged(
         return None
     if store.batch * store.kv_heads * store.columns() * store.head_dim > DECODE_ELEMS:
         return None
+    store.view()  # made, as the masked read makes it: what the store holds is what it held
     part = store.segments[0].attend_partials(query, scaling, store.batch)
     probs = part.scaled_probs()
     qpos = store.last_qpos

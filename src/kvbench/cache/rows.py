@@ -45,8 +45,9 @@ def kept_capacity(kept: int, capacity: int) -> int:
     return capacity if 2 * kept >= capacity else with_room(kept)
 
 
-# Columns :meth:`Rows._open` zeros past the width it opens, where it zeros at all: a decode step's
-# append to ragged rows, one column, then writes zeros once every this many steps, not at each.
+# Columns past the width that :meth:`Rows._open` (past the width it opens) and a compaction of rows
+# ending short leave zeroed: the next appends to ragged rows, a column each, then clear nothing (a
+# decode step's append writes zeros once every ``ZERO_AHEAD + 1`` steps, not at each).
 ZERO_AHEAD = 4
 
 _ON = contextlib.nullcontext()
@@ -219,8 +220,8 @@ class Rows:
         self.uniform = True  # every row holds ``width`` tokens
         self.capacity = 0
         self._fields: dict[str, torch.Tensor] = {}
-        # columns ``width ..< _zeroed`` of every field hold zeros (a compaction or a resize left them
-        # so): an append there has nothing to clear
+        # columns ``width ..< _zeroed`` of every field hold zeros (a compaction, a resize or
+        # :meth:`_open` left them so): an append there has nothing to clear
         self._zeroed = 0
         self.fill: dict[str, float] = {}  # what a token holds in a field until set, where not 0
         # A field's values still to write: (name, first column, its value, the last append's values)
