@@ -538,3 +538,21 @@ def test_true_slots_are_nonzero_s_taken_at_the_known_count():
             rows, cols = true_slots(mask, int(mask.sum()))
             want = mask.nonzero(as_tuple=True)
             assert torch.equal(rows, want[0]) and torch.equal(cols, want[1])
+
+
+@pytest.mark.parametrize("seen", [[7], [7, 7, 7], [3, 9]])
+def test_step_positions_make_the_lengths_after_from_the_positions(seen, monkeypatch):
+    """A step's positions and the lengths after it, for one sequence, a batch at one length and
+    ragged lengths: the lengths after are made from the last positions, not uploaded from a host
+    list (on a GPU that upload waits for the stream)."""
+    from kvbench.cache import positions
+
+    monkeypatch.setattr(positions, "_STEP", {})
+    qpos, after = positions.step_positions(torch.device("cpu"), seen, 3)
+    assert qpos.tolist() == [[n, n + 1, n + 2] for n in seen]
+    assert after.tolist() == [n + 3 for n in seen] and after.dtype == torch.long
+    uploads = []
+    made = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: uploads.append(a[0]) or made(*a, **k))
+    positions.step_positions(torch.device("cpu"), [n + 3 for n in seen], 1)
+    assert uploads == ([] if len(set(seen)) == 1 else [[n + 3 for n in seen]])  # ragged: the positions

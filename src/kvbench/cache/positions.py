@@ -27,7 +27,9 @@ def step_positions(device: torch.device, seen: list[int], q: int) -> tuple[torch
             qpos = torch.arange(seen[0], seen[0] + q, device=device).repeat(len(seen), 1)
         else:
             qpos = torch.tensor(seen, device=device)[:, None] + torch.arange(q, device=device)
-        hit = (qpos, torch.tensor([n + q for n in seen], device=device))
+        # the lengths after, made on the device from the last positions: an upload from a host
+        # list would wait for the GPU's stream (a pageable copy)
+        hit = (qpos, qpos[:, -1] + 1 if q else torch.tensor(seen, device=device))
         _STEP.clear()
         _STEP[key] = hit
     return hit
