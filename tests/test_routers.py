@@ -14,7 +14,7 @@ from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.routers.adaptive import AdaptiveRouter, top_p_choice
-from kvbench.routers.centroids import EXPERT, Centroids, one_dist, sq_dist
+from kvbench.routers.centroids import COLUMN_ROOM, EXPERT, Centroids, held_columns, one_dist, sq_dist
 from kvbench.routers.eplb import EPLBRouter, Placement, device_reads, eplb_plan, imbalance, water_fill
 from kvbench.routers.expert import ExpertRouter, fill_by_preference, position_blocks, top_k_choice
 from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
@@ -511,6 +511,34 @@ def test_assignment_is_kept_through_eviction(tiny, name):
         assert all(seen[key] == e for key, e in now.items() if key in seen)
         seen.update(now)
     assert isinstance(stack.router, ExpertRouter) and store.side(Centroids).count.sum() > 0
+
+
+@pytest.mark.parametrize("name", CENTROID_ROUTERS)
+def test_the_columns_kept_between_decode_steps_are_the_stored_assignment(tiny_93, name):
+    """Decode steps over full rows read each token's column (its expert, ``E`` where none) from a
+    copy kept per layer, to which each write adds the column it assigns: after every step, past
+    the copy's room too, it equals the columns made afresh from the stored assignment. The copy
+    is made once per :data:`COLUMN_ROOM` steps, not at each."""
+    router = ROUTERS[name][0]()
+    stack = make_stack(tiny_93, router=router, sinks=SINKS, window=WINDOW)
+    cache = loop.new_cache(tiny_93, stack)
+    ids = tokens(48 + COLUMN_ROOM + 20)
+    loop.step(tiny_93, cache, ids[:48])
+    copies, checked = set(), 0
+    for t in ids[48:]:
+        loop.step(tiny_93, cache, [t])
+        for layer, store in enumerate(cache.stores):
+            kept = router._columns.get(layer)
+            if kept is None or kept[0]() is not store.side(Centroids):
+                continue
+            copies.add((layer, id(kept[1])))
+            width = store.columns()
+            assert torch.equal(kept[1][..., :width], held_columns(store, router.num_experts))
+            assert (kept[1][..., width:] == router.num_experts).all()
+            checked += 1
+    layers = len(cache.stores)
+    assert checked >= layers * (COLUMN_ROOM + 10)
+    assert len(copies) <= 3 * layers
 
 
 # --- padded batch equals one-by-one --------------------------------------------------------------

@@ -422,13 +422,15 @@ def test_taking_columns_is_taking_their_mask(start, moved, width):
 
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_state_holds_its_fill_until_set(batch, seed):
+@pytest.mark.parametrize("fill", [float("-inf"), 0.0])
+def test_a_state_holds_its_fill_until_set(batch, seed, fill):
     """A per-token state declared with a fill: a token stored before the state was made, or since
     it was last set, holds the fill; a set token keeps its value. Through appends (padded too),
-    moves into another segment, evictions and drops, in every segment."""
+    moves into another segment, evictions and drops, in every segment. (A fill of zero: a decode
+    step's append writes none where the rows hold zeros past their width already.)"""
     from kvbench.cache.side import TokenState
 
-    st = TokenState("t", fill=float("-inf"))
+    st = TokenState("t", fill=fill)
     gen = torch.Generator().manual_seed(seed)
     h, d = 2, 4
     store = LayerStore(batch, h, d, torch.float32, torch.device("cpu"))
@@ -451,14 +453,16 @@ def test_a_state_holds_its_fill_until_set(batch, seed):
         elif op == 1:
             store.keep(torch.rand(store.view().valid.shape, generator=gen) > 0.15)
         elif op == 2 and step >= 5:  # the state made (at step 5 at the latest) or set
-            store.set_state(st, store.view().pos.float() + 0.5)
+            view = store.view()  # padding slots given as zeros where the fill is 0 (Rows.set)
+            values = view.pos.float() + 0.5
+            store.set_state(st, values if fill else torch.where(view.valid, values, 0.0))
             set_below = torch.tensor(store.seen_host)
         elif op == 3 and store.can_drop(store.view().pos.shape[2] - 1):
             width = store.view().pos.shape[2]
             store.drop(torch.randint(0, width, (batch, h, 1), generator=gen))
         if step >= 5:
             view, got = store.view(), store.state(st)
-            want = torch.where(view.pos < set_below[:, None, None], view.pos.float() + 0.5, float("-inf"))
+            want = torch.where(view.pos < set_below[:, None, None], view.pos.float() + 0.5, fill)
             assert torch.equal(got[view.valid], want[view.valid]), step
     assert len(store.segments) > 1
 
@@ -556,3 +560,33 @@ def test_step_positions_make_the_lengths_after_from_the_positions(seen, monkeypa
     monkeypatch.setattr(torch, "tensor", lambda *a, **k: uploads.append(a[0]) or made(*a, **k))
     positions.step_positions(torch.device("cpu"), [n + 3 for n in seen], 1)
     assert uploads == ([] if len(set(seen)) == 1 else [[n + 3 for n in seen]])  # ragged: the positions
+
+
+def test_a_decode_append_clears_a_state_only_where_the_rows_hold_no_zeros_past_their_width():
+    """A decode step's append to full rows gives keys, values and positions; a state of fill 0 is
+    not given. Past a resize (zeros past the width) the appends write nothing to it, one launch
+    fewer a step; past a compaction (slots past the width unset) the next append clears its
+    column. The state reads 0 at every token appended since it was last set."""
+    from kvbench.cache.side import TokenState
+    from kvbench.eval.stepcost import LaunchCounter
+
+    st = TokenState("t")
+    gen = torch.Generator().manual_seed(0)
+    store = LayerStore(1, 2, 4, torch.float32, torch.device("cpu"))
+
+    def append() -> int:
+        k, v = torch.randn(2, 1, 2, 1, 4, generator=gen)
+        with LaunchCounter() as counter:
+            store.append(k, v)
+        return counter.by_op.get("fill_", 0)
+
+    store.append(torch.randn(1, 2, 8, 4, generator=gen), torch.randn(1, 2, 8, 4, generator=gen))
+    store.set_state(st, torch.ones(1, 2, 8))
+    rows = store.segments[0].rows
+    fills = [append() for _ in range(rows.capacity - rows.width + 3)]  # through a resize
+    assert sum(fills) == 0
+    store.keep(store.view().pos != 3)  # full rows compacted: nothing known past the width
+    assert append() == 1
+    got = store.state(st)[0, :, 8:]
+    assert torch.equal(got, torch.zeros_like(got)), "appended tokens hold the fill"
+    assert torch.equal(store.state(st)[0, :, :7], torch.ones(2, 7))

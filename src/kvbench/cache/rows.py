@@ -351,7 +351,8 @@ class Rows:
         return self._fields[name]
 
     def set(self, name: str, values: torch.Tensor) -> None:
-        """Overwrite field ``name`` with ``values`` ``(BH, width, *rest)`` (padding slots included)."""
+        """Overwrite field ``name`` with ``values`` ``(BH, width, *rest)`` (padding slots included:
+        zeros there, as :meth:`get` reads them and as the appends into them rely on)."""
         self.ensure(name, tuple(values.shape[2:]), values.dtype)[:, : self.width] = values
         self._changed(0)
 
@@ -406,7 +407,9 @@ class Rows:
                 if name != run[0]:
                     value = new.get(name)
                     if value is None:
-                        field.narrow(1, width, q).fill_(self.fill.get(name, 0))
+                        fill = self.fill.get(name, 0)
+                        if fill != 0 or width + q > self._zeroed:  # else zeros there already
+                            field.narrow(1, width, q).fill_(fill)
                     else:
                         field.narrow(1, width, q).copy_(value)
             first, start = (width, run[1]) if pending is None else pending[1:3]

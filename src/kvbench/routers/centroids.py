@@ -14,6 +14,7 @@ never held a token is seeded by one new token (MacQueen's online k-means).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,11 @@ def held_columns(store: TechniqueStore, experts: int) -> torch.Tensor:
     return table[state.long().clamp(max=experts)]
 
 
+# Columns a kept copy of :func:`held_columns` holds past the width when made: the decode steps that
+# follow append into it (a column each) before it is made again.
+COLUMN_ROOM = 64
+
+
 def write_columns(budget: Budget, store: TechniqueStore) -> tuple[int, int] | None:
     """The tokens a write routes (valid, not protected) as the columns ``lo .. hi - 1`` of every
     head-row, where every slot holds its own position
@@ -174,6 +180,7 @@ class CentroidExperts:
     top_k: int
     budget: Budget
     _held: dict[int, tuple[Any, torch.Tensor]]  # declared by ExpertRouter
+    _columns: dict[int, tuple[Any, torch.Tensor]]  # declared by ExpertRouter
 
     def all_held(self, store: TechniqueStore, count: torch.Tensor) -> bool:
         """Known on the host that every expert holds a token: ``count`` is the centroids' counts
@@ -203,8 +210,24 @@ class CentroidExperts:
         cols = routable_columns(self.budget, store, qpos)
         if side is None or not side.full or side.assigned is None or cols is None or cols[1] < side.assigned:
             return ExpertRouter.route_experts(self, layer, store, qpos)  # type: ignore[arg-type]
-        column = held_columns(store, self.num_experts)[:, :, None, :]
+        column = self.kept_columns(layer, store, side)[:, :, None, :]
         return Experts(side.count, column=column, none_empty=True, routed_host=side.assigned - cols[0])
+
+    def kept_columns(self, layer: int, store: TechniqueStore, side: Centroids) -> torch.Tensor:
+        """:func:`held_columns` ``(B, H, T)``, kept per layer while each write assigns one column
+        (:meth:`_assign_column` writes that column's experts into the copy: one operation a step,
+        not three over every token). The copy stands while ``side`` is the layer's centroids (a
+        write that assigns otherwise, or a new sequence, replaces them) and holds the width; it is
+        made again, with :data:`COLUMN_ROOM` columns of room, where not. Columns past the
+        assigned ones hold ``E``, as the tokens appended since (not assigned yet) read."""
+        width = store.columns()
+        kept = self._columns.get(layer)
+        if kept is None or kept[0]() is not side or kept[1].shape[-1] < width:
+            held = held_columns(store, self.num_experts)
+            copy = held.new_full((*held.shape[:2], width + COLUMN_ROOM), self.num_experts)
+            copy[..., :width] = held
+            kept = self._columns[layer] = (weakref.ref(side), copy)
+        return kept[1][..., :width]
 
     def summarize(self, layer: int, store: TechniqueStore, experts: Experts) -> torch.Tensor:
         return self.state(store)[0]
@@ -325,8 +348,14 @@ class CentroidExperts:
         one = view.k[:, :, col : col + 1].float()  # (B, H, 1, D)
         placed = self.place_one(layer, store, one_dist(one, side.centroid), None)  # (B, H, 1)
         cent, count = self.update_one(side.centroid, side.count, one, placed)
-        store.set_side(Centroids(cent.contiguous(), count.contiguous(), True, col + 1))
+        after = Centroids(cent.contiguous(), count.contiguous(), True, col + 1)
+        store.set_side(after)
         store.put_state(EXPERT, (slice(None), slice(None), slice(col, col + 1)), placed, add=1)
+        kept = self._columns.get(layer)
+        if kept is not None and kept[0]() is side and kept[1].shape[-1] > col:  # the kept columns
+            # (:meth:`kept_columns`) follow: the column's experts, as the state holds them
+            kept[1][..., col : col + 1] = placed
+            self._columns[layer] = (weakref.ref(after), kept[1])
         return Assigned(column=col, expert=placed)
 
     def _assign_one(

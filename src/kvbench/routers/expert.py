@@ -467,6 +467,11 @@ class ExpertRouter(Router):
     _held: dict[int, tuple[Any, torch.Tensor]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # per layer: the centroids (a weak reference) and the columns kept beside them
+    # (:meth:`~kvbench.routers.centroids.CentroidExperts.kept_columns`)
+    _columns: dict[int, tuple[Any, torch.Tensor]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
     _blocks: _Blocks | None = field(default=None, init=False, repr=False, compare=False)
 
     def check_experts(self) -> None:
