@@ -58,7 +58,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/random": (7.75, 0.24),
     "compressor/snapkv": (15.25, 0.37),
     "compressor/svd": (13.5, 13.78),
-    "scheduler/adakv": (42.25, 2.4),
+    "scheduler/adakv": (35.25, 2.3),
     "scheduler/duo_attention": (3.0, 0.5),
     "scheduler/flexgen": (2.75, 0.25),
     "scheduler/h2o": (12.75, 0.35),

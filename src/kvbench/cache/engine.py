@@ -449,21 +449,25 @@ def _observed_ragged(
 ) -> torch.Tensor | None:
     """One unpadded decode step over full-precision rows alone whose head-rows hold different
     numbers of tokens, on the torch path, whose only technique inside attention observes the
-    probabilities: the rows' logits are made once (:func:`partials.partial`), the observers'
-    probabilities are their softmax, and the output is read from the same logits
-    (:func:`partials.merge`). The masked read would make the logits twice, once for each, with the
-    same values. None elsewhere (compressed segments, the Triton path, beyond :data:`DECODE_ELEMS`)."""
+    probabilities: the rows' logits are made once (:func:`partials.partial`), their softmax is the
+    observers' probabilities (zero at the slots past a row's end), and the output is read from
+    those probabilities, probabilities times values, as :meth:`KVCache._observed_step` reads it
+    over full rows and as an eager reference implementation does. None elsewhere (compressed
+    segments, the Triton path, beyond :data:`DECODE_ELEMS`)."""
     if len(store.segments) != 1 or dispatch.kernels("attention", store.batch, store.columns()) is not None:
         return None
     if store.batch * store.kv_heads * store.columns() * store.head_dim > DECODE_ELEMS:
         return None
     store.view()  # made, as the masked read makes it: what the store holds is what it held
     part = store.segments[0].attend_partials(query, scaling, store.batch)
-    probs = part.scaled_probs()
+    probs = part.scaled_probs()  # (B, H, g, 1, T) fp32
+    values = part.value  # (B, H, T, D), zeros past a row's end
+    b, hq, _, d = query.shape
+    rows = probs.to(values.dtype).view(b, values.shape[1], -1, values.shape[2])  # (B, H, g, T)
+    out = (rows @ values).reshape(b, hq, 1, d)
     qpos = store.last_qpos
     for tech in observers:
         tech.observe(layer, store, probs, qpos)
-    out = partials.merge([part], query, store.kv_heads)
     store.release()
     return out
 

@@ -41,8 +41,8 @@ class Partial:
 
     def scaled_probs(self) -> torch.Tensor:
         """The part's slots' probabilities ``(B, H, g, q, T)`` float32, as one softmax over its
-        logits; the logits are scaled in place first, so :func:`merge` of this part alone reads
-        them as they are."""
+        logits (a query group must read some slot); the logits are scaled in place first, so
+        :func:`merge` of this part alone reads them as they are."""
         if self.scaling is not None:
             self.logits.mul_(self.scaling)
             self.scaling = None

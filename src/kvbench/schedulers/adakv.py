@@ -46,7 +46,7 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
     """
 
     name: str = "adakv"
-    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    version = 3  # 2: the decode step of issue 29; 3: its output read from its probabilities (CHANGELOG.md)
     alpha: float = 0.2
     obs_window: int = 16
     pool: int = 7
