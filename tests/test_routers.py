@@ -15,7 +15,15 @@ from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.routers.adaptive import AdaptiveRouter, top_p_choice
 from kvbench.routers.centroids import COLUMN_ROOM, EXPERT, Centroids, held_columns, one_dist, sq_dist
-from kvbench.routers.eplb import EPLBRouter, Placement, device_reads, eplb_plan, imbalance, water_fill
+from kvbench.routers.eplb import (
+    EPLBRouter,
+    Placement,
+    device_reads,
+    eplb_plan,
+    imbalance,
+    read_counts,
+    water_fill,
+)
 from kvbench.routers.expert import ExpertRouter, fill_by_preference, position_blocks, top_k_choice
 from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
 from kvbench.routers.moba import BaseRouter
@@ -438,6 +446,21 @@ def test_eplb_replicas_grown_step_by_step_equal_a_fresh_copy(tiny_93):
         assert torch.equal(side.replica_k.sort(0).values, fresh.sort(0).values)
         grown += side.replica_key is not None
     assert grown == len(cache.stores)
+
+
+def test_eplb_read_counts_sum_a_decode_choice_on_the_host_as_the_device_sums():
+    """A decode step's padded choice (its always-read column left out) and a chunk's sums per
+    expert read in one host read give each call's reads per expert, as summing on the device does;
+    the values after them are ``extra``'s."""
+    gen = torch.Generator().manual_seed(0)
+    e = 8
+    step = torch.rand(2, 4, 1, e + 1, generator=gen) > 0.5
+    step[..., e] = True  # the column always read
+    chunk = (torch.rand(2, 4, 5, e, generator=gen) > 0.5).sum((0, 1, 2), dtype=torch.float64)
+    counts, rest = read_counts([step, chunk], [torch.tensor([3, 1])], e)
+    assert counts[0] == step[..., :e].sum((0, 1, 2), dtype=torch.float64).tolist()
+    assert counts[1] == chunk.tolist()
+    assert rest == [3, 1]
 
 
 def test_eplb_device_figures_conserve_reads(tiny_93):

@@ -41,7 +41,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     None: (-0.25, 0.2),
     "router/adaptive": (22.75, 0.38),
     "router/base": (14.75, 0.38),
-    "router/eplb": (28.0, 1.25),
+    "router/eplb": (27.0, 1.25),
     "router/hierarchical": (22.25, 0.53),
     "router/pikv": (20.5, 0.28),
     "router/topk_balanced": (20.5, 0.28),

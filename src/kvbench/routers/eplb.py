@@ -174,6 +174,23 @@ def _room(buf: torch.Tensor | None, kept: int, n: int, like: torch.Tensor) -> to
     return buf
 
 
+def read_counts(
+    reads: list[torch.Tensor], extra: list[torch.Tensor], experts: int
+) -> tuple[list[list[float]], list[float]]:
+    """One host read of the reads kept per call and of ``extra``: each call's reads per expert,
+    from its sums ``(E,)`` float64 or from a decode step's padded choice ``(B, H, 1, E + 1)`` bool
+    (:func:`~kvbench.routers.expert.no_choice`; its column ``E``, always read, left out), summed
+    here (whole numbers: exact either way); and the values of ``extra`` after them."""
+    parts = [r.flatten() for r in reads] + extra  # views: the choice is contiguous
+    values = torch.cat(parts).tolist() if parts else []  # whole numbers, exact in any dtype here
+    counts, at = [], 0
+    for r in reads:
+        n, width = r.numel(), r.shape[-1]
+        counts.append([float(sum(values[at + i : at + n : width])) for i in range(experts)])
+        at += n
+    return counts, values[at:]
+
+
 def imbalance(per_device: torch.Tensor) -> float | None:
     mean = float(per_device.mean())
     return float(per_device.max()) / mean if mean else None
@@ -196,8 +213,8 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     # per layer: reads per device with and without replication, summed (whole numbers: exact)
     after: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     before: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
-    # per layer: its store and the reads per expert ``(E,)`` float64 of the calls not yet in the
-    # plan's loads
+    # per layer: its store and the reads of the calls not yet in the plan's loads: per expert
+    # ``(E,)`` float64, or a decode step's padded choice ``(B, H, 1, E + 1)`` bool (:func:`read_counts`)
     _reads: dict[int, tuple[TechniqueStore, list[torch.Tensor]]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -224,17 +241,15 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         # one host read: the reads kept since the last write, and the experts of a column assigned now
         reads = self._reads.pop(layer, (store, []))[1]
         expert = assigned.expert
-        parts = [*reads, *([] if expert is None else [expert.flatten()])]
-        values = torch.cat(parts).tolist() if parts else []  # float64 with reads (whole numbers: exact)
-        e = self.num_experts
-        for i in range(len(reads)):
-            self.serve_reads(layer, side, values[i * e : (i + 1) * e])
+        counts, rest = read_counts(reads, [] if expert is None else [expert.flatten()], self.num_experts)
+        for call in counts:
+            self.serve_reads(layer, side, call)
         side = self.plan(store)
         assert side.slot_expert is not None
         key = (store.edits, tuple(side.host["slot_expert"]))
         grow = side.replica_key == key  # set with the replicas
         if grow and assigned.column is not None and expert is not None:
-            placed = [int(x) for x in values[len(reads) * e :]]
+            placed = [int(x) for x in rest]
             self._grow_column(store, side, assigned.column, expert, placed)
         elif not grow or assigned.held is not None:
             self._copy_replicas(store, side, assigned, grow)
@@ -337,7 +352,9 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         padded = top_k_choice(score, self.top_k, self.all_held(store, count), pad=True)
         chosen = padded[..., : self.num_experts]
         self.placement(store)  # the plan the reads go to
-        if every_query_real(store, qpos):  # every query real
+        if every_query_real(store, qpos) and qpos.shape[1] == 1:  # a decode step's choice, summed
+            reads = padded  # on the host when read (read_counts): no launch
+        elif every_query_real(store, qpos):
             reads = chosen.sum((0, 1, 2), dtype=torch.float64)
         else:
             reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
@@ -350,10 +367,9 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         items = [(layer, store, r) for layer, (store, reads) in pending.items() for r in reads]
         if not items:
             return
-        values = torch.cat([r.cpu() for _, _, r in items]).tolist()
-        e = self.num_experts
-        for i, (layer, store, _) in enumerate(items):
-            self.serve_reads(layer, self.placement(store), values[i * e : (i + 1) * e])
+        counts, _ = read_counts([r.cpu() for _, _, r in items], [], self.num_experts)
+        for (layer, store, _), call in zip(items, counts):
+            self.serve_reads(layer, self.placement(store), call)
 
     def serve_reads(self, layer: int, side: Placement, counts: list[float]) -> None:
         """Put one call's reads per expert on the plan's loads and its devices (on the host)."""
