@@ -20,8 +20,8 @@ class ReadPlan:
     A decode step takes one of three paths: ``bare`` (no technique acts inside attention: dense
     full-precision rows are read as they are, plain SDPA), ``observed`` (the only technique inside
     attention observes the probabilities: they are computed once and the output read from them,
-    or, over ragged full-precision rows on the torch path, from the same logits), else the masked
-    read, which also serves every prefill.
+    over full rows and, on the torch path, over ragged full-precision rows), else the masked read,
+    which also serves every prefill.
     """
 
     q_len: int

@@ -174,6 +174,12 @@ def _room(buf: torch.Tensor | None, kept: int, n: int, like: torch.Tensor) -> to
     return buf
 
 
+# A decode step's choice of at most this many elements (batch x KV heads x (experts + 1)) is read
+# as it is and summed on the host (:func:`read_counts`), saving a launch; a larger one, where the
+# host's sum would cost more than the launch, is summed on the device.
+HOST_SUMMED = 1024
+
+
 def read_counts(
     reads: list[torch.Tensor], extra: list[torch.Tensor], experts: int
 ) -> tuple[list[list[float]], list[float]]:
@@ -352,8 +358,8 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         padded = top_k_choice(score, self.top_k, self.all_held(store, count), pad=True)
         chosen = padded[..., : self.num_experts]
         self.placement(store)  # the plan the reads go to
-        if every_query_real(store, qpos) and qpos.shape[1] == 1:  # a decode step's choice, summed
-            reads = padded  # on the host when read (read_counts): no launch
+        if every_query_real(store, qpos) and qpos.shape[1] == 1 and padded.numel() <= HOST_SUMMED:
+            reads = padded  # a decode step's choice, summed on the host when read (read_counts)
         elif every_query_real(store, qpos):
             reads = chosen.sum((0, 1, 2), dtype=torch.float64)
         else:
