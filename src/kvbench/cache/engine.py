@@ -365,9 +365,7 @@ class KVCache(Cache):
         an eager reference implementation does), not computed a second time by SDPA."""
         keys, values = kv  # (B, H, T, D)
         probs = att.decode_probs(query, keys, scaling)  # (B, H, g, 1, T) fp32
-        b, hq, _, d = query.shape
-        rows = probs.to(values.dtype).view(b, values.shape[1], -1, values.shape[2])  # (B, H, g, T)
-        out = (rows @ values).reshape(b, hq, 1, d)
+        out = _probs_output(probs, values, query)
         qpos = store.last_qpos
         for tech in observers:
             tech.observe(layer, store, probs, qpos)
@@ -444,6 +442,14 @@ def _attend_parts(store: LayerStore, query: torch.Tensor, scaling: float) -> tor
     return None if parts is None else (kernel or partials).merge(parts, query, store.kv_heads)
 
 
+def _probs_output(probs: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """A decode step's output ``(B, Hq, 1, D)`` from its probabilities ``(B, H, g, 1, T)`` and the
+    values ``(B, H, T, D)``: probabilities times values, in the values' dtype."""
+    b, hq, _, d = query.shape
+    rows = probs.to(values.dtype).view(b, values.shape[1], -1, values.shape[2])  # (B, H, g, T)
+    return (rows @ values).reshape(b, hq, 1, d)
+
+
 def _observed_ragged(
     layer: int, store: LayerStore, query: torch.Tensor, scaling: float, observers: tuple
 ) -> torch.Tensor | None:
@@ -461,10 +467,7 @@ def _observed_ragged(
     store.view()  # made, as the masked read makes it: what the store holds is what it held
     part = store.segments[0].attend_partials(query, scaling, store.batch)
     probs = part.scaled_probs()  # (B, H, g, 1, T) fp32
-    values = part.value  # (B, H, T, D), zeros past a row's end
-    b, hq, _, d = query.shape
-    rows = probs.to(values.dtype).view(b, values.shape[1], -1, values.shape[2])  # (B, H, g, T)
-    out = (rows @ values).reshape(b, hq, 1, d)
+    out = _probs_output(probs, part.value, query)  # the values are zeros past a row's end
     qpos = store.last_qpos
     for tech in observers:
         tech.observe(layer, store, probs, qpos)

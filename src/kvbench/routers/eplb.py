@@ -358,9 +358,10 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         padded = top_k_choice(score, self.top_k, self.all_held(store, count), pad=True)
         chosen = padded[..., : self.num_experts]
         self.placement(store)  # the plan the reads go to
-        if every_query_real(store, qpos) and qpos.shape[1] == 1 and padded.numel() <= HOST_SUMMED:
+        whole = every_query_real(store, qpos)
+        if whole and qpos.shape[1] == 1 and padded.numel() <= HOST_SUMMED:
             reads = padded  # a decode step's choice, summed on the host when read (read_counts)
-        elif every_query_real(store, qpos):
+        elif whole:
             reads = chosen.sum((0, 1, 2), dtype=torch.float64)
         else:
             reads = (chosen & (qpos >= 0)[:, None, :, None]).sum((0, 1, 2)).double()
