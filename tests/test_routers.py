@@ -18,10 +18,13 @@ from kvbench.routers.centroids import COLUMN_ROOM, EXPERT, Centroids, held_colum
 from kvbench.routers.eplb import (
     EPLBRouter,
     Placement,
+    copied_rows,
     device_reads,
     eplb_plan,
     imbalance,
+    plan_slots,
     read_counts,
+    serve,
     water_fill,
 )
 from kvbench.routers.expert import ExpertRouter, fill_by_preference, position_blocks, top_k_choice
@@ -406,6 +409,73 @@ def test_eplb_replication_lowers_device_imbalance_on_a_skewed_load():
     assert before.sum() == after.sum() == load.sum()
     assert imbalance(after) < imbalance(before)
     assert imbalance(before) == pytest.approx(105 / 37.5)
+
+
+def plain_plan(loads: list[float], devices: int, replicas: int) -> tuple[list[int], list[int]]:
+    """EPLB's plan as the docstring of :mod:`kvbench.routers.eplb` says it, written plainly."""
+    reps = [1] * len(loads)
+    for _ in range(replicas):
+        open_ = [e for e in range(len(loads)) if reps[e] < devices and loads[e] > 0]
+        if not open_:
+            break
+        reps[max(open_, key=lambda e: loads[e] / reps[e])] += 1
+    slot_expert = [e for e, r in enumerate(reps) for _ in range(r)]
+    per_slot = [loads[e] / reps[e] for e in slot_expert]
+    room = math.ceil(len(slot_expert) / devices)
+    dev_load, dev_slots, holds = [0.0] * devices, [0] * devices, [set() for _ in range(devices)]
+    slot_device = [0] * len(slot_expert)
+    for s in sorted(range(len(slot_expert)), key=lambda s: -per_slot[s]):
+        e = slot_expert[s]
+        apart = [d for d in range(devices) if e not in holds[d]]
+        fits = [d for d in apart if dev_slots[d] < room] or apart
+        d = min(fits, key=lambda d: (dev_load[d], dev_slots[d], d))
+        slot_device[s], dev_load[d], dev_slots[d] = d, dev_load[d] + per_slot[s], dev_slots[d] + 1
+        holds[d].add(e)
+    return slot_expert, slot_device
+
+
+def test_eplb_plan_is_the_plain_greedy_plan_ties_included():
+    """The host's plan (one pass over the devices a slot, bits for the devices an expert is on) is
+    the plain greedy one, on loads with many equal values (ties to the lower expert and device)."""
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        e = int(torch.randint(1, 13, (), generator=rng))
+        devices = int(torch.randint(1, e + 1, (), generator=rng))
+        replicas = int(torch.randint(0, e * (devices - 1) + 1, (), generator=rng))
+        high = int(torch.randint(1, 5000, (), generator=rng)) if _ % 2 else 3
+        loads = torch.randint(0, high + 1, (e,), generator=rng).double().tolist()
+        assert plan_slots(loads, devices, replicas) == plain_plan(loads, devices, replicas)
+
+
+def test_eplb_serves_no_reads_to_nothing():
+    """An expert without reads adds nothing to its replicas' devices (its water fill is skipped)."""
+    slot_expert, slot_device = [0, 0, 1, 1, 2], [0, 1, 2, 3, 0]
+    assert serve([0.0, 3.0, 0.0], slot_expert, slot_device, [5.0, 0.0, 1.0, 1.0]) == [0.0, 0.0, 2.0, 1.0]
+    assert serve([0.0, 0.0, 0.0], slot_expert, slot_device, [5.0, 0.0, 1.0, 1.0]) == [0.0] * 4
+
+
+def test_eplb_copies_under_a_changed_plan_are_sent_with_it(tiny_93, monkeypatch):
+    """Where a decode step changes the plan, which head-row each copy of the column assigned now is
+    of goes to the device with the plan: the replicas are those the device-made rows give, bit for
+    bit and in the same order, and most steps take that way."""
+    assert copied_rows([2, 0, 1]) == [0, 0, 2]
+    sent = []
+    grow = EPLBRouter._grow_column
+
+    def spy(self, store, side, col, expert, placed, rows=None):
+        sent.append(rows is not None)
+        return grow(self, store, side, col, expert, placed, rows)
+
+    sizes = [48] + [1] * 12
+    monkeypatch.setattr(EPLBRouter, "_grow_column", spy)
+    _, cache = run(tiny_93, EPLBRouter(top_k=2), sizes=sizes)
+    monkeypatch.setattr("kvbench.routers.eplb.copied_rows", lambda copies: [])  # rows made on the device
+    _, made = run(tiny_93, EPLBRouter(top_k=2), sizes=sizes)
+    for a, b in zip(cache.stores, made.stores):
+        for name in ("replica_k", "replica_v"):
+            assert torch.equal(getattr(a.side(Placement), name), getattr(b.side(Placement), name))
+    with_plan = sent[: len(sent) // 2]
+    assert sum(with_plan) > len(with_plan) / 2 and not any(sent[len(sent) // 2 :])
 
 
 def test_water_fill_sends_each_read_to_the_least_loaded_replica():

@@ -63,14 +63,17 @@ class Placement(SideData):
 
 
 def replicate(load: list[float], devices: int, replicas: int) -> list[int]:
-    """Copies of each expert: each extra slot to the highest load per copy (≤ ``devices`` copies)."""
+    """Copies of each expert: each extra slot to the highest load per copy (≤ ``devices`` copies;
+    ties to the lower expert)."""
     reps = [1] * len(load)
-    for _ in range(replicas):
-        open_ = [e for e in range(len(load)) if reps[e] < devices and load[e] > 0]
-        if not open_:
+    # each expert's load per copy while it may take one more (-1: it may not)
+    per_copy = [x if x > 0 and devices > 1 else -1.0 for x in load]
+    for _ in range(replicas if per_copy else 0):
+        best = max(range(len(per_copy)), key=per_copy.__getitem__)  # the first of equal ones
+        if per_copy[best] < 0:
             break
-        best = max(open_, key=lambda e: load[e] / reps[e])
         reps[best] += 1
+        per_copy[best] = load[best] / reps[best] if reps[best] < devices else -1.0
     return reps
 
 
@@ -88,23 +91,35 @@ def eplb_plan(load: torch.Tensor, devices: int, replicas: int) -> tuple[torch.Te
 
 
 def plan_slots(loads: list[float], devices: int, replicas: int) -> tuple[list[int], list[int]]:
-    """:func:`eplb_plan` on the host."""
+    """:func:`eplb_plan` on the host, each slot to the device least loaded, then holding the fewest
+    slots, then first, among those without a copy of its expert yet and with room (fewer than
+    ⌈slots / devices⌉ slots), else among those without a copy."""
     reps = replicate(loads, devices, replicas)
     slot_expert = [e for e, r in enumerate(reps) for _ in range(r)]
     per_slot = [loads[e] / reps[e] for e in slot_expert]
-    room = math.ceil(len(slot_expert) / devices)
+    room = -(-len(slot_expert) // devices)
     dev_load, dev_slots = [0.0] * devices, [0] * devices
-    holds: list[set[int]] = [set() for _ in range(devices)]
+    holds = [0] * len(reps)  # per expert: the devices holding a copy, as bits
     slot_device = [0] * len(slot_expert)
-    for s in sorted(range(len(slot_expert)), key=lambda s: -per_slot[s]):
+    for s in sorted(range(len(per_slot)), key=per_slot.__getitem__, reverse=True):  # stable
         e = slot_expert[s]
-        apart = [d for d in range(devices) if e not in holds[d]]
-        fits = [d for d in apart if dev_slots[d] < room] or apart or list(range(devices))
-        d = min(fits, key=lambda d: (dev_load[d], dev_slots[d], d))
-        slot_device[s] = d
-        dev_load[d] += per_slot[s]
-        dev_slots[d] += 1
-        holds[d].add(e)
+        best, spare, held = -1, False, holds[e]  # the device so far, whether it has room
+        for d in range(devices):
+            if held >> d & 1:
+                continue
+            n = dev_slots[d]
+            fits = n < room
+            if best < 0 or fits != spare:
+                if best < 0 or fits:
+                    best, spare, low, fewest = d, fits, dev_load[d], n
+            elif dev_load[d] < low or (dev_load[d] == low and n < fewest):
+                best, low, fewest = d, dev_load[d], n
+        if best < 0:  # every device holds a copy (not with at most ``devices`` copies)
+            best = min(range(devices), key=lambda d: (dev_load[d], dev_slots[d], d))
+        slot_device[s] = best
+        dev_load[best] += per_slot[s]
+        dev_slots[best] += 1
+        holds[e] |= 1 << best
     return slot_expert, slot_device
 
 
@@ -149,10 +164,12 @@ def serve(
     for e, d in zip(slot_expert, slot_device):
         devices.setdefault(e, []).append(d)
     out = [0.0] * len(start)
+    replicated = []
     for e, devs in devices.items():
         if len(devs) == 1:
             out[devs[0]] += reads[e]
-    replicated = [e for e, devs in devices.items() if len(devs) > 1]
+        elif reads[e]:  # no reads: nothing to fill
+            replicated.append(e)
     for e in sorted(replicated, key=lambda e: -reads[e]):  # stable: ties by expert
         devs = devices[e]
         add = fill_levels([start[d] + out[d] for d in devs], reads[e])
@@ -172,6 +189,11 @@ def _room(buf: torch.Tensor | None, kept: int, n: int, like: torch.Tensor) -> to
             grown[:kept] = buf[:kept]  # type: ignore[index]
         buf = grown
     return buf
+
+
+def copied_rows(copies: list[int]) -> list[int]:
+    """Each head-row ``i`` once per copy ``copies[i]``, in order (a ``repeat_interleave`` on the host)."""
+    return [i for i, n in enumerate(copies) for _ in range(n)]
 
 
 # A decode step's choice of at most this many elements (batch x KV heads x (experts + 1)) is read
@@ -210,7 +232,9 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     what it assigned, one host read) into the plan's loads, before it refreshes the plan.
     """
 
-    version = 2  # 2: the decode step's one-token distance and update (issue 29, CHANGELOG.md)
+    # 2: the decode step's one-token distance and update; 3: a changed plan carries the rows of the
+    # column's copies, in its buffer (resident bytes; issue 29, CHANGELOG.md)
+    version = 3
     name: str = "eplb"
     num_experts: int = 8
     top_k: int = 2
@@ -250,13 +274,14 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         counts, rest = read_counts(reads, [] if expert is None else [expert.flatten()], self.num_experts)
         for call in counts:
             self.serve_reads(layer, side, call)
-        side = self.plan(store)
+        placed = [int(x) for x in rest] if expert is not None else None
+        side = self.plan(store, placed)
         assert side.slot_expert is not None
         key = (store.edits, tuple(side.host["slot_expert"]))
         grow = side.replica_key == key  # set with the replicas
-        if grow and assigned.column is not None and expert is not None:
-            placed = [int(x) for x in rest]
-            self._grow_column(store, side, assigned.column, expert, placed)
+        rows = side.room.pop("rows", None)  # sent with a changed plan: the column's copies
+        if grow and assigned.column is not None and expert is not None and placed is not None:
+            self._grow_column(store, side, assigned.column, expert, placed, rows)
         elif not grow or assigned.held is not None:
             self._copy_replicas(store, side, assigned, grow)
         side.replica_key = key
@@ -281,18 +306,26 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         self._append_replicas(side, k, v, grow)
 
     def _grow_column(
-        self, store: TechniqueStore, side: Placement, col: int, expert: torch.Tensor, placed: list[int]
+        self,
+        store: TechniqueStore,
+        side: Placement,
+        col: int,
+        expert: torch.Tensor,
+        placed: list[int],
+        rows: torch.Tensor | None = None,
     ) -> None:
         """:meth:`_copy_replicas` of the one column assigned now in every head-row, its experts
         ``expert`` ``(B, H, 1)`` also read on the host (``placed``): the copies are counted there,
-        the rows copied on the device, head-row by head-row as in storage order."""
+        the rows copied on the device, head-row by head-row as in storage order. ``rows``: which
+        head-row each copy is of, sent with the plan (:func:`copied_rows`), else made here."""
         copies = [side.host["slot_expert"].count(x) - 1 for x in placed]
         total = sum(copies)
         if not total:
             return
         view = store.view()
-        extra = side.room["extra"][expert.flatten()]  # (B * H,)
-        rows = torch.repeat_interleave(extra, output_size=total)  # each head-row, once per copy
+        if rows is None:
+            extra = side.room["extra"][expert.flatten()]  # (B * H,)
+            rows = torch.repeat_interleave(extra, output_size=total)  # each head-row, once per copy
         d = view.k.shape[-1]
         k, v = (x[:, :, col].reshape(-1, d) for x in (view.k, view.v))
         self._append_replicas(side, k, v, True, rows)
@@ -319,13 +352,17 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         side = store.side(Placement)
         return side if side is not None and side.slot_expert is not None else self.plan(store)
 
-    def plan(self, store: TechniqueStore) -> Placement:
+    def plan(self, store: TechniqueStore, placed: list[int] | None = None) -> Placement:
         """Refresh the placement from the loads so far (created empty on first use), on the host.
 
         The plan's tensors (slots' experts and devices, the unreplicated placement, the extra copies
         of each expert; the loads per expert and device it changed at, as the bits of their float64
         values) are views of one buffer, sent to the device when the plan changes: the host serves
-        the reads from its own figures, so a step that keeps the plan sends nothing."""
+        the reads from its own figures, so a step that keeps the plan sends nothing.
+
+        ``placed``: the experts of a column assigned now, one per head-row. A changed plan also
+        sends which head-row each of their copies under it is of (``room["rows"]``,
+        :func:`copied_rows`), so growing the replicas by that column launches nothing to find them."""
         side = store.side(Placement)
         if side is None:
             side = Placement(
@@ -345,10 +382,13 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         host["slot_expert"], host["slot_device"], host["base_device"] = slot_expert, slot_device, base_device
         extra = [slot_expert.count(e) - 1 for e in range(self.num_experts)]
         loads = [struct.unpack("<q", struct.pack("<d", x))[0] for x in host["load"] + host["device_load"]]
-        parts = [slot_expert, slot_device, base_device, extra, loads]
+        rows = [] if placed is None else copied_rows([extra[e] for e in placed])
+        parts = [slot_expert, slot_device, base_device, extra, loads, rows]
         flat = torch.tensor([x for part in parts for x in part], dtype=torch.long, device=store.device)
-        *plan, bits = flat.split([len(part) for part in parts])
+        *plan, bits, sent = flat.split([len(part) for part in parts])
         side.slot_expert, side.slot_device, side.base_device, side.room["extra"] = plan
+        if rows:
+            side.room["rows"] = sent
         side.load, side.device_load = bits.view(torch.float64).split([self.num_experts, self.num_devices])
         return side
 

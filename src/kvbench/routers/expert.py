@@ -34,9 +34,16 @@ def expert_ids(experts: int, like: torch.Tensor) -> torch.Tensor:
 _SCALAR: dict[object, tuple[float, torch.Tensor]] = {}
 
 
+# Whole numbers below this are exact in float32, as an element of an arange of float32.
+EXACT_F32 = 1 << 24
+
+
 def host_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
-    """A 0-d float32 tensor of ``value`` on ``like``'s device, made once while it is the last value
-    asked for there (the layers of a step ask for the same one); read-only."""
+    """A 0-d float32 tensor of ``value`` on ``like``'s device; read-only. A whole number below
+    :data:`EXACT_F32` is an element of the device's held float32 arange (a view: no launch), any
+    other value made once while it is the last one asked for there."""
+    if value.is_integer() and 0 <= value < EXACT_F32:
+        return devices.arange(int(value) + 1, like, torch.float32)[int(value)]
     key = devices.device_of(like)
     held = _SCALAR.get(key)
     if held is None or held[0] != value:
