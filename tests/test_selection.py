@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import tiny_cfg
 from helpers import make_stack, run_chunks, tokens
@@ -23,6 +24,7 @@ from kvbench.compressors.random_select import RandomCompressor
 from kvbench.compressors.snapkv import SnapKVCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
+from kvbench.roles import keep_top
 from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.h2o import H2OScheduler
 from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
@@ -514,3 +516,28 @@ def test_moves_counted_on_the_host_are_those_the_device_counts(
     host = run(True)
     assert torch.equal(device[0], host[0]) and device[1] == host[1]
     assert asked and (protect is None) == any(n is not None for n in asked)
+
+
+def test_keep_top_takes_one_capacity_for_every_sequence_without_an_upload():
+    """A capacity given as an int keeps what the same capacity per sequence keeps, protected and
+    padding slots included, and makes no tensor from a host value (on a GPU, an upload waits for
+    the stream): it is a view of the device's held ``arange``."""
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    for k in (0, 3, 7, 40):
+        scores = torch.rand(2, 3, 12, generator=gen)
+        scores[torch.rand(2, 3, 12, generator=gen) > 0.8] = float("inf")  # protected
+        valid = torch.rand(2, 3, 12, generator=gen) > 0.2
+        with Made() as made:
+            kept = keep_top(scores, valid, k)
+        assert "aten.lift_fresh.default" not in made.ops
+        assert torch.equal(kept, keep_top(scores, valid, torch.tensor([k, k])))

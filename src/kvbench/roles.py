@@ -319,7 +319,8 @@ def keep_top(
     if (protected_fit or finite) and isinstance(k, int):
         kk: torch.Tensor | int = k
     else:
-        kk = torch.as_tensor(k, device=scores.device).long()
+        # an int: a view of the device's held arange (no upload, which waits for a GPU's stream)
+        kk = devices.arange(k + 1, scores)[k] if isinstance(k, int) else k.long()
         kk = kk.view(b, 1) if kk.dim() == 1 else kk
         kk = kk.expand(b, h) if kk.dim() else kk.expand(b, h)
         if not finite:

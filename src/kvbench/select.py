@@ -158,9 +158,12 @@ def evict_by_score(
     held = None if view.dense else store.row_tokens_host()
     if held is not None and all(n <= caps[i // store.kv_heads] for i, n in enumerate(held)):
         return  # every head-row within its capacity, known on the host: nothing to evict
-    cap = torch.tensor(caps, device=store.device)
-    if not view.dense and held is None and not bool((view.valid.sum(-1) > cap[:, None]).any()):
-        return
+    # one capacity for every sequence (a batch of one): an int, no upload from a host list
+    cap: int | torch.Tensor = caps[0] if len(set(caps)) == 1 else torch.tensor(caps, device=store.device)
+    if not view.dense and held is None:
+        over = view.valid.sum(-1) > (cap if isinstance(cap, int) else cap[:, None])
+        if not bool(over.any()):
+            return
     store.keep(keep_top(scores, None if view.dense else view.valid, cap))
 
 
