@@ -97,7 +97,8 @@ class _Compaction:
         kernel = dispatch.kernels("compaction", slots=keep.shape[1])
         if kernel is not None:  # the kernel ranks the kept slots itself: no plan to make
             return cls(keep.new_empty(0, dtype=torch.long), lens, low, high, keep, kernel, counts)
-        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)
+        # kept first, each part in order (a stable sort, descending: ties keep their order)
+        order = torch.argsort(keep.to(torch.int8), dim=-1, descending=True, stable=True)
         return cls(order, lens, low, high, keep, counts=counts)
 
     def zeroed_to(self, capacity: int) -> int:
@@ -503,7 +504,7 @@ class Rows:
             lens = torch.full((self.bh,), per_row, dtype=torch.long, device=self.device)
             kept = torch.full((self.bh,), self.width - per_row, dtype=torch.long, device=self.device)
             # the moved slots, row after row, in order: each row's first ``per_row`` after a stable sort
-            cols = torch.argsort((~move).to(torch.int8), dim=-1, stable=True)[:, :per_row]
+            cols = torch.argsort(move.to(torch.int8), dim=-1, descending=True, stable=True)[:, :per_row]
             src = (self._row_starts() + cols).reshape(-1)
         else:
             if not self.uniform:

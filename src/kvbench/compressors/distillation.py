@@ -205,7 +205,8 @@ def gather_rows(
     view = store.view()
     bh, t = store.batch * store.kv_heads, view.pos.shape[2]
     flat = sel.reshape(bh, t)
-    cols = torch.argsort((~flat).to(torch.int8), dim=-1, stable=True)[:, :per_row]  # selected, in order
+    # the selected columns, in order (a stable sort, descending: ties keep their order)
+    cols = torch.argsort(flat.to(torch.int8), dim=-1, descending=True, stable=True)[:, :per_row]
 
     def pick(x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(B, H, T, *rest)`` at the selected columns: ``(BH * per_row, *rest)``."""
