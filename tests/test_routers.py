@@ -478,6 +478,44 @@ def test_eplb_copies_under_a_changed_plan_are_sent_with_it(tiny_93, monkeypatch)
     assert sum(with_plan) > len(with_plan) / 2 and not any(sent[len(sent) // 2 :])
 
 
+def test_eplb_rows_sent_with_one_plan_are_not_read_under_the_next(tiny_93, monkeypatch):
+    """Steps that change the plan (send the rows) and steps that keep it (make them on the device)
+    alternate; the replicas after every step are the copies of every replicated token, and no
+    sent rows outlive their write."""
+    real = plan_slots
+
+    def slots(loads, devices, replicas):  # devices as the real plan's only without replication
+        slot_expert, slot_device = real(loads, devices, replicas)
+        return slot_expert, slot_device if replicas == 0 else [0] * len(slot_expert)
+
+    monkeypatch.setattr("kvbench.routers.eplb.plan_slots", slots)
+    sent = []
+    grow = EPLBRouter._grow_column
+
+    def spy(self, store, side, col, expert, placed, rows=None):
+        sent.append(rows is not None)
+        return grow(self, store, side, col, expert, placed, rows)
+
+    monkeypatch.setattr(EPLBRouter, "_grow_column", spy)
+    router = EPLBRouter(top_k=2)
+    stack = make_stack(tiny_93, router=router, sinks=SINKS, window=WINDOW)
+    cache = loop.new_cache(tiny_93, stack)
+    ids = tokens(48 + 16)
+    loop.step(tiny_93, cache, ids[:48])
+    for i in range(48, 48 + 16):
+        loop.step(tiny_93, cache, [ids[i]])
+        for store in cache.stores:
+            side = store.side(Placement)
+            assert "rows" not in side.room
+            copies = torch.bincount(side.slot_expert, minlength=router.num_experts) - 1
+            held = store.state(EXPERT).round().long() - 1
+            extra = torch.where(held >= 0, copies[held.clamp(min=0)], torch.zeros_like(held))
+            keep = extra > 0
+            fresh = store.view().k[keep].repeat_interleave(extra[keep], dim=0)
+            assert torch.equal(side.replica_k.sort(0).values, fresh.sort(0).values)
+    assert any(sent) and not all(sent)
+
+
 def test_water_fill_sends_each_read_to_the_least_loaded_replica():
     loads = torch.tensor([0.0, 5.0, 10.0], dtype=torch.float64)
     assert water_fill(loads, 8).tolist() == [7, 1, 0]  # 0→5, then alternate the two lowest

@@ -320,7 +320,10 @@ def keep_top(
         kk: torch.Tensor | int = k
     else:
         # an int: a view of the device's held arange (no upload, which waits for a GPU's stream)
-        kk = devices.arange(k + 1, scores)[k] if isinstance(k, int) else k.long()
+        if isinstance(k, int):
+            kk = devices.arange(k + 1, scores)[k] if k >= 0 else torch.tensor(k, device=scores.device)
+        else:
+            kk = k.long()
         kk = kk.view(b, 1) if kk.dim() == 1 else kk
         kk = kk.expand(b, h) if kk.dim() else kk.expand(b, h)
         if not finite:

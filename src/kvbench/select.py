@@ -158,7 +158,7 @@ def evict_by_score(
     held = None if view.dense else store.row_tokens_host()
     if held is not None and all(n <= caps[i // store.kv_heads] for i, n in enumerate(held)):
         return  # every head-row within its capacity, known on the host: nothing to evict
-    # one capacity for every sequence (a batch of one): an int, no upload from a host list
+    # one capacity for every sequence (a batch of one, or of one length): an int, no upload
     cap: int | torch.Tensor = caps[0] if len(set(caps)) == 1 else torch.tensor(caps, device=store.device)
     if not view.dense and held is None:
         over = view.valid.sum(-1) > (cap if isinstance(cap, int) else cap[:, None])

@@ -57,8 +57,9 @@ class Placement(SideData):
     # devices without replication
     host: dict[str, list] = field(default_factory=dict, repr=False)
     # not counted (the layer's bytes are the replicas and the plan above): the buffers the
-    # replicas are views of, with rows past them to grow into ("k", "v"), and the plan's extra
-    # copies of each expert, its slots less one ("extra")
+    # replicas are views of, with rows past them to grow into ("k", "v"), the plan's extra
+    # copies of each expert, its slots less one ("extra"), and which head-row each copy of a
+    # decode step's column is of, sent with a changed plan and taken by the same write ("rows")
     room: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
 

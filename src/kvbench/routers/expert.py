@@ -40,9 +40,10 @@ EXACT_F32 = 1 << 24
 
 def host_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
     """A 0-d float32 tensor of ``value`` on ``like``'s device; read-only. A whole number below
-    :data:`EXACT_F32` is an element of the device's held float32 arange (a view: no launch), any
-    other value made once while it is the last one asked for there."""
-    if value.is_integer() and 0 <= value < EXACT_F32:
+    :data:`EXACT_F32` is an element of the device's held float32 arange (a view: no launch; the
+    arange, kept for the process, grows to twice the largest value asked, 8 bytes a routed token),
+    any other value made once while it is the last one asked for there."""
+    if float(value).is_integer() and 0 <= value < EXACT_F32:
         return devices.arange(int(value) + 1, like, torch.float32)[int(value)]
     key = devices.device_of(like)
     held = _SCALAR.get(key)
