@@ -319,9 +319,8 @@ def keep_top(
     if (protected_fit or finite) and isinstance(k, int):
         kk: torch.Tensor | int = k
     else:
-        # an int: a view of the device's held arange (no upload, which waits for a GPU's stream)
-        if isinstance(k, int):
-            kk = devices.arange(k + 1, scores)[k] if k >= 0 else torch.tensor(k, device=scores.device)
+        if isinstance(k, int):  # a view, not an upload (:func:`devices.whole`)
+            kk = devices.whole(k, scores) if k >= 0 else torch.tensor(k, device=scores.device)
         else:
             kk = k.long()
         kk = kk.view(b, 1) if kk.dim() == 1 else kk

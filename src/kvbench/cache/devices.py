@@ -27,3 +27,10 @@ def arange(n: int, like: torch.Tensor, dtype: torch.dtype = torch.long) -> torch
         with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
             held = _COUNTS[key] = torch.arange(max(2 * n, 1024), device=like.device, dtype=dtype)
     return held[:n]
+
+
+def whole(n: int, like: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A 0-d tensor of the whole number ``n >= 0`` in ``dtype`` on ``like``'s device: an element of
+    :func:`arange`'s held tensor, a view (no upload from the host, which a GPU's stream waits for,
+    and no launch). Read-only. In a floating ``dtype`` exact while ``n`` is (below 2**24 in float32)."""
+    return arange(n + 1, like, dtype)[n]

@@ -54,7 +54,7 @@ class Placement(SideData):
     replica_key: tuple[Any, ...] | None = None  # (store edits, slot experts) the replicas were made under
     # the same plan on the host, where it is made and served (the tensors above are what the
     # layer stores and counts): loads per expert and device, each slot's expert and device, the
-    # devices without replication
+    # devices without replication, the extra copies of each expert
     host: dict[str, list] = field(default_factory=dict, repr=False)
     # not counted (the layer's bytes are the replicas and the plan above): the buffers the
     # replicas are views of, with rows past them to grow into ("k", "v"), the plan's extra
@@ -319,7 +319,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         ``expert`` ``(B, H, 1)`` also read on the host (``placed``): the copies are counted there,
         the rows copied on the device, head-row by head-row as in storage order. ``rows``: which
         head-row each copy is of, sent with the plan (:func:`copied_rows`), else made here."""
-        copies = [side.host["slot_expert"].count(x) - 1 for x in placed]
+        copies = [side.host["extra"][x] for x in placed]
         total = sum(copies)
         if not total:
             return
@@ -381,7 +381,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         if side.slot_expert is not None and same:
             return side  # the same plan: its tensors stand
         host["slot_expert"], host["slot_device"], host["base_device"] = slot_expert, slot_device, base_device
-        extra = [slot_expert.count(e) - 1 for e in range(self.num_experts)]
+        extra = host["extra"] = [slot_expert.count(e) - 1 for e in range(self.num_experts)]
         loads = [struct.unpack("<q", struct.pack("<d", x))[0] for x in host["load"] + host["device_load"]]
         rows = [] if placed is None else copied_rows([extra[e] for e in placed])
         parts = [slot_expert, slot_device, base_device, extra, loads, rows]

@@ -44,7 +44,7 @@ def host_scalar(value: float, like: torch.Tensor) -> torch.Tensor:
     arange, kept for the process, grows to twice the largest value asked, 8 bytes a routed token),
     any other value made once while it is the last one asked for there."""
     if float(value).is_integer() and 0 <= value < EXACT_F32:
-        return devices.arange(int(value) + 1, like, torch.float32)[int(value)]
+        return devices.whole(int(value), like, torch.float32)
     key = devices.device_of(like)
     held = _SCALAR.get(key)
     if held is None or held[0] != value:
