@@ -292,6 +292,42 @@ def test_a_bare_step_over_parts_is_read_from_the_segments_alone(tiny_93, monkeyp
     assert not masked and len(asked) == 6 * len(cache.stores)
 
 
+def test_a_bare_step_over_decoded_segments_makes_no_view(tiny_93, monkeypatch):
+    """A decode step of a stack that acts outside attention only (KIVI), over layers of several
+    segments of which one has no part on the torch path, decodes them and reads every slot without
+    a view: no masked read, and the joined positions are not updated. Against the masked read: the
+    same logits bit for bit, and a view made afterwards (for a technique that reads it) holds the
+    same positions and valid slots; the masked read's joined rows are held beside the cache."""
+    from kvbench.compressors.quantized import QuantizedCompressor
+
+    def run(lean: bool):
+        if not lean:
+            monkeypatch.setattr(engine, "_decoded_whole", lambda store: None)
+        stack = make_stack(tiny_93, compressor=QuantizedCompressor(bits=2, group_size=8), window=4, sinks=2)
+        _, cache = run_chunks(tiny_93, stack, tokens(40), [40])
+        masked, masked_read = [], engine.KVCache._attend_masked
+        monkeypatch.setattr(
+            engine.KVCache, "_attend_masked", lambda *a, **k: masked.append(1) or masked_read(*a, **k)
+        )
+        logits, resident = [], []
+        for t in tokens(12, 1):
+            logits.append(loop.step(tiny_93, cache, [t]))
+            resident.append(cache.resident_bytes())
+        monkeypatch.undo()
+        return torch.cat(logits), cache, masked, resident
+
+    lean, cache, masked, resident = run(True)
+    ref, want, masked_ref, resident_ref = run(False)
+    assert len(cache.stores[0].segments) > 1
+    assert not masked and masked_ref.count(1) == 12 * len(want.stores)
+    assert torch.equal(lean, ref)
+    assert cache.nbytes() == want.nbytes() and all(a <= b for a, b in zip(resident, resident_ref))
+    for store, other in zip(cache.stores, want.stores):
+        view, other_view = store.view(), other.view()
+        assert torch.equal(view.pos, other_view.pos) and torch.equal(view.valid, other_view.valid)
+        assert torch.equal(view.k, other_view.k) and torch.equal(view.v, other_view.v)
+
+
 def test_an_observed_step_over_ragged_rows_reads_its_output_from_its_probabilities(tiny_93, monkeypatch):
     """A decode step over ragged full-precision rows (AdaKV's per-head budgets) whose only
     technique inside attention observes the probabilities makes the rows' logits once: the

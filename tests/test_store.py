@@ -590,3 +590,28 @@ def test_a_decode_append_clears_a_state_only_where_the_rows_hold_no_zeros_past_t
     got = store.state(st)[0, :, 8:]
     assert torch.equal(got, torch.zeros_like(got)), "appended tokens hold the fill"
     assert torch.equal(store.state(st)[0, :, :7], torch.ones(2, 7))
+
+
+def test_a_tensor_memo_answers_by_identity_and_forgets_a_freed_tensor():
+    """What :class:`devices.TensorMemo` remembers of a tensor is found for that tensor object alone
+    (an equal tensor, or a view of it, is another key; no elementwise comparison is made) and
+    is dropped when the tensor is freed, so a new tensor at its address is not taken for it."""
+    import gc
+
+    from kvbench.cache import devices, ragged
+
+    memo = devices.TensorMemo()
+    a, b = torch.tensor([3, 3]), torch.tensor([3, 3])
+    memo[a] = 3
+    assert a in memo and memo[a] == 3 and memo.get(a) == 3
+    assert b not in memo and memo.get(b, "none") == "none" and a[:] not in memo
+    with pytest.raises(KeyError):
+        memo[b]
+    memo[a] = None  # told again: the last value stands, and one entry is kept
+    assert a in memo and memo[a] is None and len(memo) == 1
+    del a
+    gc.collect()
+    assert len(memo) == 0
+    lens = ragged.tell(torch.tensor([2, 5]), None)
+    assert ragged.same_count(lens) is None and ragged.told(lens) is None
+    assert ragged.same_count(torch.tensor([4, 4])) == 4

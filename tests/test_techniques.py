@@ -140,6 +140,30 @@ def test_kivi_decode_is_one_pass_rounding_as_a_product_then_a_sum(dtype):
         assert torch.equal(got, two)
 
 
+@pytest.mark.parametrize("head_dim, group", [(16, 32), (16, 16), (24, 32), (48, 32)])
+def test_kivi_values_in_one_group_per_token_decode_in_one_pass(head_dim, group):
+    """A value group as wide as the head or wider (one group a token, ``head_dim <= group``, as a
+    thin model's) is decoded as groups that tile the head are: the codes left in place, one
+    ``addcmul``, no repeated parameters; where groups do not tile the head (the last one shorter),
+    the parameters are repeated per channel. Both give ``codes * step + zero`` rounded as a product
+    and then a sum."""
+    torch.manual_seed(0)
+    x = torch.randn(40, head_dim) * torch.logspace(-2, 2, 40)[:, None]
+    for bits in quant.SUPPORTED_BITS:
+        if head_dim * bits % 8 or (bits == 3 and head_dim % 8):
+            continue
+        vals, vzero, vstep = quant.quantize_values(x, bits, group)
+        counter = LaunchCounter()
+        with counter:
+            got = quant.dequantize_values(vals, vzero, vstep, bits, head_dim, group, torch.float32)
+        tiled = head_dim <= group or head_dim % group == 0
+        assert ("clone" in counter.by_op) == (not tiled), counter.by_op  # parameters repeated
+        assert counter.by_op.get("addcmul") == 1, counter.by_op
+        steps, zeros = (p.float().repeat_interleave(group, dim=1)[:, :head_dim] for p in (vstep, vzero))
+        want = (quant.unpack(vals, bits) * steps).add_(zeros)
+        assert torch.equal(got, want)
+
+
 def test_kivi_then_eviction_frees_codes(tiny):
     """H2O evicting quantized tokens frees their codes; key groups go with their last token."""
     stack = make_stack(

@@ -220,6 +220,9 @@ class KVCache(Cache):
             out = _attend_parts(store, query, scaling)  # the others, where each segment can: no view
             if out is not None:
                 return out
+            kv = _decoded_whole(store)
+            if kv is not None:  # every head-row full in one block: decoded and read, no view made
+                return att.attend(query, *(x.to(query.dtype) for x in kv), None, scaling)
             return self._attend_masked(layer, store, query, scaling, plan, parts_asked=True)
         if plan.observed and plan.first[layer] < 1:
             kv = store.dense_kv()
@@ -440,6 +443,24 @@ def _attend_parts(store: LayerStore, query: torch.Tensor, scaling: float) -> tor
     with dispatch.step(kernel):  # under auto, every segment's states of the kind merged here
         parts = partials.gather(store.segments, query, scaling, store.batch)
     return None if parts is None else (kernel or partials).merge(parts, query, store.kv_heads)
+
+
+def _decoded_whole(store: LayerStore) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A bare step's keys and values ``(B, H, T, D)`` over several segments, decoded now
+    (:meth:`LayerStore.decoded`) without the view that :meth:`KVCache._attend_masked` would make:
+    where every segment's head-rows are full and none carries a bias (the step reads every slot,
+    no mask) and the layer decodes in one block (:func:`head_blocks`). What
+    :func:`_attend_decoded` reads on that path, the same keys and values; the joined positions a
+    view keeps are brought up to date when a view is next made (:meth:`Rows.changes`). Else None."""
+    segs = store.segments
+    if any(not seg.rows.uniform or "bias" in seg.rows for seg in segs):
+        return None
+    b, h = store.batch, store.kv_heads
+    width = sum(seg.rows.width for seg in segs)
+    if len(head_blocks(b, h, width * store.head_dim)) > 1:
+        return None
+    k, v = store.decoded()
+    return k.view(b, h, width, k.shape[-1]), v.view(b, h, width, v.shape[-1])
 
 
 def _probs_output(probs: torch.Tensor, values: torch.Tensor, query: torch.Tensor) -> torch.Tensor:

@@ -167,6 +167,12 @@ def _places(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return masks.to(device), torch.exp2(-(bits * i).float()).to(device)
 
 
+def _placed_per_byte(bits: int) -> int:
+    """The codes of a byte that :func:`placed_codes` leaves in place (its weights' count), 1 where it
+    gives codes one per element (8 and 3 bits)."""
+    return 8 // bits if bits in (2, 4) else 1
+
+
 def placed_codes(packed: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`unpack`'s codes for arithmetic, with as few bytes written as can be: ``(..., P * 8 //
     bits)`` and weights ``(8 // bits,)`` float32 for the codes of each byte, or None.
@@ -288,10 +294,11 @@ def dequantize_values(
     strides)."""
     d, ngv = head_dim, zero.shape[1]
     tokens = (-1,) if out is None else tuple(out.shape[:-1])
-    codes, weights = placed_codes(packed, bits)
-    per = 1 if weights is None else weights.numel()
-    if ngv * group == d and group % per == 0:  # channel groups tile head_dim, in whole bytes
-        shape = (*tokens, ngv, group // per, per)  # a group's codes byte by byte
+    tile = min(group, d)  # a group's channels (one group of all head_dim channels when group >= head_dim)
+    if ngv * tile == d and tile % _placed_per_byte(bits) == 0:  # groups tile head_dim, in whole bytes
+        codes, weights = placed_codes(packed, bits)
+        per = 1 if weights is None else weights.numel()
+        shape = (*tokens, ngv, tile // per, per)  # a group's codes byte by byte
         # float32 steps per (token, group, code of a byte), each code's weight folded in
         step = step.float()[..., None] if weights is None else step[..., None] * weights
         dest = None if out is None else out.view(shape)

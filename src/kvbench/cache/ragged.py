@@ -9,23 +9,24 @@ decoders that work per head (bases, blocks, clusters) lay them out as rectangles
 from __future__ import annotations
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from kvbench.cache import devices
 
 # Count tensors ``lens`` whose common value (or None: they differ) is known on the host: told when
 # made from host figures (a move of the same number from each row, an extend), or read once.
-_SAME: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_SAME = devices.TensorMemo()
+_UNKNOWN = object()
 
 
 def same_count(lens: torch.Tensor) -> int | None:
     """The count every entry of ``lens`` holds, or None when they differ: from what :func:`tell`
     recorded for this tensor, else read once (two scalar reads) and remembered."""
-    if lens in _SAME:
-        return _SAME[lens]
+    count = _SAME.get(lens, _UNKNOWN)
+    if count is not _UNKNOWN:
+        return count
     low, high = (int(x) for x in torch.aminmax(lens)) if lens.numel() else (0, 0)
-    _SAME[lens] = high if low == high else None
-    return _SAME[lens]
+    count = _SAME[lens] = high if low == high else None
+    return count
 
 
 def tell(lens: torch.Tensor, count: int | None) -> torch.Tensor:
@@ -55,7 +56,7 @@ def slice_of(lens: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 
 # Host copies of count tensors' running ends (``lens.cumsum()``), read once per tensor by :func:`span`.
-_ENDS: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_ENDS = devices.TensorMemo()
 
 
 def span(lens: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:

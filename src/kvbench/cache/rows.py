@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from types import ModuleType
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from kvbench.cache import devices
 from kvbench.cache.ragged import segment_ids, starts, valid_mask
@@ -173,7 +172,7 @@ def true_slots(mask: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tens
 
 # ``valid()`` of ragged rows per ``lens`` tensor, made once for the readers of a step (read-only;
 # outside the rows, so what a cache holds is measured as before; gone with its ``lens``)
-_VALID: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+_VALID = devices.TensorMemo()
 
 
 def _closing(

@@ -37,8 +37,9 @@ class LoraCompressor(Compressor):
 
     name: str = "lora"
     # 2: packed latents, resident bytes at the buffers' capacity; 3: a long decode step read as one
-    # softmax over the latents and the full-precision rows (issue 29, CHANGELOG.md)
-    version = 3
+    # softmax over the latents and the full-precision rows (issue 29, CHANGELOG.md);
+    # 4: a bare decode step decodes the layer without a view: resident bytes only (issue 29)
+    version = 4
     key_rank: int = 32
     value_rank: int = 32
     calibration_tokens: int = 2048

@@ -32,8 +32,9 @@ class LoraPlusPlusCompressor(Compressor):
 
     name: str = "lora_plus_plus"
     # 2: packed latents, resident bytes at the buffers' capacity; 3: a long decode step read as one
-    # softmax over the latents and the full-precision rows (issue 29, CHANGELOG.md)
-    version = 3
+    # softmax over the latents and the full-precision rows (issue 29, CHANGELOG.md);
+    # 4: a bare decode step decodes the layer without a view: resident bytes only (issue 29)
+    version = 4
     key_rank: int = 16
     value_rank: int = 32
     latent_bits: int = 8

@@ -40,6 +40,9 @@ class PyramidCompressor(Compressor):
     """
 
     name: str = "pyramid"
+    # 2: a bare decode step decodes the layer without a view (its joined positions are not
+    # kept up to date at every step): resident bytes only (issue 29, CHANGELOG.md)
+    version = 2
     bits_max: int = 8
     bits_min: int = 2
     group_size: int = 32

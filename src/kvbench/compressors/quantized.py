@@ -104,6 +104,9 @@ class QuantizedCompressor(Compressor):
     """KIVI with ``bits`` (or separate ``key_bits``/``value_bits``) in {2, 3, 4, 8}."""
 
     name: str = "quantized"
+    # 2: a bare decode step decodes the layer without a view (its joined positions are not
+    # kept up to date at every step): resident bytes only (issue 29, CHANGELOG.md)
+    version = 2
     bits: int = 2
     key_bits: int | None = None
     value_bits: int | None = None

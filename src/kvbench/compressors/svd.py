@@ -120,8 +120,9 @@ class SVDCompressor(Compressor):
 
     name: str = "svd"
     # 2: a long decode step read as one softmax over the factored blocks and the full-precision rows
-    # (issue 29, CHANGELOG.md)
-    version = 2
+    # (issue 29, CHANGELOG.md); 3: a bare decode step decodes the layer without a view: resident
+    # bytes only (issue 29)
+    version = 3
     key_rank: int = 16
     value_rank: int | None = 32
     block_size: int = 64
