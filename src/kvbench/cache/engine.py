@@ -222,7 +222,7 @@ class KVCache(Cache):
                 return out
             kv = _decoded_whole(store)
             if kv is not None:  # every head-row full in one block: decoded and read, no view made
-                return att.attend(query, *(x.to(query.dtype) for x in kv), None, scaling)
+                return att.attend(query, kv[0].to(query.dtype), kv[1].to(query.dtype), None, scaling)
             return self._attend_masked(layer, store, query, scaling, plan, parts_asked=True)
         if plan.observed and plan.first[layer] < 1:
             kv = store.dense_kv()
