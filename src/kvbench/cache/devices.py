@@ -39,6 +39,9 @@ def whole(n: int, like: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.
     return arange(n + 1, like, dtype)[n]
 
 
+ABSENT = object()  # what :meth:`TensorMemo.get` gives for a tensor it holds nothing for
+
+
 class TensorMemo:
     """Values remembered per tensor object, by its identity, and forgotten when it is freed: what
     :class:`torch.utils.weak.WeakTensorKeyDictionary` keeps, found by one dict lookup of ``id()``
@@ -53,14 +56,13 @@ class TensorMemo:
         return default if entry is None or entry[0]() is not key else entry[1]
 
     def __contains__(self, key: torch.Tensor) -> bool:
-        entry = self._entries.get(id(key))
-        return entry is not None and entry[0]() is key
+        return self.get(key, ABSENT) is not ABSENT
 
     def __getitem__(self, key: torch.Tensor) -> Any:
-        entry = self._entries.get(id(key))
-        if entry is None or entry[0]() is not key:
+        value = self.get(key, ABSENT)
+        if value is ABSENT:
             raise KeyError(id(key))
-        return entry[1]
+        return value
 
     def __setitem__(self, key: torch.Tensor, value: Any) -> None:
         ident, entries = id(key), self._entries

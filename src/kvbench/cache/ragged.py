@@ -15,14 +15,13 @@ from kvbench.cache import devices
 # Count tensors ``lens`` whose common value (or None: they differ) is known on the host: told when
 # made from host figures (a move of the same number from each row, an extend), or read once.
 _SAME = devices.TensorMemo()
-_UNKNOWN = object()
 
 
 def same_count(lens: torch.Tensor) -> int | None:
     """The count every entry of ``lens`` holds, or None when they differ: from what :func:`tell`
     recorded for this tensor, else read once (two scalar reads) and remembered."""
-    count = _SAME.get(lens, _UNKNOWN)
-    if count is not _UNKNOWN:
+    count = _SAME.get(lens, devices.ABSENT)
+    if count is not devices.ABSENT:
         return count
     low, high = (int(x) for x in torch.aminmax(lens)) if lens.numel() else (0, 0)
     count = _SAME[lens] = high if low == high else None
@@ -65,9 +64,9 @@ def span(lens: torch.Tensor, lo: int, hi: int) -> tuple[int, int]:
     count = same_count(lens)
     if count is not None:
         return lo * count, hi * count
-    if lens not in _ENDS:
-        _ENDS[lens] = [0, *lens.cumsum(0).tolist()]
-    ends = _ENDS[lens]
+    ends = _ENDS.get(lens)
+    if ends is None:
+        ends = _ENDS[lens] = [0, *lens.cumsum(0).tolist()]
     return ends[lo], ends[hi]
 
 
