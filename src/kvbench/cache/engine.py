@@ -224,6 +224,10 @@ class KVCache(Cache):
             if kv is not None:  # every head-row full in one block: decoded and read, no view made
                 return att.attend(query, kv[0].to(query.dtype), kv[1].to(query.dtype), None, scaling)
             return self._attend_masked(layer, store, query, scaling, plan, parts_asked=True)
+        if plan.routed:
+            kv = store.dense_kv()
+            if kv is not None:
+                return self._routed_step(layer, store, query, scaling, kv, plan)
         if plan.observed and plan.first[layer] < 1:
             kv = store.dense_kv()
             if kv is not None:
@@ -350,6 +354,33 @@ class KVCache(Cache):
         out = kernel.attend(query, *kv, None, scaling, pages=pages)
         for tech in plan.query_observers:
             tech.observe_queries(layer, store, query, store.last_qpos)
+        store.release()
+        return out
+
+    def _routed_step(
+        self,
+        layer: int,
+        store: LayerStore,
+        query: torch.Tensor,
+        scaling: float,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        plan: ReadPlan,
+    ) -> torch.Tensor:
+        """One unpadded decode step over full-precision rows that every head fills (``kv``), whose
+        only technique inside attention is the read selector (:attr:`ReadPlan.routed`): its pages
+        on the Triton path where it names them (:meth:`_paged_step`), else its mask over the rows as
+        they are. The same reads as the masked read's: every slot is a token, so the mask is the
+        selector's alone, and no bias exists."""
+        paged = self._paged_step(layer, store, query, scaling, plan)
+        if paged is not None:
+            return paged
+        mask = plan.selector.read_mask(layer, store, query, store.last_qpos)
+        kernel = dispatch.kernels("attention", store.batch, store.columns())
+        keys, values = kv[0].to(query.dtype), kv[1].to(query.dtype)
+        if kernel is not None:
+            out = kernel.attend(query, keys, values, mask, scaling, None)
+        else:
+            out = att.attend(query, keys, values, mask, scaling, None)
         store.release()
         return out
 

@@ -17,11 +17,13 @@ class ReadPlan:
     stack's hooks), not re-derived by each call. A layer then adds only its own store's state:
     whether its rows are dense, a bias, what its view holds (:meth:`KVCache.attend`).
 
-    A decode step takes one of three paths: ``bare`` (no technique acts inside attention: dense
+    A decode step takes one of four paths: ``bare`` (no technique acts inside attention: dense
     full-precision rows are read as they are, plain SDPA), ``observed`` (the only technique inside
     attention observes the probabilities: they are computed once and the output read from them,
-    over full rows and, on the torch path, over ragged full-precision rows), else the masked read,
-    which also serves every prefill.
+    over full rows and, on the torch path, over ragged full-precision rows), ``routed`` (the only
+    technique inside attention is the read selector: dense full-precision rows are read through
+    its mask, or its pages on the Triton path, with no view made by the engine), else the masked
+    read, which also serves every prefill.
     """
 
     q_len: int
@@ -34,6 +36,7 @@ class ReadPlan:
     first: tuple[int, ...]  # per layer: the first query whose probabilities an observer reads
     bare: bool
     observed: bool
+    routed: bool  # a decode step whose only technique inside attention is the read selector
     reads_all: bool  # every query reads every stored token (a step, no selector, no padding)
 
     @classmethod
@@ -75,5 +78,6 @@ class ReadPlan:
             first=first,
             bare=step and not (observers or query_observers or selector or placer),
             observed=step and bool(observers) and not (query_observers or placer or routed),
+            routed=step and routed is not None and not (observers or query_observers or placer),
             reads_all=q_len == 1 and window is None and routed is None and not padded,
         )

@@ -48,6 +48,8 @@ class LayerStore:
     ``edits`` counts the changes to stored tokens other than appends (evictions, moves into a
     representation): while it stays the same, every token stored before is still stored, unchanged
     and at the same place, so metadata derived from them (Quest's page bounds) stays valid.
+    ``changes`` counts every change, appends included: while it stays the same, so does the store,
+    and what a read derived from it (a router's routing) can be asked again.
     """
 
     def __init__(self, batch: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -64,6 +66,7 @@ class LayerStore:
         self.last_padded = False  # the last append came with a padding mask (``real``)
         self._seen_max = 0
         self._view: PaddedView | None = None
+        self.changes = 0  # changes to the stored tokens, appends included
         self._joined: JoinedRows | None = None  # the view's positions when several segments hold tokens
         self._by_pos: tuple[PaddedView, torch.Tensor] | None = None  # a view and its position order
         self.edits = 0  # changes to stored tokens other than appends (evictions, moves): see ``edits``
@@ -154,7 +157,7 @@ class LayerStore:
             self.seen_host = self._seen.tolist()  # the one synchronisation of a padded append
             self._seen_max = max(self.seen_host)
             self.last_padded = True
-        self._view = None
+        self._changed()
 
     def move_out(
         self, move: torch.Tensor | Columns, build: Build, first: bool = False, per_row: int | None = None
@@ -227,7 +230,7 @@ class LayerStore:
         else:
             target.append_ragged(new, seg.lens)
         self.edits += 1
-        self._view = None
+        self._changed()
 
     def keep(self, mask: torch.Tensor, kept: list[int] | None = None) -> None:
         """Evict every token where ``mask`` ``(B, H, T)`` (aligned with ``view()``) is False.
@@ -262,7 +265,7 @@ class LayerStore:
             return
         self._compressed = [s for s in self._compressed if s.rows.width > 0]
         self.edits += 1
-        self._view = None
+        self._changed()
 
     def can_drop(self, kept: int) -> bool:
         """:meth:`drop` applies: the full-precision rows hold every token, each head-row the same
@@ -276,7 +279,7 @@ class LayerStore:
         (:meth:`Rows.drop`); the rows are then out of position order until a reader needs it."""
         self._fp.rows.drop(cols.reshape(self.batch * self.kv_heads, -1))
         self.edits += 1
-        self._view = None
+        self._changed()
 
     def close_column(self, col: int, stop: int, heads: tuple[bool, ...]) -> None:
         """Evict the token at column ``col`` of ``view()`` in the head-rows of the KV heads marked in
@@ -287,14 +290,20 @@ class LayerStore:
         assert self.in_position_order() and len(heads) == self.kv_heads
         self._fp.rows.close_column(col, stop, heads * self.batch)
         self.edits += 1
-        self._view = None
+        self._changed()
 
     def _in_order(self) -> None:
         """Put the full-precision rows back in position order if a :meth:`drop` left them out of it."""
         if not self._fp.rows.ordered:
             self._fp.rows.sort_by("pos")
             self.edits += 1
-            self._view = None
+            self._changed()
+
+    def _changed(self) -> None:
+        """The stored tokens changed: the view is made again when next read, and :attr:`changes`
+        counts one more (what was derived from the tokens before is of an older count)."""
+        self._view = None
+        self.changes += 1
 
     # --- reading --------------------------------------------------------------------------
     def fp_view(self, name: str = "pos") -> torch.Tensor:
@@ -339,6 +348,13 @@ class LayerStore:
         self._by_pos = None
         if self._view is not None:
             self._view.release()
+
+    def keys(self) -> torch.Tensor:
+        """``view().k`` ``(B, H, T, D)``: where no view is made and :meth:`dense_kv` applies, the
+        full-precision rows' own keys, the same tensor, without making the view (its positions
+        and valid slots)."""
+        kv = self.dense_kv() if self._view is None else None
+        return self.view().k if kv is None else kv[0]
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The keys and values ``(B, H, T, D)`` when the full-precision rows hold every token and

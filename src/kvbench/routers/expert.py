@@ -515,7 +515,7 @@ class ExpertRouter(Router):
 
         Default: the mean key of each expert's routed tokens (zero for an empty expert).
         """
-        return expert_sums(self.membership(experts), store.view().k) / experts.size
+        return expert_sums(self.membership(experts), store.keys()) / experts.size
 
     def membership(self, experts: Experts) -> torch.Tensor:
         """One-hot ``(B, H, T, E)`` float of each routed token's expert."""
@@ -537,24 +537,31 @@ class ExpertRouter(Router):
     def route(self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor) -> Routing:
         """Route a block of queries ``(B, Hq, q, D)``.
 
-        A repeated call for the same block (the engine's KV-hit probe: the same view, and the same
-        ``query`` and ``qpos`` tensors, or views of the same memory) returns the same routing
+        A repeated call for the same block (the engine's KV-hit probe: the same store, unchanged
+        since (:attr:`LayerStore.changes`), and the same ``query`` and ``qpos`` tensors, or views of
+        the same memory) returns the same routing
         without counting its reads again or advancing router state. The inputs are not modified in
         place between the two calls, so their addresses stand for their values.
         """
-        view = store.view()
+        changes = store.changes
         last = self._last.get(layer)
-        if last is not None and last[0] is view and _same(last[1], qpos) and _same(last[2], query):
-            return last[3]
+        if (
+            last is not None
+            and last[0] is store
+            and last[1] == changes
+            and _same(last[2], qpos)
+            and _same(last[3], query)
+        ):
+            return last[4]
         experts = self.route_experts(layer, store, qpos)
         centroid = self.summarize(layer, store, experts)
-        scoring = dispatch.kernels("scoring", query.shape[0], view.pos.shape[-1])  # the cell's path
+        scoring = dispatch.kernels("scoring", query.shape[0], store.columns())  # the cell's path
         score = (scoring or att).group_scores(query, centroid)
         if experts.empty is not None:
             score = score.masked_fill(experts.empty, float("-inf"))
         routing = Routing(experts, self.choose(layer, store, score, experts.count, qpos))
         self._account(layer, store, routing, qpos)
-        self._last[layer] = (view, qpos, query, routing)  # held: their memory is not reused meanwhile
+        self._last[layer] = (store, changes, qpos, query, routing)  # held: their memory is not reused
         return routing
 
     def forget(self, layer: int) -> None:
