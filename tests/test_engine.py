@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from types import SimpleNamespace
@@ -445,3 +446,44 @@ def test_a_forward_plans_its_reads_once(tiny, evict, monkeypatch):
     assert made == [(12, None)] + [(1, None)] * 3
     plan = cache.plan(1, None)
     assert len(plan.first) == len(cache.stores) and len(plan.observers) == evict
+
+
+@pytest.mark.parametrize("kind", ["router", "quest"])
+def test_a_routed_step_over_dense_rows_reads_through_the_mask_with_no_view(tiny_93, monkeypatch, kind):
+    """A decode step whose only technique inside attention is the read selector (a router, Quest),
+    over full-precision rows that every head fills, reads them through the selector's mask with no
+    view made by the engine (a router makes none either: it reads the rows' keys). Against the
+    masked read: the same logits and the same read figures, bit for bit."""
+    from kvbench.cache.plan import ReadPlan
+    from kvbench.cache.store import LayerStore
+    from kvbench.routers.moba import BaseRouter
+    from kvbench.schedulers.quest import QuestScheduler
+
+    def run(routed: bool):
+        if not routed:
+            make = ReadPlan._make.__func__
+            monkeypatch.setattr(
+                ReadPlan,
+                "_make",
+                classmethod(lambda cls, *a: dataclasses.replace(make(cls, *a), routed=False)),
+            )
+        if kind == "router":
+            stack = make_stack(tiny_93, router=BaseRouter(num_experts=4, top_k=2), window=4, sinks=2)
+        else:
+            stack = make_stack(tiny_93, scheduler=QuestScheduler(page_size=4, dense_layers=0), budget=1.0)
+        _, cache = run_chunks(tiny_93, stack, tokens(40), [40])
+        views, masked = [], []
+        make_view, masked_read = LayerStore.view, engine.KVCache._attend_masked
+        monkeypatch.setattr(LayerStore, "view", lambda self: views.append(1) or make_view(self))
+        monkeypatch.setattr(
+            engine.KVCache, "_attend_masked", lambda *a, **k: masked.append(1) or masked_read(*a, **k)
+        )
+        logits = torch.cat([loop.step(tiny_93, cache, [t]) for t in tokens(10, 1)])
+        monkeypatch.undo()
+        return logits, stack.metrics(), masked, views
+
+    lean, figures, masked, views = run(True)
+    ref, figures_ref, masked_ref, _ = run(False)
+    assert not masked and masked_ref
+    assert kind == "quest" or not views
+    assert torch.equal(lean, ref) and figures == figures_ref

@@ -193,12 +193,13 @@ class QuestScheduler(Scheduler):
         """Nothing is evicted: the min/max keys of every full page of every head-row."""
         if layer < self.dense_layers:
             return
+        # every slot a token, in position order: the full-precision rows alone, every head-row full
+        if store.in_position_order() and store.fp.rows.uniform:
+            self._grow_pages(layer, store)
+            return
         view = store.view()
         b, h, t, d = view.k.shape
         p = self.page_size
-        if store.in_position_order() and view.dense:  # every slot a token, in position order
-            self._grow_pages(layer, store)
-            return
         last = torch.full_like(view.pos, torch.iinfo(view.pos.dtype).max)
         order = torch.where(view.valid, view.pos, last).argsort(-1)
         keys = torch.gather(view.k, 2, order[..., None].expand(b, h, t, d))
@@ -218,17 +219,17 @@ class QuestScheduler(Scheduler):
         consecutive ``page_size`` slots. Pages bounded at the last call are kept while no stored
         token changed since (``store.edits``); only pages filled since are reduced (a minimum
         and maximum are exact, so the bounds are those a full pass gives)."""
-        view = store.view()
-        b, h, t, d = view.k.shape
+        stored = store.keys()
+        b, h, t, d = stored.shape
         p = self.page_size
         n_full = t // p
         prev = self._kept_bounds.get(store)
         if prev is not None and prev[0] == store.edits and prev[1] <= n_full:
             done, kmin, kmax = prev[1:]
         else:
-            done, kmin, kmax = 0, view.k.new_empty(b * h, 0, d), view.k.new_empty(b * h, 0, d)
+            done, kmin, kmax = 0, stored.new_empty(b * h, 0, d), stored.new_empty(b * h, 0, d)
         if n_full > done:
-            keys = view.k[:, :, done * p : n_full * p].reshape(b * h, n_full - done, p, d)
+            keys = stored[:, :, done * p : n_full * p].reshape(b * h, n_full - done, p, d)
             kmin = torch.cat([kmin, keys.amin(2)], dim=1)
             kmax = torch.cat([kmax, keys.amax(2)], dim=1)
         self._kept_bounds[store] = (store.edits, n_full, kmin, kmax)
@@ -237,12 +238,11 @@ class QuestScheduler(Scheduler):
     def read_mask(
         self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        view = store.view()
-        b, h, t, d = view.k.shape
+        b, h, t, d = store.batch, store.kv_heads, store.columns(), store.head_dim  # the view's shape
         q = query.shape[2]
         if layer < self.dense_layers:
             self._account(layer, store, query, qpos, None, None)
-            return view.valid[:, :, None, :].expand(b, h, q, t)
+            return store.view().valid[:, :, None, :].expand(b, h, q, t)
         key = store.position_key(qpos)
         lay = self.pages(store, qpos, None) if key is None else self._step_pages(store, qpos, key)
         bounds = store.side(PageBounds)
@@ -286,7 +286,7 @@ class QuestScheduler(Scheduler):
         # ``hi`` is known where the pages are every head-row's alike (:meth:`_uniform_pages`)
         if lay.width == 0 or lay.hi < 0 or bounds is None or lay.total != bounds.kmin.shape[0]:
             return None
-        b, h, t, d = store.view().k.shape
+        b, h, t, d = store.batch, store.kv_heads, store.columns(), store.head_dim
         q = query.shape[2]
         kmin, kmax = bounds.kmin.view(b, h, lay.width, d), bounds.kmax.view(b, h, lay.width, d)
         bound = (dispatch.kernels("scoring", b, t) or att).group_bounds(query, kmin, kmax)
