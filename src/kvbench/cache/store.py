@@ -356,6 +356,14 @@ class LayerStore:
         kv = self.dense_kv() if self._view is None else None
         return self.view().k if kv is None else kv[0]
 
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``view().k`` and ``view().v``, without making the view where :meth:`keys` makes none."""
+        kv = self.dense_kv() if self._view is None else None
+        if kv is None:
+            view = self.view()
+            return view.k, view.v
+        return kv
+
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The keys and values ``(B, H, T, D)`` when the full-precision rows hold every token and
         every head-row is full (views of the rows, no mask needed to read them), else None."""

@@ -344,8 +344,7 @@ class CentroidExperts:
         Returns:
             ``col`` and the expert each head-row put there.
         """
-        view = store.view()
-        one = view.k[:, :, col : col + 1].float()  # (B, H, 1, D)
+        one = store.keys()[:, :, col : col + 1].float()  # (B, H, 1, D)
         placed = self.place_one(layer, store, one_dist(one, side.centroid), None)  # (B, H, 1)
         cent, count = self.update_one(side.centroid, side.count, one, placed)
         after = Centroids(cent.contiguous(), count.contiguous(), True, col + 1)

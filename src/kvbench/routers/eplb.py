@@ -294,7 +294,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         if held is None or new is None:  # a column known on the host: made anew (not ``grow``)
             held = held_experts(store, self.num_experts)
         extra_of = side.room["extra"]  # extra copies of each expert in the plan
-        view = store.view()
+        keys, values = store.kv()
         # The same plan over the same stored tokens (appends aside): the replicas so far stay and
         # the tokens assigned now add theirs (replicas are counted, not read: order is free).
         copied = (new & (held >= 0)) if grow and new is not None else held >= 0
@@ -303,7 +303,7 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         flat = torch.repeat_interleave(extra.flatten())  # the one read: how many copies
         t = extra.shape[-1]
         at = (flat // t, flat % t)  # head-row and column
-        k, v = (x.flatten(0, 1)[at] for x in (view.k, view.v))
+        k, v = (x.flatten(0, 1)[at] for x in (keys, values))
         self._append_replicas(side, k, v, grow)
 
     def _grow_column(
@@ -323,12 +323,12 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
         total = sum(copies)
         if not total:
             return
-        view = store.view()
+        keys, values = store.kv()
         if rows is None:
             extra = side.room["extra"][expert.flatten()]  # (B * H,)
             rows = torch.repeat_interleave(extra, output_size=total)  # each head-row, once per copy
-        d = view.k.shape[-1]
-        k, v = (x[:, :, col].reshape(-1, d) for x in (view.k, view.v))
+        d = keys.shape[-1]
+        k, v = (x[:, :, col].reshape(-1, d) for x in (keys, values))
         self._append_replicas(side, k, v, True, rows)
 
     @staticmethod
