@@ -86,8 +86,8 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
         else:
             moved = (qpos[:, 0] >= 0).float() * math.log(self.decay)  # (B,) log decay ** delta
             older = old + moved[:, None, None]
-        if len(store.segments) == 1:  # the state is the store's own: written there in place
-            torch.logaddexp(older, gained, out=store.state(self.SCORE))
+        if len(store.segments) == 1:  # the state is the store's own (``old``): written there in place
+            torch.logaddexp(older, gained, out=old)
         else:
             store.set_state(self.SCORE, torch.logaddexp(older, gained))
 
