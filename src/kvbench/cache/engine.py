@@ -346,7 +346,7 @@ class KVCache(Cache):
             return None
         kernel = dispatch.kernels("attention", store.batch, store.columns())
         kv = None if kernel is None else store.dense_kv()
-        if kv is None or store.view().bias is not None:
+        if kv is None:  # (dense rows are the full-precision rows alone: no bias, no view to make)
             return None
         pages = read_pages(layer, store, query, store.last_qpos)
         if pages is None:

@@ -351,8 +351,8 @@ class LayerStore:
 
     def keys(self) -> torch.Tensor:
         """``view().k`` ``(B, H, T, D)``: where no view is made and :meth:`dense_kv` applies, the
-        full-precision rows' own keys, the same tensor, without making the view (its positions
-        and valid slots)."""
+        full-precision rows' own keys (the view's values, with its strides), without making the
+        view (its positions and valid slots)."""
         kv = self.dense_kv() if self._view is None else None
         return self.view().k if kv is None else kv[0]
 

@@ -463,7 +463,7 @@ class ExpertRouter(Router):
     # per layer: bytes read per real query at each call; tokens read and visible, summed
     read_bytes: dict[int, list[float]] = field(default_factory=dict, init=False, repr=False)
     read_counts: list[float] = field(default_factory=lambda: [0.0, 0.0], init=False, repr=False)
-    # per layer: (view, qpos, query, routing) of the last call
+    # per layer: (store, its change count, qpos, query, routing) of the last call
     _last: dict[int, tuple[Any, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
     # the reads of its calls, as _Call records until settled
     meter: ReadMeter = field(default_factory=ReadMeter, init=False, repr=False, compare=False)
