@@ -615,3 +615,32 @@ def test_a_tensor_memo_answers_by_identity_and_forgets_a_freed_tensor():
     lens = ragged.tell(torch.tensor([2, 5]), None)
     assert ragged.same_count(lens) is None and ragged.told(lens) is None
     assert ragged.same_count(torch.tensor([4, 4])) == 4
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_keys_and_values_read_without_a_view_are_the_views(batch):
+    """``keys()`` and ``kv()`` give the view's keys and values, with its strides; over rows that
+    every head fills (appends, drops) they make no view. ``changes`` counts every change to the
+    stored tokens, appends included, and reading changes nothing."""
+    gen = torch.Generator().manual_seed(batch)
+    h, d = 2, 4
+    store = LayerStore(batch, h, d, torch.float32, torch.device("cpu"))
+    for step in range(12):
+        q = 10 if step == 0 else 1
+        before = store.changes
+        store.append(torch.randn(batch, h, q, d, generator=gen), torch.randn(batch, h, q, d, generator=gen))
+        if step % 3 == 2:  # an eviction of one token a head-row: the rows stay full, out of order
+            store.drop(torch.randint(0, store.columns(), (batch, h, 1), generator=gen))
+        assert store.changes > before
+        changes = store.changes
+        keys, (k, v) = store.keys(), store.kv()
+        assert store._view is None  # dense rows: read as they are
+        view = store.view()
+        for got, want in ((keys, view.k), (k, view.k), (v, view.v)):
+            assert torch.equal(got, want) and got.stride() == want.stride()
+        assert store.keys() is view.k  # a view made: its own
+        assert store.changes == changes
+    store.keep(torch.rand(view.valid.shape, generator=gen) > 0.3)  # ragged rows: the view's
+    keys, (k, v) = store.keys(), store.kv()
+    view = store.view()
+    assert keys is view.k and k is view.k and v is view.v
