@@ -350,14 +350,13 @@ class LayerStore:
             self._view.release()
 
     def keys(self) -> torch.Tensor:
-        """``view().k`` ``(B, H, T, D)``: where no view is made and :meth:`dense_kv` applies, the
-        full-precision rows' own keys (the view's values, with its strides), without making the
-        view (its positions and valid slots)."""
-        kv = self.dense_kv() if self._view is None else None
-        return self.view().k if kv is None else kv[0]
+        """``view().k`` ``(B, H, T, D)``, as :meth:`kv` reads it."""
+        return self.kv()[0]
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``view().k`` and ``view().v``, without making the view where :meth:`keys` makes none."""
+        """``view().k`` and ``view().v`` ``(B, H, T, D)``: where no view is made and
+        :meth:`dense_kv` applies, the full-precision rows' own (the view's values, with its
+        strides), without making the view (its positions and valid slots)."""
         kv = self.dense_kv() if self._view is None else None
         if kv is None:
             view = self.view()
