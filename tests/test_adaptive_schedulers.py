@@ -293,6 +293,19 @@ def test_adakv_keeps_safeguard_plus_layer_wide_top(tiny_93):
     assert sum(counts) == h * cap and len(set(counts)) > 1  # the layer's budget, heads uneven
 
 
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 1 / 3, 0.5, 0.7, 0.9, 1.0])
+def test_adakv_safeguards_from_a_table_are_the_float64_floor(alpha):
+    """Each head's safeguard, ``floor(free * alpha + 1e-9)``, is looked up in a table the host made
+    by the same float64 arithmetic: the device's own result for every count, the table grown past
+    the largest asked for."""
+    from kvbench.schedulers.adakv import safeguards
+
+    free = torch.arange(5000).view(50, 100)
+    want = torch.floor(free.double() * alpha + 1e-9).long()
+    assert torch.equal(safeguards(free[:10], alpha, 999), want[:10])
+    assert torch.equal(safeguards(free, alpha, 4999), want)
+
+
 def test_adakv_alpha_one_is_per_head_uniform(tiny_93):
     _, cache = run_chunks(
         tiny_93,

@@ -231,6 +231,32 @@ def test_ragged_rows_read_zeros_past_each_row_through_keeps_appends_and_filled_f
         check()
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_compaction_takes_its_zeros_from_a_zero_column_where_the_rows_hold_one(seed):
+    """A compaction that leaves rows of different lengths, over rows that hold zeros past their
+    width, points the slots past each row's tokens at that column in its one ``index_select``: the
+    kept tokens and the zeros past them are those the masked path writes, with zeros to the end of
+    each row (where the masked path leaves the columns past :meth:`zeroed_to` unset)."""
+    from kvbench.cache.rows import _Compaction
+
+    gen = torch.Generator().manual_seed(seed)
+    bh, width, cap = 4, 9, 16
+    values = torch.randn(bh, cap, 3, generator=gen)
+    values[:, width:] = 0  # what ``Rows`` records as zeroed past the width
+    keep = torch.rand(bh, width, generator=gen) > 0.4
+    keep[0] = True  # one row keeps every token, the others fewer: rows end short
+    for capacity in (width, cap, cap + 5):
+        plan = _Compaction.of(keep)
+        masked = plan.take(values, capacity)
+        zeroed = _Compaction.of(keep).take(values, capacity, zero=width)
+        stop = plan.zeroed_to(capacity)
+        assert torch.equal(zeroed[:, :stop], masked[:, :stop])
+        lens = keep.sum(-1)
+        for r in range(bh):
+            assert torch.equal(zeroed[r, : lens[r]], values[r, :width][keep[r]])
+            assert not zeroed[r, lens[r] :].any()
+
+
 def test_an_append_clears_its_new_column_in_a_field_made_with_a_fill_after_a_compaction():
     """A compaction leaves columns past the width zeroed for the next appends; a field made
     afterwards with a fill holds the fill there, so that append clears it (a shorter row's

@@ -313,8 +313,11 @@ class ObservationWindow:
         summed = att.widen(probs.sum(2), store.columns()).transpose(1, 2)  # (B, q, H, T)
         store.put_state(self.ring, (seq, slice(None), slice(None), qpos[seq, query] % w), summed[seq, query])
 
-    def window_scores(self, store: TechniqueStore) -> torch.Tensor:
-        """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV)."""
+    def window_scores(self, store: TechniqueStore, padding: bool = True) -> torch.Tensor:
+        """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV).
+
+        ``padding``: slots that hold no token read 0; False where the caller masks them itself (they
+        then hold anything)."""
         view = store.view()
         score = store.state(self.ring).sum(-1)
         if self.pool <= 1:
@@ -325,7 +328,8 @@ class ObservationWindow:
             return pool_sorted(score, self.pool)
         # In position order, each row's tokens first: its padding pools as -inf, reads as 0
         valid = view.valid
-        return torch.where(valid, pool_sorted(torch.where(valid, score, float("-inf")), self.pool), 0.0)
+        pooled = pool_sorted(torch.where(valid, score, float("-inf")), self.pool)
+        return torch.where(valid, pooled, 0.0) if padding else pooled
 
 
 def pool_scores(

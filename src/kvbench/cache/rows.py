@@ -75,7 +75,7 @@ class _Compaction:
     kernel: ModuleType | None = None
     counts: list[int] = dataclasses.field(default_factory=list)
     # the flat slots each field's new tensor takes, per (stride, capacity); the slots ending short rows
-    _src: dict[tuple[int, int], torch.Tensor] = dataclasses.field(
+    _src: dict[tuple[int, int, int | None], torch.Tensor] = dataclasses.field(
         default_factory=dict, init=False, repr=False
     )
     _pad: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False)
@@ -108,21 +108,35 @@ class _Compaction:
             return self.width
         return min(capacity, self.width + ZERO_AHEAD)
 
-    def take(self, values: torch.Tensor, capacity: int) -> torch.Tensor:
+    def take(
+        self,
+        values: torch.Tensor,
+        capacity: int,
+        starts: torch.Tensor | None = None,
+        zero: int | None = None,
+    ) -> torch.Tensor:
         """A new ``(BH, capacity, ...)`` tensor (``capacity >= width``) holding the kept slots of
         ``values`` ``(BH, stride, ...)`` at the front of each row, in order, zeros past a row's
         count up to :meth:`zeroed_to`, its slots from there on unset: one ``index_select`` of whole
         slots (and, where rows end short, zeros written over the columns where some row does). On
-        the Triton path, one kernel pass (kept slots read once, written at their new columns)."""
+        the Triton path, one kernel pass (kept slots read once, written at their new columns).
+
+        ``starts``: ``(BH, 1)`` each row's first flat slot at ``stride``, where the caller holds it.
+        ``zero``: a column of ``values`` that holds zeros in every row, where the caller knows one:
+        the slots past each row's count then take it in the same ``index_select`` (zeros up to
+        ``capacity``), and nothing is written over them after."""
         bh, stride, *rest = values.shape
         if self.kernel is not None:
             out = values.new_empty(bh, capacity, *rest)
             self.kernel.compact_into(values, self.keep, out, self.width)
             return out
-        src = self._src.get((stride, capacity))
+        short = self.least < self.width  # some row ends short: zeros past its tokens
+        zero = zero if short else None
+        src = self._src.get((stride, capacity, zero))
         if src is None:
             order, width = self.order, self.order.shape[1]
-            # past the kept slots: any slot of the row (those up to ``width`` zeroed below)
+            # past the kept slots: any slot of the row (those up to ``width`` zeroed below), or the
+            # zero column
             cols = (
                 order[:, :capacity]
                 if capacity <= width
@@ -131,17 +145,38 @@ class _Compaction:
                     1,
                 )
             )
-            starts = devices.arange(bh, order)[:, None] * stride  # each row's first flat slot
-            src = self._src[(stride, capacity)] = (starts + cols).view(-1)
+            if zero is not None:
+                cols = cols.masked_fill(devices.arange(capacity, self.lens) >= self.lens[:, None], zero)
+            if starts is None:
+                starts = flat_starts(bh, stride, order.device)
+            src = self._src[(stride, capacity, zero)] = (starts + cols).view(-1)
         out = values.reshape(bh * stride, *rest).index_select(0, src).view(bh, capacity, *rest)
-        if self.least < self.width:  # where some row ends short: zeros past its tokens, and in
-            # the columns past the width up to :meth:`zeroed_to`
+        if short and zero is None:  # zeros past each row's tokens, and in the columns past the
+            # width up to :meth:`zeroed_to`
             stop = self.zeroed_to(capacity)
             if self._pad is None or self._pad.shape[1] != stop - self.least:
                 self._pad = devices.arange(stop, self.lens)[self.least :] >= self.lens[:, None]
             tail = out[:, self.least : stop]
             tail.masked_fill_(self._pad.view(*self._pad.shape, *[1] * len(rest)), 0)
         return out
+
+
+# (rows, stride, device) -> ``(rows, 1)`` each row's first slot in a flat view (read-only, a few held)
+_STARTS: dict[tuple[int, int, object], torch.Tensor] = {}
+
+
+def flat_starts(rows: int, stride: int, device: torch.device) -> torch.Tensor:
+    """``arange(rows)[:, None] * stride``: each row's first slot in a flat ``(rows * stride, ...)``
+    view, made once for the rows and stride a compaction takes (those of a layer's rows, from step
+    to step until their capacity changes). Held here, not by the rows (their resident bytes)."""
+    key = (rows, stride, device)
+    held = _STARTS.get(key)
+    if held is None:
+        if len(_STARTS) >= 64:
+            _STARTS.clear()
+        with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
+            held = _STARTS[key] = torch.arange(rows, device=device)[:, None] * stride
+    return held
 
 
 @dataclass(frozen=True)
@@ -584,8 +619,10 @@ class Rows:
         rows emptied by evictions or moves do not hold the memory of their longest past."""
         self._changed(0)
         cap = kept_capacity(plan.width, self.capacity)
+        starts = None if plan.kernel is not None else flat_starts(self.bh, self.capacity, self.device)
+        zero = self.width if self._zeroed > self.width else None  # a column of zeros in every field
         for name, field in self.fields.items():
-            self.fields[name] = plan.take(field, cap)
+            self.fields[name] = plan.take(field, cap, starts, zero)
         self._zeroed = plan.zeroed_to(cap)
         self._heads.clear()  # views of the tensors replaced
         if cap != self.capacity:

@@ -530,7 +530,8 @@ def _kept_counts(
     lens = [keep.sum(-1) for keep in keeps]
     known = [seg.rows.lens_host for seg in segs]  # every row full, or counted before
     live = [seg.rows.lens for seg, held in zip(segs, known) if held is None]
-    flat = torch.cat([*lens, *live]).tolist()
+    counts = [*lens, *live]
+    flat = (counts[0] if len(counts) == 1 else torch.cat(counts)).tolist()
     rows = [flat[i * bh : (i + 1) * bh] for i in range(len(lens) + len(live))]
     read = iter(rows[len(lens) :])
     return [

@@ -25,10 +25,12 @@ Differences from the paper and its code:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from kvbench.cache import devices
 from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.roles import Flags, Scheduler, keep_top
@@ -74,13 +76,14 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
             total = store.view().valid.sum((1, 2))  # (B,)
             over = bool((total > cap * heads).any())
         if over:
-            store.keep(self.select(store, self.window_scores(store), cap))
+            store.keep(self.select(store, self.window_scores(store, padding=False), cap))
 
     def select(self, store: TechniqueStore, score: torch.Tensor, cap: torch.Tensor | int) -> torch.Tensor:
         """Tokens kept: ``(B, H, T)`` bool, aligned with ``store.view()``.
 
         Args:
-            score: ``(B, H, T)`` finite token scores, comparable across heads.
+            score: ``(B, H, T)`` finite token scores, comparable across heads (any value where
+                ``store.view()`` holds no token: read only where it does).
             cap: ``(B,)`` mean tokens per head-row, or one for every sequence; a sequence keeps at
                 most ``cap * H`` tokens.
         """
@@ -88,14 +91,31 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
         prot = self.budget.protected_view(store) & view.valid
         per_seq = cap[:, None] if isinstance(cap, torch.Tensor) else cap
         free = (per_seq - prot.sum(-1)).clamp(min=0)  # (B, H) selectable slots of each head
-        floor = torch.floor(free.double() * self.alpha + 1e-9).long()
         cand = view.valid ^ prot  # the valid tokens not protected (``prot`` lies within ``valid``)
         # window scores are finite: no token is protected by a score of +inf
-        safe = keep_top(score, cand, floor, finite=True)
-        rest = cand ^ safe  # ``safe`` lies within ``cand``
-        spare = free.sum(-1) - safe.sum((1, 2))  # (B,) slots left for the layer-wide top
+        safe = keep_top(score, cand, safeguards(free, self.alpha, max(store.seen_host)), finite=True)
+        # The layer-wide top of the rest fills each sequence's selectable slots: the safeguards
+        # ranked first (+inf, and no more of them than those slots), then the rest by score in the
+        # order a top of the rest alone takes (the same scores, ties by the same slot order)
         b, h, t = score.shape
-        top = keep_top(score.reshape(b, 1, h * t), rest.reshape(b, 1, h * t), spare, finite=True).view(
-            b, h, t
-        )
-        return prot | safe | top
+        ranked = score.masked_fill(safe, float("inf")).reshape(b, 1, h * t)
+        chosen = keep_top(ranked, cand.reshape(b, 1, h * t), free.sum(-1), finite=True).view(b, h, t)
+        return prot | chosen
+
+
+# per (alpha, device): ``floor(f * alpha + 1e-9)`` for ``f = 0, 1, ...`` (read-only, grown by doubling)
+_SAFEGUARDS: dict[tuple[float, object], torch.Tensor] = {}
+
+
+def safeguards(free: torch.Tensor, alpha: float, most: int) -> torch.Tensor:
+    """``floor(free * alpha + 1e-9)`` of whole numbers ``0 <= free <= most`` (long): one lookup in a
+    table made once on the host by the same float64 arithmetic (a product, a sum, a floor of the
+    same numbers: the same results), instead of five operations on the device."""
+    key = (alpha, devices.device_of(free))
+    table = _SAFEGUARDS.get(key)
+    if table is None or table.shape[0] <= most:
+        n = max(2 * (most + 1), 1024)
+        values = [math.floor(f * alpha + 1e-9) for f in range(n)]
+        with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
+            table = _SAFEGUARDS[key] = torch.tensor(values, dtype=torch.long, device=free.device)
+    return table[free]
