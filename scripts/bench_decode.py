@@ -11,7 +11,8 @@
     16) at --host-context tokens and one thread, where a step costs what the host spends per
     operation, as a batch-1 step on a GPU: the median decode step against plain transformers' (target:
     the full cache at most 1.0x, every technique at most 1.5x), the two sides' steps timed in turn
-    (one of each, --steps of each per round), the median ratio over --rounds.
+    (one of each, --steps of each per round), the median ratio over --rounds, with the lowest and
+    highest round beside it (how far one round strays on this machine).
 (3) With --parts, where each side's host time goes, on (2)'s model after its rounds: per decode step,
     the cache's update (storing the step's keys and values), the attention function (reading them:
     SDPA, or kvbench's engine with its read selection), the technique hooks after the forward, and
@@ -118,7 +119,7 @@ def host(names: list[str | None], context: int, steps: int, rounds: int, budget:
         f"(2) host time per decode step, {lm.num_layers} thin layers, {context}-token context, one thread, "
         f"{steps} steps, median of {rounds} rounds: transformers {statistics.median(plain_ms):.2f} ms"
     )
-    print(f"  {'stack':28s} {'step ms':>8s} {'ratio':>7s}")
+    print(f"  {'stack':28s} {'step ms':>8s} {'ratio':>7s}  rounds (lowest-highest)")
     meet = 0
     for name in names:
         ratio = statistics.median(ratios[name])
@@ -126,7 +127,7 @@ def host(names: list[str | None], context: int, steps: int, rounds: int, budget:
         meet += ratio <= target
         print(
             f"  {name or FULL:28s} {statistics.median(mine_ms[name]):8.2f} "
-            f"{ratio:6.2f}x{_mark(ratio, target)}"
+            f"{ratio:6.2f}x{_mark(ratio, target)} {min(ratios[name]):.2f}-{max(ratios[name]):.2f}"
         )
     print(
         f"  {meet}/{len(names)} within their host-time target "

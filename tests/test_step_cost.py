@@ -261,6 +261,7 @@ def test_the_benchmark_runs_and_prints_both_parts():
     for line in ("transformers", "full cache", "scheduler/quest", "MB@48", "MB@64"):
         assert line in out, out
     assert "within their launch target" in out and "within their host-time target" in out, out
+    assert "rounds (lowest-highest)" in out, out  # the spread of the rounds beside each median
     assert "(3) where the host's time goes" in out and "transformers (beside)" in out, out
 
 
