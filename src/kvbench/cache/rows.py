@@ -112,7 +112,6 @@ class _Compaction:
         self,
         values: torch.Tensor,
         capacity: int,
-        starts: torch.Tensor | None = None,
         zero: int | None = None,
     ) -> torch.Tensor:
         """A new ``(BH, capacity, ...)`` tensor (``capacity >= width``) holding the kept slots of
@@ -121,7 +120,6 @@ class _Compaction:
         slots (and, where rows end short, zeros written over the columns where some row does). On
         the Triton path, one kernel pass (kept slots read once, written at their new columns).
 
-        ``starts``: ``(BH, 1)`` each row's first flat slot at ``stride``, where the caller holds it.
         ``zero``: a column of ``values`` that holds zeros in every row, where the caller knows one:
         the slots past each row's count then take it in the same ``index_select`` (zeros up to
         ``capacity``), and nothing is written over them after."""
@@ -147,8 +145,7 @@ class _Compaction:
             )
             if zero is not None:
                 cols = cols.masked_fill(devices.arange(capacity, self.lens) >= self.lens[:, None], zero)
-            if starts is None:
-                starts = flat_starts(bh, stride, order.device)
+            starts = flat_starts(bh, stride, order.device)  # each row's first flat slot
             src = self._src[(stride, capacity, zero)] = (starts + cols).view(-1)
         out = values.reshape(bh * stride, *rest).index_select(0, src).view(bh, capacity, *rest)
         if short and zero is None:  # zeros past each row's tokens, and in the columns past the
@@ -619,10 +616,9 @@ class Rows:
         rows emptied by evictions or moves do not hold the memory of their longest past."""
         self._changed(0)
         cap = kept_capacity(plan.width, self.capacity)
-        starts = None if plan.kernel is not None else flat_starts(self.bh, self.capacity, self.device)
         zero = self.width if self._zeroed > self.width else None  # a column of zeros in every field
         for name, field in self.fields.items():
-            self.fields[name] = plan.take(field, cap, starts, zero)
+            self.fields[name] = plan.take(field, cap, zero)
         self._zeroed = plan.zeroed_to(cap)
         self._heads.clear()  # views of the tensors replaced
         if cap != self.capacity:
