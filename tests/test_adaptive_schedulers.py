@@ -12,6 +12,7 @@ import torch
 from helpers import budget_of, make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench.cache.store import LayerStore
 from kvbench.compressors.quantized import QuantizedCompressor
+from kvbench.compressors.snapkv import SnapKVCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
 from kvbench.roles import BindContext
@@ -304,6 +305,58 @@ def test_adakv_safeguards_from_a_table_are_the_float64_floor(alpha):
     want = torch.floor(free.double() * alpha + 1e-9).long()
     assert torch.equal(safeguards(free[:10], alpha, 999), want[:10])
     assert torch.equal(safeguards(free, alpha, 4999), want)
+
+
+@pytest.mark.parametrize(
+    "stacked",
+    [
+        {},
+        {"compressor": lambda: SnapKVCompressor()},
+        {"router": lambda: BaseRouter(num_experts=4)},
+        {"compressor": lambda: QuantizedCompressor(group_size=8)},  # two segments: counted on the device
+    ],
+    ids=["alone", "snapkv", "router", "quantized"],
+)
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])
+def test_adakv_shares_from_host_figures_are_the_device_counts(tiny_93, monkeypatch, stacked, alpha):
+    """Where the store is one segment, each head-row's safeguard and each sequence's selectable
+    slots come from host figures (every head-row holds each protected position); they are the
+    device's counts, the safeguard clamped to the head-row's candidates. Without the padding mask,
+    the pooled scores of every token are the masked ones. A padded batch, whose ragged appends leave
+    the rows' lengths on the device (counted there), keeps what each of its sequences keeps alone
+    (from host figures)."""
+    lm, asked = tiny_93, []
+    original = AdaKVScheduler._host_shares
+
+    def checked(self, store, held):
+        shares = original(self, store, held)
+        if shares is None:
+            return None
+        view, b, h = store.view(), store.batch, store.kv_heads
+        prot = self.budget.protected_view(store) & view.valid
+        cand = view.valid & ~prot
+        cap = torch.tensor([self.budget.capacity_host(n) for n in store.seen_host])[:, None]
+        free = (cap - prot.sum(-1)).clamp(min=0)
+        safe = torch.minimum(torch.floor(free.double() * self.alpha + 1e-9).long(), cand.sum(-1))
+        per_row, total = (torch.as_tensor(x).expand(*shape) for x, shape in zip(shares, [(b, h), (b,)]))
+        assert torch.equal(per_row, safe) and torch.equal(total, free.sum(-1))
+        pooled, masked = self.window_scores(store, padding=False), self.window_scores(store)
+        assert torch.equal(pooled[view.valid], masked[view.valid])
+        asked.append(b)
+        return shares
+
+    monkeypatch.setattr(AdaKVScheduler, "_host_shares", checked)
+
+    def make():
+        extra = {role: build() for role, build in stacked.items()}
+        return make_stack(lm, scheduler=AdaKVScheduler(alpha=alpha), budget=0.3, sinks=2, window=4, **extra)
+
+    run_chunks(lm, make(), tokens(N), SIZES)
+    padded_batch_vs_solo(lm, make)
+    if "compressor" in stacked and isinstance(stacked["compressor"](), QuantizedCompressor):
+        assert not asked  # several segments: every count on the device
+    else:
+        assert asked
 
 
 def test_adakv_alpha_one_is_per_head_uniform(tiny_93):

@@ -58,7 +58,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/random": (7.75, 0.24),
     "compressor/snapkv": (15.25, 0.37),
     "compressor/svd": (11.5, 13.78),
-    "scheduler/adakv": (28.0, 2.05),
+    "scheduler/adakv": (23.0, 2.05),
     "scheduler/duo_attention": (3.0, 0.5),
     "scheduler/flexgen": (2.75, 0.25),
     "scheduler/h2o": (12.75, 0.35),

@@ -324,12 +324,14 @@ class ObservationWindow:
             return score
         if not store.in_position_order():
             return pool_scores(score, view.pos, view.valid, self.pool, store.by_position(), view.dense)
-        if view.dense:  # every slot a token, in position order
+        if view.dense or not padding:  # in position order, every slot a token; or the caller masks
+            # the slots without one: each scores 0 (no query attends it, and rows hold zeros past
+            # their tokens), no more than any token (probabilities are never negative), so pooled as
+            # it is it changes no token's maximum
             return pool_sorted(score, self.pool)
         # In position order, each row's tokens first: its padding pools as -inf, reads as 0
         valid = view.valid
-        pooled = pool_sorted(torch.where(valid, score, float("-inf")), self.pool)
-        return torch.where(valid, pooled, 0.0) if padding else pooled
+        return torch.where(valid, pool_sorted(torch.where(valid, score, float("-inf")), self.pool), 0.0)
 
 
 def pool_scores(

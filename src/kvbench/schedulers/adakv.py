@@ -76,31 +76,77 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
             total = store.view().valid.sum((1, 2))  # (B,)
             over = bool((total > cap * heads).any())
         if over:
-            store.keep(self.select(store, self.window_scores(store, padding=False), cap))
+            store.keep(self.select(store, self.window_scores(store, padding=False), cap, held))
 
-    def select(self, store: TechniqueStore, score: torch.Tensor, cap: torch.Tensor | int) -> torch.Tensor:
-        """Tokens kept: ``(B, H, T)`` bool, aligned with ``store.view()``.
+    def select(
+        self,
+        store: TechniqueStore,
+        score: torch.Tensor,
+        cap: torch.Tensor | int,
+        held: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Tokens kept: ``(B, H, T)`` bool, aligned with ``store.view()`` (any value where it holds no
+        token: :meth:`~kvbench.cache.surface.TechniqueStore.keep` reads only where it does).
 
         Args:
             score: ``(B, H, T)`` finite token scores, comparable across heads (any value where
                 ``store.view()`` holds no token: read only where it does).
             cap: ``(B,)`` mean tokens per head-row, or one for every sequence; a sequence keeps at
                 most ``cap * H`` tokens.
+            held: the tokens of each head-row, where the host knows them
+                (:meth:`~kvbench.cache.surface.TechniqueStore.row_tokens_host`).
         """
         view = store.view()
-        prot = self.budget.protected_view(store) & view.valid
-        per_seq = cap[:, None] if isinstance(cap, torch.Tensor) else cap
-        free = (per_seq - prot.sum(-1)).clamp(min=0)  # (B, H) selectable slots of each head
-        cand = view.valid ^ prot  # the valid tokens not protected (``prot`` lies within ``valid``)
-        # window scores are finite: no token is protected by a score of +inf
-        safe = keep_top(score, cand, safeguards(free, self.alpha, max(store.seen_host)), finite=True)
+        prot = self.budget.protected_view(store)  # (slots past a row's tokens may read as protected)
+        cand = view.valid > prot  # the valid tokens not protected
+        b, h, t = score.shape
+        shares = self._host_shares(store, held)
+        total: int | torch.Tensor
+        if shares is None:  # counted on the device
+            per_seq = cap[:, None] if isinstance(cap, torch.Tensor) else cap
+            free = (per_seq - (prot & view.valid).sum(-1)).clamp(min=0)  # (B, H) selectable slots
+            # window scores are finite: no token is protected by a score of +inf
+            safe = keep_top(score, cand, safeguards(free, self.alpha, max(store.seen_host)), finite=True)
+            ranked = score.masked_fill(safe, float("inf"))
+            among, total = cand.reshape(b, 1, h * t), free.sum(-1)
+        else:  # each safeguard within its head-row's candidates: its top needs no mask after
+            per_row, total = shares
+            masked = torch.where(cand, score, float("-inf"))
+            ranked = masked.masked_fill(keep_top(masked, None, per_row, finite=True), float("inf"))
+            among = None  # the candidates are the scores above -inf
         # The layer-wide top of the rest fills each sequence's selectable slots: the safeguards
         # ranked first (+inf, and no more of them than those slots), then the rest by score in the
-        # order a top of the rest alone takes (the same scores, ties by the same slot order)
-        b, h, t = score.shape
-        ranked = score.masked_fill(safe, float("inf")).reshape(b, 1, h * t)
-        chosen = keep_top(ranked, cand.reshape(b, 1, h * t), free.sum(-1), finite=True).view(b, h, t)
+        # order a top of the rest alone takes (the same scores, ties by the same slot order); a slot
+        # it takes past the candidates (where a sequence keeps every one) is protected or holds no token
+        chosen = keep_top(ranked.reshape(b, 1, h * t), among, total, finite=True).view(b, h, t)
         return prot | chosen
+
+    def _host_shares(
+        self, store: TechniqueStore, held: list[int] | None
+    ) -> tuple[int | torch.Tensor, int | torch.Tensor] | None:
+        """Each head-row's safeguard and each sequence's selectable slots over its heads, from host
+        figures, where the store is one segment of full-precision rows whose every head-row holds
+        each protected position of its sequence (the sinks and the window: every selection keeps
+        them, so they are all still stored); else None (counted on the device).
+
+        A safeguard is taken at most from the head-row's candidates, so its top holds no slot
+        without a token (the same tokens as a top over the candidates alone)."""
+        if held is None or len(store.segments) != 1 or store.protect_from_host is not None:
+            return None
+        heads, budget = store.kv_heads, self.budget
+        safe: list[int] = []
+        total: list[int] = []
+        for b, seen in enumerate(store.seen_host):
+            sinks = min(budget.sinks, seen)
+            protected = sinks + seen - max(seen - budget.window, sinks)  # [0, sinks) and the window
+            free = max(budget.capacity_host(seen) - protected, 0)
+            most = math.floor(free * self.alpha + 1e-9)  # as :func:`safeguards`
+            safe.extend(min(most, n - protected) for n in held[b * heads : (b + 1) * heads])
+            total.append(free * heads)
+        device = store.device
+        per_row = safe[0] if len(set(safe)) == 1 else torch.tensor(safe, device=device).view(-1, heads)
+        per_seq = total[0] if len(set(total)) == 1 else torch.tensor(total, device=device)
+        return per_row, per_seq
 
 
 # per (alpha, device): ``floor(f * alpha + 1e-9)`` for ``f = 0, 1, ...`` (read-only, grown by doubling)
