@@ -74,8 +74,8 @@ class _Compaction:
     keep: torch.Tensor
     kernel: ModuleType | None = None
     counts: list[int] = dataclasses.field(default_factory=list)
-    # the flat slots each field's new tensor takes, per (stride, capacity); the slots ending short rows
-    _src: dict[tuple[int, int, int | None], torch.Tensor] = dataclasses.field(
+    # the columns each field's new tensor takes, per (capacity, zero column); the slots ending short rows
+    _cols: dict[tuple[int, int | None], torch.Tensor] = dataclasses.field(
         default_factory=dict, init=False, repr=False
     )
     _pad: torch.Tensor | None = dataclasses.field(default=None, init=False, repr=False)
@@ -116,12 +116,13 @@ class _Compaction:
     ) -> torch.Tensor:
         """A new ``(BH, capacity, ...)`` tensor (``capacity >= width``) holding the kept slots of
         ``values`` ``(BH, stride, ...)`` at the front of each row, in order, zeros past a row's
-        count up to :meth:`zeroed_to`, its slots from there on unset: one ``index_select`` of whole
-        slots (and, where rows end short, zeros written over the columns where some row does). On
+        count up to :meth:`zeroed_to`, its slots from there on unset: one ``gather`` of whole slots,
+        each row's from its own row (and, where rows end short, zeros written over the columns where
+        some row does). On
         the Triton path, one kernel pass (kept slots read once, written at their new columns).
 
         ``zero``: a column of ``values`` that holds zeros in every row, where the caller knows one:
-        the slots past each row's count then take it in the same ``index_select`` (zeros up to
+        the slots past each row's count then take it in the same ``gather`` (zeros up to
         ``capacity``), and nothing is written over them after."""
         bh, stride, *rest = values.shape
         if self.kernel is not None:
@@ -130,8 +131,8 @@ class _Compaction:
             return out
         short = self.least < self.width  # some row ends short: zeros past its tokens
         zero = zero if short else None
-        src = self._src.get((stride, capacity, zero))
-        if src is None:
+        cols = self._cols.get((capacity, zero))
+        if cols is None:
             order, width = self.order, self.order.shape[1]
             # past the kept slots: any slot of the row (those up to ``width`` zeroed below), or the
             # zero column
@@ -145,9 +146,10 @@ class _Compaction:
             )
             if zero is not None:
                 cols = cols.masked_fill(devices.arange(capacity, self.lens) >= self.lens[:, None], zero)
-            starts = flat_starts(bh, stride, order.device)  # each row's first flat slot
-            src = self._src[(stride, capacity, zero)] = (starts + cols).view(-1)
-        out = values.reshape(bh * stride, *rest).index_select(0, src).view(bh, capacity, *rest)
+            self._cols[(capacity, zero)] = cols
+        # each row's slots taken from its own row: one gather of whole slots (the columns the same
+        # for every trailing element)
+        out = values.gather(1, cols.view(bh, capacity, *[1] * len(rest)).expand(bh, capacity, *rest))
         if short and zero is None:  # zeros past each row's tokens, and in the columns past the
             # width up to :meth:`zeroed_to`
             stop = self.zeroed_to(capacity)
@@ -156,24 +158,6 @@ class _Compaction:
             tail = out[:, self.least : stop]
             tail.masked_fill_(self._pad.view(*self._pad.shape, *[1] * len(rest)), 0)
         return out
-
-
-# (rows, stride, device) -> ``(rows, 1)`` each row's first slot in a flat view (read-only, a few held)
-_STARTS: dict[tuple[int, int, object], torch.Tensor] = {}
-
-
-def flat_starts(rows: int, stride: int, device: torch.device) -> torch.Tensor:
-    """``arange(rows)[:, None] * stride``: each row's first slot in a flat ``(rows * stride, ...)``
-    view, made once for the rows and stride a compaction takes (those of a layer's rows, from step
-    to step until their capacity changes). Held here, not by the rows (their resident bytes)."""
-    key = (rows, stride, device)
-    held = _STARTS.get(key)
-    if held is None:
-        if len(_STARTS) >= 64:
-            _STARTS.clear()
-        with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
-            held = _STARTS[key] = torch.arange(rows, device=device)[:, None] * stride
-    return held
 
 
 @dataclass(frozen=True)
