@@ -541,3 +541,37 @@ def test_keep_top_takes_one_capacity_for_every_sequence_without_an_upload():
             kept = keep_top(scores, valid, k)
         assert "aten.lift_fresh.default" not in made.ops
         assert torch.equal(kept, keep_top(scores, valid, torch.tensor([k, k])))
+
+
+@pytest.mark.parametrize("protect", [None, 60], ids=["sinks-window", "protect-from"])
+@pytest.mark.parametrize(
+    "stacked",
+    [
+        {"compressor": lambda: PiKVCompressor(group_size=4)},
+        {"compressor": lambda: QuantizedCompressor(bits=4, group_size=4), "scheduler": H2OScheduler},
+        {"compressor": lambda: QuantizedCompressor(bits=2, group_size=8), "scheduler": StreamingLLMScheduler},
+    ],
+    ids=["pikv", "quantized-h2o", "quantized-streaming"],
+)
+def test_an_eviction_keeps_exactly_its_capacity_uncounted_where_the_protected_fit(
+    tiny_93, monkeypatch, protect, stacked
+):
+    """Where one capacity holds for every sequence and no head-row can hold more protected tokens
+    (the sinks and the window, or every position from ``protect_from`` on: ``select.protected_most``),
+    an eviction over several segments keeps exactly that capacity without counting the protected
+    tokens; what it keeps is what counting them keeps."""
+    from kvbench import select
+
+    fitted, original = [], select.keep_top
+
+    def checked(scores, valid, k, protected_fit=False, finite=False):
+        kept = original(scores, valid, k, protected_fit=protected_fit, finite=finite)
+        if protected_fit:
+            assert torch.equal(kept, original(scores, valid, k))
+            fitted.append(k)
+        return kept
+
+    monkeypatch.setattr(select, "keep_top", checked)
+    stack = make_stack(tiny_93, **{role: make() for role, make in stacked.items()}, **TIGHT)
+    run_chunks(tiny_93, stack, tokens(N), SIZES, protect=protect)
+    assert fitted

@@ -164,7 +164,10 @@ def evict_by_score(
         over = view.valid.sum(-1) > (cap if isinstance(cap, int) else cap[:, None])
         if not bool(over.any()):
             return
-    store.keep(keep_top(scores, None if view.dense else view.valid, cap))
+    # no head-row holds more protected tokens than one capacity for all, known on the host: exactly
+    # that many kept, the protected ones not counted
+    fit = isinstance(cap, int) and protected_most(store, budget) <= cap
+    store.keep(keep_top(scores, None if view.dense else view.valid, cap, protected_fit=fit))
 
 
 class ScoredSelection(Technique):
@@ -224,12 +227,19 @@ def kept_host(store: TechniqueStore, budget: Budget, capacity: Callable[[int], i
     compacts without reading a count from the device; else None."""
     if len(store.segments) != 1 or store.uniform_tokens() is None or len(set(store.seen_host)) != 1:
         return None
-    seen = store.seen_host[0]
+    cap = capacity(store.seen_host[0])
+    return [cap] if protected_most(store, budget) <= cap else None
+
+
+def protected_most(store: TechniqueStore, budget: Budget) -> int:
+    """The most protected positions a head-row of ``store`` holds, from host figures: the sinks and
+    the window, or every position from the first one protected on (``protect_from``) where that
+    reaches further back."""
+    seen = max(store.seen_host)
     recent = budget.window
     if store.protect_from_host is not None:
         recent = max(recent, seen - min(store.protect_from_host))
-    cap = capacity(seen)
-    return [cap] if budget.sinks + recent <= cap else None
+    return budget.sinks + recent
 
 
 @dataclass
