@@ -575,3 +575,37 @@ def test_an_eviction_keeps_exactly_its_capacity_uncounted_where_the_protected_fi
     stack = make_stack(tiny_93, **{role: make() for role, make in stacked.items()}, **TIGHT)
     run_chunks(tiny_93, stack, tokens(N), SIZES, protect=protect)
     assert fitted
+
+
+@pytest.mark.parametrize(
+    "make",
+    [SnapKVCompressor, PyramidKVCompressor, H2OScheduler, RandomCompressor, lambda: SnapKVCompressor(pool=1)],
+    ids=["snapkv", "pyramidkv", "h2o", "random", "snapkv-unpooled"],
+)
+@pytest.mark.parametrize("sinks, window", [(2, 4), (0, 4), (4, 1), (0, 1)])
+def test_an_eviction_ranks_only_the_columns_between_the_protected_ones(
+    tiny_93, monkeypatch, make, sinks, window
+):
+    """Where full rows of one segment protect only the sinks and the window, those are the first and
+    the last columns in position order, and an eviction ranks only the columns between them, with
+    no mask (``select.leaving_by_position``): the same columns, in the same order, as
+    :func:`select.lowest` of the scores with the protected ones at +inf."""
+    from kvbench import select
+
+    compared, original = [], select.leaving_by_position
+
+    def checked(store, budget, kept, score, in_order=None):
+        cols = original(store, budget, kept, score, in_order)
+        if cols is not None:
+            masked = score().masked_fill(budget.protected_view(store), float("inf"))
+            order = None if store.in_position_order() else store.by_position()
+            assert torch.equal(cols, select.lowest(masked, order, kept))
+            compared.append(order is None)
+        return cols
+
+    monkeypatch.setattr(select, "leaving_by_position", checked)
+    technique = make()
+    role = "scheduler" if isinstance(technique, H2OScheduler) else "compressor"
+    stack = make_stack(tiny_93, **{role: technique}, budget=0.3, sinks=sinks, window=window)
+    run_chunks(tiny_93, stack, tokens(N + 12), SIZES + [1] * 12)
+    assert False in compared  # rows out of position order after a drop

@@ -129,6 +129,7 @@ def evict_by_score(
     score: Callable[[], torch.Tensor],
     capacity: Callable[[int], int],
     distinct: bool = False,
+    in_order: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
 ) -> None:
     """Keep the ``capacity(seen)`` best-scored tokens per head-row of each sequence, sinks, the window
     and protected positions always kept.
@@ -140,17 +141,24 @@ def evict_by_score(
             (e.g. :meth:`Budget.capacity_host`).
         distinct: no two valid unprotected tokens of a head-row have the same score, so no tie is
             broken by position: the tokens that leave are chosen without their position order.
+        in_order: ``in_order(order)`` returns the scores of ``score()`` in position order, given
+            ``order`` (:meth:`LayerStore.by_position`, or None where the columns are in it), where
+            it makes them with fewer operations than a gather of ``score()``.
     """
     if within(store, capacity):
         return
     view = store.view()
     kept = kept_host(store, budget, capacity)
-    scores = score().masked_fill(budget.protected_view(store), float("inf"))
     if kept is not None and store.can_drop(kept[0]):  # a few leave: into their slots go the last
         # tokens (O(evicted) writes)
-        by_pos = None if distinct or store.in_position_order() else store.by_position()
-        store.drop(lowest(scores, by_pos, kept[0]))
+        cols = None if distinct else leaving_by_position(store, budget, kept[0], score, in_order)
+        if cols is None:
+            scores = score().masked_fill(budget.protected_view(store), float("inf"))
+            by_pos = None if distinct or store.in_position_order() else store.by_position()
+            cols = lowest(scores, by_pos, kept[0])
+        store.drop(cols)
         return
+    scores = score().masked_fill(budget.protected_view(store), float("inf"))
     if kept is not None:  # exactly ``kept`` per head-row, known on the host: no count to take
         store.keep(keep_top(scores, None, kept[0], protected_fit=True), kept)
         return
@@ -193,13 +201,23 @@ class ScoredSelection(Technique):
         """The tokens a head-row of ``layer`` keeps after ``seen`` tokens of its sequence, on the host."""
         return self.budget.capacity_host(seen)
 
+    def score_in_order(self, layer: int, store: TechniqueStore, order: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`score` in position order (``order``: :meth:`LayerStore.by_position`, or None where
+        the columns are in it): a subclass that makes them so with fewer operations than a gather
+        of :meth:`score` defines it (:func:`evict_by_score`'s ``in_order``)."""
+        raise NotImplementedError
+
     def select(self, layer: int, store: TechniqueStore) -> None:
+        in_order = None
+        if type(self).score_in_order is not ScoredSelection.score_in_order:
+            in_order = partial(self.score_in_order, layer, store)
         evict_by_score(
             store,
             self.budget,
             lambda: self.score(layer, store),
             partial(self.capacity, layer),
             self.distinct_scores,
+            in_order,
         )
 
     def compress(self, layer: int, store: TechniqueStore) -> None:
@@ -207,6 +225,33 @@ class ScoredSelection(Technique):
 
     def evict(self, layer: int, store: TechniqueStore) -> None:
         self.select(layer, store)
+
+
+def leaving_by_position(
+    store: TechniqueStore,
+    budget: Budget,
+    kept: int,
+    score: Callable[[], torch.Tensor],
+    in_order: Callable[[torch.Tensor | None], torch.Tensor] | None = None,
+) -> torch.Tensor | None:
+    """:func:`lowest` of ``score()`` with the protected tokens kept, ranked in position order, where
+    the protected tokens are known there from host figures: in full rows of one segment (as
+    :func:`kept_host` finds them) that protect only the sinks and the window, every head-row holds
+    each of them (every selection keeps them), so in position order they are the first and the last
+    columns. Only the columns between are ranked, with no mask (the same tokens leave, in the same
+    order: ties keep the earlier position); None where the host does not know them."""
+    if store.protect_from_host is not None:
+        return None
+    order = None if store.in_position_order() else store.by_position()
+    ranked = in_order(order) if in_order is not None else score()
+    if in_order is None and order is not None:
+        ranked = torch.gather(ranked, -1, order)
+    width, seen = ranked.shape[-1], store.seen_host[0]
+    first = min(budget.sinks, seen)  # the sinks, then the unprotected, then the window
+    last = width - (seen - max(seen - budget.window, first))
+    rank = ranked[..., first:last].argsort(dim=-1, descending=True, stable=True)
+    rank = rank[..., kept - first - (width - last) :]  # past the unprotected tokens that stay
+    return rank + first if order is None else torch.gather(order[..., first:last], -1, rank)
 
 
 def lowest(scores: torch.Tensor, by_pos: torch.Tensor | None, kept: int) -> torch.Tensor:
@@ -322,6 +367,13 @@ class ObservationWindow:
         seq, query = recent.nonzero(as_tuple=True)
         summed = att.widen(probs.sum(2), store.columns()).transpose(1, 2)  # (B, q, H, T)
         store.put_state(self.ring, (seq, slice(None), slice(None), qpos[seq, query] % w), summed[seq, query])
+
+    def window_scores_in_order(self, store: TechniqueStore, order: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`window_scores` of full rows (every slot a token) in position order, given ``order``
+        (:meth:`LayerStore.by_position`, or None where the columns are in it): pooled where they are
+        so, not put back in the columns' order."""
+        score = store.state(self.ring).sum(-1)
+        return pool_sorted(score if order is None else torch.gather(score, -1, order), self.pool)
 
     def window_scores(self, store: TechniqueStore, padding: bool = True) -> torch.Tensor:
         """``(B, H, T)`` attention from the last queries, max-pooled over ``pool`` neighbours (SnapKV).

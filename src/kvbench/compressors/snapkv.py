@@ -51,3 +51,6 @@ class SnapKVCompressor(ScoredSelection, Allocated, ObservationWindow, Compressor
 
     def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
         return self.window_scores(store)
+
+    def score_in_order(self, layer: int, store: TechniqueStore, order: torch.Tensor | None) -> torch.Tensor:
+        return self.window_scores_in_order(store, order)
