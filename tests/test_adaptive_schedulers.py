@@ -320,8 +320,9 @@ def test_adakv_safeguards_from_a_table_are_the_float64_floor(alpha):
 @pytest.mark.parametrize("alpha", [0.0, 0.2, 1.0])
 def test_adakv_shares_from_host_figures_are_the_device_counts(tiny_93, monkeypatch, stacked, alpha):
     """Where the store is one segment, each head-row's safeguard and each sequence's selectable
-    slots come from host figures (every head-row holds each protected position); they are the
-    device's counts, the safeguard clamped to the head-row's candidates. Without the padding mask,
+    slots come from host figures (every head-row holds each protected position), each with the
+    protected tokens it holds; they are the device's counts, the safeguard clamped to the
+    head-row's candidates. Without the padding mask,
     the pooled scores of every token are the masked ones. A padded batch, whose ragged appends leave
     the rows' lengths on the device (counted there), keeps what each of its sequences keeps alone
     (from host figures)."""
@@ -339,7 +340,8 @@ def test_adakv_shares_from_host_figures_are_the_device_counts(tiny_93, monkeypat
         free = (cap - prot.sum(-1)).clamp(min=0)
         safe = torch.minimum(torch.floor(free.double() * self.alpha + 1e-9).long(), cand.sum(-1))
         per_row, total = (torch.as_tensor(x).expand(*shape) for x, shape in zip(shares, [(b, h), (b,)]))
-        assert torch.equal(per_row, safe) and torch.equal(total, free.sum(-1))
+        held = prot.sum(-1)  # each counted with the protected tokens it holds
+        assert torch.equal(per_row, safe + held) and torch.equal(total, (free + held).sum(-1))
         pooled, masked = self.window_scores(store, padding=False), self.window_scores(store)
         assert torch.equal(pooled[view.valid], masked[view.valid])
         asked.append(b)

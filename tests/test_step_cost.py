@@ -58,7 +58,7 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/random": (5.75, 0.24),
     "compressor/snapkv": (11.75, 0.37),
     "compressor/svd": (11.5, 13.78),
-    "scheduler/adakv": (22.75, 2.05),
+    "scheduler/adakv": (22.25, 2.05),
     "scheduler/duo_attention": (3.0, 0.5),
     "scheduler/flexgen": (2.75, 0.25),
     "scheduler/h2o": (10.75, 0.35),

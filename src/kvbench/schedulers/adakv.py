@@ -98,36 +98,38 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
         """
         view = store.view()
         prot = self.budget.protected_view(store)  # (slots past a row's tokens may read as protected)
-        cand = view.valid > prot  # the valid tokens not protected
         b, h, t = score.shape
         shares = self._host_shares(store, held)
         total: int | torch.Tensor
         if shares is None:  # counted on the device
+            cand = view.valid > prot  # the valid tokens not protected
             per_seq = cap[:, None] if isinstance(cap, torch.Tensor) else cap
             free = (per_seq - (prot & view.valid).sum(-1)).clamp(min=0)  # (B, H) selectable slots
             # window scores are finite: no token is protected by a score of +inf
             safe = keep_top(score, cand, safeguards(free, self.alpha, max(store.seen_host)), finite=True)
             ranked = score.masked_fill(safe, float("inf"))
             among, total = cand.reshape(b, 1, h * t), free.sum(-1)
-        else:  # each safeguard within its head-row's candidates: its top needs no mask after
+        else:  # the protected tokens ranked first (+inf) in both tops, and counted in them; each
+            # safeguard within its head-row's candidates: no top needs a mask after
             per_row, total = shares
-            masked = torch.where(cand, score, float("-inf"))
+            masked = torch.where(view.valid, score.masked_fill(prot, float("inf")), float("-inf"))
             ranked = masked.masked_fill(keep_top(masked, None, per_row, finite=True), float("inf"))
-            among = None  # the candidates are the scores above -inf
+            among = None  # the valid tokens are the scores above -inf
         # The layer-wide top of the rest fills each sequence's selectable slots: the safeguards
         # ranked first (+inf, and no more of them than those slots), then the rest by score in the
         # order a top of the rest alone takes (the same scores, ties by the same slot order); a slot
         # it takes past the candidates (where a sequence keeps every one) is protected or holds no token
         chosen = keep_top(ranked.reshape(b, 1, h * t), among, total, finite=True).view(b, h, t)
-        return prot | chosen
+        return prot | chosen if shares is None else chosen
 
     def _host_shares(
         self, store: TechniqueStore, held: list[int] | None
     ) -> tuple[int | torch.Tensor, int | torch.Tensor] | None:
-        """Each head-row's safeguard and each sequence's selectable slots over its heads, from host
-        figures, where the store is one segment of full-precision rows whose every head-row holds
-        each protected position of its sequence (the sinks and the window: every selection keeps
-        them, so they are all still stored); else None (counted on the device).
+        """Each head-row's safeguard and each sequence's selectable slots over its heads, each with
+        the protected tokens it holds, from host figures, where the store is one segment of
+        full-precision rows whose every head-row holds each protected position of its sequence (the
+        sinks and the window: every selection keeps them, so they are all still stored); else None
+        (counted on the device).
 
         A safeguard is taken at most from the head-row's candidates, so its top holds no slot
         without a token (the same tokens as a top over the candidates alone)."""
@@ -141,8 +143,8 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
             protected = sinks + seen - max(seen - budget.window, sinks)  # [0, sinks) and the window
             free = max(budget.capacity_host(seen) - protected, 0)
             most = math.floor(free * self.alpha + 1e-9)  # as :func:`safeguards`
-            safe.extend(min(most, n - protected) for n in held[b * heads : (b + 1) * heads])
-            total.append(free * heads)
+            safe.extend(protected + min(most, n - protected) for n in held[b * heads : (b + 1) * heads])
+            total.append((protected + free) * heads)
         device = store.device
         per_row = safe[0] if len(set(safe)) == 1 else torch.tensor(safe, device=device).view(-1, heads)
         per_seq = total[0] if len(set(total)) == 1 else torch.tensor(total, device=device)
