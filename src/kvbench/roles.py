@@ -95,6 +95,12 @@ class Budget:
             cap = math.ceil(self.fraction * weight * float(seen) - 1e-9)
         return min(max(cap, self.sinks + self.window), seen)
 
+    def protected_host(self, seen: int) -> int:
+        """Positions of a sequence that has seen ``seen`` tokens that are sinks or in the window
+        (each once), on the host: the first ``min(sinks, seen)``, then the last ``window`` after them."""
+        sinks = min(self.sinks, seen)
+        return sinks + seen - max(seen - self.window, sinks)
+
     def protected(
         self, pos: torch.Tensor, seen: torch.Tensor | int, protect_from: torch.Tensor | int | None = None
     ) -> torch.Tensor:

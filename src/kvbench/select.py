@@ -98,9 +98,7 @@ def _movable_bound(store: TechniqueStore, budget: Budget) -> int | None:
         return None
     most = 0
     for seen in store.seen_host:
-        sinks = min(budget.sinks, seen)
-        held = sinks + seen - max(seen - budget.window, sinks)  # [0, sinks) and the window, once
-        most = max(most, rows.width - held)
+        most = max(most, rows.width - budget.protected_host(seen))
     return most
 
 
@@ -203,21 +201,18 @@ class ScoredSelection(Technique):
 
     def score_in_order(self, layer: int, store: TechniqueStore, order: torch.Tensor | None) -> torch.Tensor:
         """:meth:`score` in position order (``order``: :meth:`LayerStore.by_position`, or None where
-        the columns are in it): a subclass that makes them so with fewer operations than a gather
-        of :meth:`score` defines it (:func:`evict_by_score`'s ``in_order``)."""
-        raise NotImplementedError
+        the columns are in it); a subclass that makes them so with fewer operations than a gather
+        of :meth:`score` redefines it (:func:`evict_by_score`'s ``in_order``)."""
+        return in_position_order(self.score(layer, store), order)
 
     def select(self, layer: int, store: TechniqueStore) -> None:
-        in_order = None
-        if type(self).score_in_order is not ScoredSelection.score_in_order:
-            in_order = partial(self.score_in_order, layer, store)
         evict_by_score(
             store,
             self.budget,
             lambda: self.score(layer, store),
             partial(self.capacity, layer),
             self.distinct_scores,
-            in_order,
+            partial(self.score_in_order, layer, store),
         )
 
     def compress(self, layer: int, store: TechniqueStore) -> None:
@@ -243,15 +238,19 @@ def leaving_by_position(
     if store.protect_from_host is not None:
         return None
     order = None if store.in_position_order() else store.by_position()
-    ranked = in_order(order) if in_order is not None else score()
-    if in_order is None and order is not None:
-        ranked = torch.gather(ranked, -1, order)
+    ranked = in_order(order) if in_order is not None else in_position_order(score(), order)
     width, seen = ranked.shape[-1], store.seen_host[0]
     first = min(budget.sinks, seen)  # the sinks, then the unprotected, then the window
-    last = width - (seen - max(seen - budget.window, first))
+    last = width - (budget.protected_host(seen) - first)
     rank = ranked[..., first:last].argsort(dim=-1, descending=True, stable=True)
     rank = rank[..., kept - first - (width - last) :]  # past the unprotected tokens that stay
     return rank + first if order is None else torch.gather(order[..., first:last], -1, rank)
+
+
+def in_position_order(scores: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """``scores`` ``(B, H, T)`` in position order, given ``order`` (:meth:`LayerStore.by_position`, or
+    None where the columns are in it)."""
+    return scores if order is None else torch.gather(scores, -1, order)
 
 
 def lowest(scores: torch.Tensor, by_pos: torch.Tensor | None, kept: int) -> torch.Tensor:

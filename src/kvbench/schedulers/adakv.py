@@ -139,8 +139,7 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
         safe: list[int] = []
         total: list[int] = []
         for b, seen in enumerate(store.seen_host):
-            sinks = min(budget.sinks, seen)
-            protected = sinks + seen - max(seen - budget.window, sinks)  # [0, sinks) and the window
+            protected = budget.protected_host(seen)  # every head-row holds each of them
             free = max(budget.capacity_host(seen) - protected, 0)
             most = math.floor(free * self.alpha + 1e-9)  # as :func:`safeguards`
             safe.extend(protected + min(most, n - protected) for n in held[b * heads : (b + 1) * heads])
