@@ -22,7 +22,8 @@ from __future__ import annotations
 import contextvars
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -37,6 +38,7 @@ from kvbench.kernels import dispatch
 
 ATTN_NAME = "kvbench"
 HOST = torch.device("cpu")  # where the KV-hit probe keeps its shadow keys and compares
+_ASK = object()  # _paged_step: the attention kernel not asked yet
 _ACTIVE: contextvars.ContextVar[KVCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
 
 
@@ -332,20 +334,31 @@ class KVCache(Cache):
         return out
 
     def _paged_step(
-        self, layer: int, store: LayerStore, query: torch.Tensor, scaling: float, plan: ReadPlan
+        self,
+        layer: int,
+        store: LayerStore,
+        query: torch.Tensor,
+        scaling: float,
+        plan: ReadPlan,
+        kernel: ModuleType | None | object = _ASK,
     ) -> torch.Tensor | None:
         """One unpadded decode step over full-precision rows that every head fills, on the Triton
         path, whose read selector names the pages it reads (``read_pages``, :class:`att.Pages`):
         the kernel's grid covers those pages and the always-read slots only, and no mask is built.
         None where the step needs its mask (a window, padding, tiers, an observer of the
-        probabilities, the KV-hit probe, a selector without pages)."""
+        probabilities, the KV-hit probe, a selector without pages). ``kernel``: the attention
+        kernel the caller was answered already (:func:`dispatch.kernels`), else asked here."""
         read_pages = getattr(plan.selector, "read_pages", None)
         if read_pages is None or plan.q_len != 1 or plan.window is not None or plan.padded:
             return None
         if plan.placer is not None or plan.first[layer] < 1 or self.probe is not None:
             return None
-        kernel = dispatch.kernels("attention", store.batch, store.columns())
-        kv = None if kernel is None else store.dense_kv()
+        if kernel is _ASK:
+            kernel = dispatch.kernels("attention", store.batch, store.columns())
+        if kernel is None:
+            return None
+        kernel = cast(ModuleType, kernel)
+        kv = store.dense_kv()
         if kv is None:  # (dense rows are the full-precision rows alone: no bias, no view to make)
             return None
         pages = read_pages(layer, store, query, store.last_qpos)
@@ -371,12 +384,14 @@ class KVCache(Cache):
         on the Triton path where it names them (:meth:`_paged_step`), else its mask over the rows as
         they are. The same reads as the masked read's: every slot is a token, so the mask is the
         selector's alone, and no bias exists."""
-        paged = self._paged_step(layer, store, query, scaling, plan)
+        kernel = dispatch.kernels("attention", store.batch, store.columns())
+        paged = self._paged_step(layer, store, query, scaling, plan, kernel)
         if paged is not None:
             return paged
         mask = plan.selector.read_mask(layer, store, query, store.last_qpos)
-        kernel = dispatch.kernels("attention", store.batch, store.columns())
-        keys, values = kv[0].to(query.dtype), kv[1].to(query.dtype)
+        keys, values = kv
+        if keys.dtype != query.dtype:
+            keys, values = keys.to(query.dtype), values.to(query.dtype)
         if kernel is not None:
             out = kernel.attend(query, keys, values, mask, scaling, None)
         else:

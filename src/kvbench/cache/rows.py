@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -247,6 +248,7 @@ class Rows:
         self._ones: torch.Tensor | None = None  # ``valid()`` of full rows: a slice of this, no launch
         self._starts: torch.Tensor | None = None  # ``(BH, 1)`` each row's first flat slot, at the capacity
         self._heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # field -> (it, its 4-d view)
+        self._token_bytes: dict[tuple[str, ...], int] = {}  # token_nbytes by names (fields' shapes fixed)
         # Positions increase along each row (arrival order): appends, keeps and moves preserve it;
         # :meth:`drop` (a token into a freed slot) ends it, :meth:`sort_by` restores it.
         self.ordered = True
@@ -345,15 +347,24 @@ class Rows:
         """Live tokens over all rows."""
         return self.bh * self.width if self.uniform else int(self.lens.sum())
 
-    def token_nbytes(self, names: list[str]) -> int:
-        """Bytes of one token's ``names`` fields."""
-        return sum(math.prod(self._fields[n].shape[2:]) * self._fields[n].element_size() for n in names)
+    def token_nbytes(self, names: Sequence[str]) -> int:
+        """Bytes of one token's ``names`` fields (held per names: a field's shape past its slots and
+        its dtype never change, and a new field clears what is held)."""
+        key = tuple(names)
+        held = self._token_bytes.get(key)
+        if held is None:
+            fields = self._fields
+            held = self._token_bytes[key] = sum(
+                math.prod(fields[n].shape[2:]) * fields[n].element_size() for n in key
+            )
+        return held
 
     # --- writing ---------------------------------------------------------------------------
     def ensure(self, name: str, rest: tuple[int, ...], dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
         """Create field ``name`` unless it exists: ``fill`` for the tokens already stored and, where
         an append does not give the field, for the tokens appended."""
         if name not in self._fields:
+            self._token_bytes.clear()
             shape = (self.bh, self.capacity, *rest)
             if fill == 0:
                 self._fields[name] = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -201,7 +201,7 @@ class FPSegment:
         return self.size * self.token_nbytes() if self.rows.width else 0
 
     def token_nbytes(self) -> int:
-        return self.rows.token_nbytes(list(KV)) if self.rows.capacity else 0
+        return self.rows.token_nbytes(KV) if self.rows.capacity else 0
 
     def aux_nbytes(self) -> int:
         if not self.rows.capacity:

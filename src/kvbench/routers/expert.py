@@ -593,15 +593,18 @@ class ExpertRouter(Router):
             weight = (qpos >= 0)[:, None, :].expand_as(frac).float()
             fraction, total = (frac * weight).sum(), weight.sum()
         reads: ReadCount | StepReads
-        if one_step(store, qpos) and len(store.segments) == 1:
-            # one step over full rows: every stored token is visible, and each costs the same bytes
-            visible = b * h * q * store.columns()
-            reads = StepReads(store.fp.token_nbytes(), read, routing.count, visible, b * q)
+        fp = store.fp
+        if whole and qpos.shape[1] == 1 and fp.rows.uniform and len(store.segments) == 1:
+            # one step over full rows (:func:`one_step`, one segment): every stored token is
+            # visible, and each costs the same bytes
+            visible = b * h * q * fp.rows.width
+            reads = StepReads(fp.token_nbytes(), read, routing.count, visible, b * q)
         else:
             reads = count_reads(store, routing.mask, qpos)
-        call = _Call(layer, chosen, reads, fraction, total)
         if fraction is None:
-            call.count, call.routed = routing.count, routing.experts.routed
+            call = _Call(layer, chosen, reads, None, total, routing.count, routing.experts.routed)
+        else:
+            call = _Call(layer, chosen, reads, fraction, total)
         if self.meter.add(call):
             self._settle()
 
