@@ -9,10 +9,11 @@
     context beyond a few bytes of per-token state) and the host reads of device values (syncs).
 (2) Host time: on a random Llama whose arithmetic is negligible (8 layers, hidden 64, 4/2 heads of
     16) at --host-context tokens and one thread, where a step costs what the host spends per
-    operation, as a batch-1 step on a GPU: the median decode step against plain transformers' (target:
+    operation, as a batch-1 step on a GPU: the mean decode step against plain transformers' (target:
     the full cache at most 1.0x, every technique at most 1.5x), the two sides' steps timed in turn
-    (one of each, --steps of each per round), the median ratio over --rounds, with the lowest and
-    highest round beside it (how far one round strays on this machine).
+    (one of each, --steps of each per round; a mean, so that work done once in several steps, a
+    group leaving the window or a compaction, counts at its amortized cost), the median ratio over
+    --rounds, with the lowest and highest round beside it (how far one round strays on this machine).
 (3) With --parts, where each side's host time goes, on (2)'s model after its rounds: per decode step,
     the cache's update (storing the step's keys and values), the attention function (reading them:
     SDPA, or kvbench's engine with its read selection), the technique hooks after the forward, and
@@ -117,7 +118,8 @@ def host(names: list[str | None], context: int, steps: int, rounds: int, budget:
             mine_ms[name].append(k * 1e3)
     print(
         f"(2) host time per decode step, {lm.num_layers} thin layers, {context}-token context, one thread, "
-        f"{steps} steps, median of {rounds} rounds: transformers {statistics.median(plain_ms):.2f} ms"
+        f"mean of {steps} steps, median of {rounds} rounds: "
+        f"transformers {statistics.median(plain_ms):.2f} ms"
     )
     print(f"  {'stack':28s} {'step ms':>8s} {'ratio':>7s}  rounds (lowest-highest)")
     meet = 0

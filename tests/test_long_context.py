@@ -521,21 +521,27 @@ def case(name, role, technique, per_layer, layer: int = 0, tokens: int = T32K):
                 )
             ),
         ),
-        # LoRA: past the sinks and the window, 32 key and 32 value latents (bf16) a token; the
-        # layer's calibrated bases once, 128 x 32 per KV head for keys and for values
+        # LoRA: past the sinks and the window, whole groups of 16 tokens, 32 key and 32 value
+        # latents (bf16) a token; the layer's calibrated bases once, 128 x 32 per KV head for keys
+        # and for values
         case(
             "lora",
             "compressor",
             lambda: LoraCompressor(key_rank=32, value_rank=32),
-            lambda t: KV_HEADS * ((t - 36) * (32 + 32) * 2 + _fp(36) + HD * (32 + 32) * 2),
+            lambda t: (
+                KV_HEADS * ((q := (t - 36) // 16 * 16) * (32 + 32) * 2 + _fp(t - q) + HD * (32 + 32) * 2)
+            ),
         ),
-        # LoRA++: 16 key and 32 value latents at 8 bits and an fp16 zero and step for each of the
-        # two a token; bases 128 x 16 and 128 x 32
+        # LoRA++: in whole groups of 16 as LoRA, 16 key and 32 value latents at 8 bits and an fp16
+        # zero and step for each of the two a token; bases 128 x 16 and 128 x 32
         case(
             "lora_plus_plus",
             "compressor",
             lambda: LoraPlusPlusCompressor(key_rank=16, value_rank=32, latent_bits=8),
-            lambda t: KV_HEADS * ((t - 36) * (16 + 32 + 2 * 2 * 2) + _fp(36) + HD * (16 + 32) * 2),
+            lambda t: (
+                KV_HEADS
+                * ((q := (t - 36) // 16 * 16) * (16 + 32 + 2 * 2 * 2) + _fp(t - q) + HD * (16 + 32) * 2)
+            ),
         ),
         # distillation: the tokens past the sinks and the window merged into as many units as
         # half the tokens allow, less the 36, each a bf16 key and value and an int32 count. At 8k:

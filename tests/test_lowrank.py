@@ -370,18 +370,51 @@ def test_svd_bytes_match_factor_count(tiny_93, value_rank):
 # --- lora and lora_plus_plus ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("group", [1, 5, 16])
 @pytest.mark.parametrize("name", ["lora", "lora_plus_plus"])
-def test_lora_bytes_match_latents_and_bases(tiny_93, name):
+def test_lora_bytes_match_latents_and_bases(tiny_93, name, group):
     lm, rk, rv = tiny_93, 4, 8
-    stack = make_stack(lm, compressor=make(name), sinks=SINKS, window=WINDOW)
+    stack = make_stack(lm, compressor=make(name, move_group=group), sinks=SINKS, window=WINDOW)
     _, cache = run_chunks(lm, stack, tokens(N), SIZES)
-    h, d, q = lm.kv_heads, lm.head_dim, compressed_per_head(1)
+    h, d, q = lm.kv_heads, lm.head_dim, compressed_per_head(group)
     per_token = (rk + rv) * 4 if name == "lora" else (rk + rv) * 4 // 8 + 4 * 2  # int4 + fp16 params
     for store in cache.stores:
         (seg,) = store.compressed
         assert isinstance(seg, LatentSegment) and seg.size == q * h
         bases = h * d * (rk + rv) * 4  # one key and one value basis per KV head, float32
         assert store.nbytes() == q * h * per_token + bases + fp_bytes(lm, N - q)
+
+
+@pytest.mark.parametrize("name", ["lora", "lora_plus_plus"])
+def test_lora_moves_the_tokens_past_the_window_in_whole_groups(tiny_93, name):
+    """After every forward (a prefill, chunks, one-token steps; one sequence and a left-padded
+    batch of two), each head-row's latents are whole groups of ``move_group`` of its oldest
+    unprotected tokens, and fewer than a group of them stay in full precision past the sinks and
+    the window; with ``move_group=1``, every one of them has left."""
+    lm, h = tiny_93, tiny_93.kv_heads
+    sizes = [30, 7, 1, 1, 1, 1, 1, 1, 9, 1]
+    ids = tokens(sum(sizes))
+    for group in (1, 6):
+        for batch in (1, 2):
+            stack = make_stack(lm, compressor=make(name, move_group=group), sinks=SINKS, window=WINDOW)
+            cache = loop.new_cache(lm, stack, batch=batch)
+            at = 0
+            for size in sizes:
+                chunk = ids[at : at + size]
+                if batch == 1:
+                    loop.step(lm, cache, chunk)
+                else:  # the second sequence starts 3 tokens later: left padding in the prefill
+                    real = torch.ones(2, size, dtype=torch.bool)
+                    real[1, : 3 if at == 0 else 0] = False
+                    loop.forward_batch(lm, cache, torch.tensor([chunk, chunk]), real)
+                    cache.after_forward()
+                at += size
+                for store in cache.stores:
+                    for seq, seen in enumerate(store.seen_host):
+                        movable = seen - budget_of(sinks=SINKS, window=WINDOW).protected_host(seen)
+                        for row in range(seq * h, (seq + 1) * h):
+                            latent = sum(int(s.rows.lens[row]) for s in store.compressed)
+                            assert latent == movable // group * group, (group, batch, at, row)
 
 
 def test_lora_bases_are_calibrated_once_and_recorded(tiny, tmp_path, monkeypatch):
@@ -415,7 +448,8 @@ def test_lora_plus_plus_latents_within_half_a_step(tiny_93):
         tech.compress(1, store)
         (seg,) = store.compressed
         assert seg.klat.dtype == torch.uint8 and seg.klat.shape[1] == 6 * bits // 8
-        pos = torch.arange(SINKS, 40 - WINDOW)
+        group = tech.move_group  # the oldest whole groups past the window leave it
+        pos = torch.arange(SINKS, SINKS + (40 - WINDOW - SINKS) // group * group)
         pre = Rotary.from_model(lm.model).unrotate(k, torch.arange(40))[:, :, pos]
         bk, bv = tech.cache.bases["key"][1], tech.cache.bases["value"][1]
         exact_k = torch.einsum("bhtd,hdr->bhtr", pre, bk).reshape(-1, 6)
@@ -458,6 +492,8 @@ def test_chain_chunkkv_then_svd_runs(tiny_93):
         (LoraCompressor, {"value_rank": -1}, "compressor.value_rank=-1"),
         (LoraPlusPlusCompressor, {"latent_bits": 2}, "compressor.latent_bits=2"),
         (LoraPlusPlusCompressor, {"latent_bits": 4, "key_rank": 5}, "compressor.key_rank=5"),
+        (LoraCompressor, {"move_group": 0}, "compressor.move_group=0"),
+        (LoraPlusPlusCompressor, {"move_group": -2}, "compressor.move_group=-2"),
     ],
 )
 def test_knobs_are_validated(cls, knobs, message):

@@ -47,17 +47,19 @@ def leaving_columns(store: TechniqueStore, budget: Budget, group_size: int) -> C
     return Columns(start, start + n)
 
 
-def leaving(store: TechniqueStore, budget: Budget) -> Columns | torch.Tensor | None:
-    """What a compressor that moves tokens out of the full-precision window one at a time (each
-    decode step moves the token that left the window) moves now, for
-    :meth:`~kvbench.cache.surface.TechniqueStore.move_out`: the oldest unprotected tokens of each
-    head-row, as :func:`leaving_columns` where the host knows them (no count, mask or plan on the
-    device), else as :func:`leaving_window`'s mask (the move counts them). None when the host knows
-    that nothing leaves. Compressors that move whole groups (once in a group's steps) take
-    :func:`leaving_groups`."""
-    cols = leaving_columns(store, budget, 1)
+def leaving(store: TechniqueStore, budget: Budget, group_size: int = 1) -> Columns | torch.Tensor | None:
+    """What a compressor that moves the tokens past the full-precision window out in whole groups
+    of ``group_size`` (1: one at a time, each decode step's token as it leaves the window) moves
+    now, for :meth:`~kvbench.cache.surface.TechniqueStore.move_out`: the oldest unprotected tokens
+    of each head-row, as :func:`leaving_columns` where the host knows them (no count, mask or plan
+    on the device), else as :func:`leaving_window`'s mask (the move counts them; for groups,
+    :func:`leaving_groups`, which reads once whether any head-row has one). None when the host
+    knows that nothing leaves."""
+    cols = leaving_columns(store, budget, group_size)
     if cols is None:
-        return leaving_window(store, budget, 1)
+        return (
+            leaving_window(store, budget, 1) if group_size == 1 else leaving_groups(store, budget, group_size)
+        )
     return cols if cols.stop > cols.start else None
 
 

@@ -5,6 +5,8 @@ Each token leaving the full-precision window is projected on the calibrated per-
 ``lora`` (Palu, arXiv:2407.21118; the same artifact is reused), then each latent vector is
 quantized along its own width with one float16 (zero, step) per token and packed: per token
 ``(rk + rv) · bits / 8`` bytes of codes plus 8 bytes of parameters; the bases count once per layer.
+As in ``lora``, the tokens past the window leave it in whole groups of ``move_group`` (Palu's
+quantized cache quantizes its full-precision residual in whole blocks too).
 """
 
 from __future__ import annotations
@@ -28,17 +30,22 @@ class LoraPlusPlusCompressor(Compressor):
         value_rank: latent width of values, 1 to head_dim (even for 4 bits).
         latent_bits: 8 or 4 bits per latent code.
         calibration_tokens: tokens of calibration text the bases are fitted on.
+        move_group: the tokens past the full-precision window leave it in whole groups of this
+            many (the window then holds up to ``move_group - 1`` tokens more); 1: each token as it
+            leaves.
     """
 
     name: str = "lora_plus_plus"
     # 2: packed latents, resident bytes at the buffers' capacity; 3: a long decode step read as one
     # softmax over the latents and the full-precision rows (issue 29, CHANGELOG.md);
-    # 4: a bare decode step decodes the layer without a view: resident bytes only (issue 29)
-    version = 4
+    # 4: a bare decode step decodes the layer without a view: resident bytes only (issue 29);
+    # 5: the tokens past the window leave it in whole groups of ``move_group`` (issue 29)
+    version = 5
     key_rank: int = 16
     value_rank: int = 32
     latent_bits: int = 8
     calibration_tokens: int = 2048
+    move_group: int = 16
     flags = Flags(changes_representation=True)
     cache: LatentCache = field(init=False, repr=False)  # the bases and the latents' accounting, once bound
 
@@ -52,10 +59,17 @@ class LoraPlusPlusCompressor(Compressor):
                 raise ConfigError(f"compressor.{key}={rank}: must be even to pack 4-bit latents")
         if self.calibration_tokens < 1:
             raise ConfigError(f"compressor.calibration_tokens={self.calibration_tokens}: must be >= 1")
+        check_rank("compressor.move_group", self.move_group)
 
     def on_bind(self, ctx: BindContext) -> None:
         self.cache = LatentCache.bind(
-            ctx, self.name, self.key_rank, self.value_rank, self.calibration_tokens, bits=self.latent_bits
+            ctx,
+            self.name,
+            self.key_rank,
+            self.value_rank,
+            self.calibration_tokens,
+            bits=self.latent_bits,
+            move_group=self.move_group,
         )
 
     def compress(self, layer: int, store: TechniqueStore) -> None:

@@ -297,35 +297,46 @@ class LatentCache:
     """What ``lora`` and ``lora_plus_plus`` share once bound: the rotary, the calibrated bases,
     the latent width and the measured residuals.
 
-    Every token leaving the full-precision window (sinks and window stay) is stored as latents.
+    The tokens past the full-precision window (sinks and window stay) leave it in whole groups of
+    ``move_group`` (Palu's quantized cache moves its full-precision residual out in whole blocks)
+    and are stored as latents: one encoding, projection and measured error for a group, where one
+    token at a time takes them at every decode step.
     """
 
     prefix: str
     rotary: Rotary
     bases: dict[str, torch.Tensor]
     bits: int | None = None
+    move_group: int = 1  # tokens past the window leave it in whole groups of this many
 
     def __post_init__(self) -> None:
         self.residuals = (Residual(), Residual())
 
     @classmethod
     def bind(
-        cls, ctx: BindContext, prefix: str, key_rank: int, value_rank: int, tokens: int, bits: int | None
+        cls,
+        ctx: BindContext,
+        prefix: str,
+        key_rank: int,
+        value_rank: int,
+        tokens: int,
+        bits: int | None,
+        move_group: int = 1,
     ) -> LatentCache:
         """Check the ranks against the model and load (or fit once) the bases."""
         rotary = ctx.rotary()
         check_rank("compressor.key_rank", key_rank, ctx.head_dim, "head_dim")
         check_rank("compressor.value_rank", value_rank, ctx.head_dim, "head_dim")
-        return cls(prefix, rotary, calibrated_bases(ctx, key_rank, value_rank, tokens), bits)
+        return cls(prefix, rotary, calibrated_bases(ctx, key_rank, value_rank, tokens), bits, move_group)
 
     def compress(self, layer: int, store: TechniqueStore, budget: Budget) -> None:
         def build(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> Segment:
             kb, vb = layer_bases(store, self.bases, layer, self.prefix)
             return LatentSegment.encode(self.rotary, kb, vb, self.bits, k, v, pos, lens, self.residuals)
 
-        move = leaving(store, budget)
+        move = leaving(store, budget, self.move_group)
         if move is not None:
-            store.move_out(move, build, per_row=moving_per_row(store, budget, 1))
+            store.move_out(move, build, per_row=moving_per_row(store, budget, self.move_group))
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         """Relative squared error of the pre-RoPE keys and of the values stored so far."""

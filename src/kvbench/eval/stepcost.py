@@ -11,7 +11,8 @@ Python around it. Both can be measured without a GPU:
   (:func:`decode_cost`). Deterministic: tests bound them per technique.
 - **Host time**, on a model whose arithmetic is negligible (:data:`HOST_MODEL`: eight thin layers,
   a short context, one thread): its step costs what the host spends per operation and per line of
-  Python, as a batch-1 step on a GPU does (:func:`paired_steps`: one step of each side in turn).
+  Python, as a batch-1 step on a GPU does (:func:`paired_steps`: one step of each side in turn,
+  each side's mean step, so that work done once in several steps counts at its amortized cost).
   Time ratios belong to the benchmark (``scripts/bench_decode.py``), not to tests. Where that
   time goes (:func:`paired_parts`): the cache's update, the attention function and the technique
   hooks after the forward, against the same parts of transformers' step.
@@ -299,10 +300,12 @@ Stepper = Callable[[], Callable[[], None]]
 
 
 def paired_steps(make_a: Stepper, make_b: Stepper, steps: int, warm: int = 2) -> tuple[float, float]:
-    """Median seconds of a step of ``make_a()``'s and of ``make_b()``'s step functions, timed in
+    """Mean seconds of a step of ``make_a()``'s and of ``make_b()``'s step functions, timed in
     turn, one step of each by one of the other (``steps`` each, after ``warm`` untimed each): a
     drift of the machine's speed hits both sides alike, which timing one side's steps and then the
-    other's does not."""
+    other's does not. The mean (each side's time over its ``steps``), not the median: work done
+    once in several steps (a group leaving the window, a compaction, a chunk's eviction) is in it
+    at its amortized cost, where a median would leave it out."""
     step_a, step_b = make_a(), make_b()
     for _ in range(warm):
         step_a()
@@ -315,7 +318,7 @@ def paired_steps(make_a: Stepper, make_b: Stepper, steps: int, warm: int = 2) ->
         step_b()
         times_a.append(mid - start)
         times_b.append(time.perf_counter() - mid)
-    return statistics.median(times_a), statistics.median(times_b)
+    return statistics.fmean(times_a), statistics.fmean(times_b)
 
 
 # The parts of a step :func:`paired_parts` times, each the host's time in one call site of both sides.
