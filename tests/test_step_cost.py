@@ -48,7 +48,9 @@ CEILINGS: dict[str | None, tuple[float, float]] = {
     "compressor/chunkkv": (11.75, 0.7),
     "compressor/distillation": (82.75, 16.1),
     "compressor/fastv": (16.25, 1.05),
-    "compressor/lora": (14.5, 14.5),  # version 5: a group of 16 leaves once in 16 steps
+    # version 5: a group of 16 leaves the window once in 16 steps, and the 16 counted steps (runs of
+    # 4 and 20 new tokens) hold exactly one such move; another move_group or window of steps moves these
+    "compressor/lora": (14.5, 14.5),
     "compressor/lora_plus_plus": (21.75, 15.25),
     "compressor/pikv": (65.75, 5.66),  # 65.5; up to 0.25 more where a cached helper is made in one run
     "compressor/pruning": (22.5, 6.0),
@@ -287,7 +289,7 @@ def test_paired_steps_time_one_step_of_each_side_in_turn():
 
     a, b = stepcost.paired_steps(side("a", 0.0), side("b", 0.001, every=4, heavy=0.02), steps=8, warm=1)
     assert calls == ["a", "b"] * 9
-    assert a < 0.001
+    assert a < 0.004  # (a bound a loaded machine keeps: side a sleeps for no time)
     assert b >= (6 * 0.001 + 2 * 0.02) / 8  # steps 4 and 8 of the nine (the first is the warm one)
 
 
