@@ -23,7 +23,7 @@ import contextvars
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, cast
+from typing import Any
 
 import torch
 from transformers import AttentionInterface
@@ -38,7 +38,6 @@ from kvbench.kernels import dispatch
 
 ATTN_NAME = "kvbench"
 HOST = torch.device("cpu")  # where the KV-hit probe keeps its shadow keys and compares
-_ASK = object()  # _paged_step: the attention kernel not asked yet
 _ACTIVE: contextvars.ContextVar[KVCache | None] = contextvars.ContextVar("kvbench_cache", default=None)
 
 
@@ -252,9 +251,11 @@ class KVCache(Cache):
         attention, the observers' probabilities and the KV-hit probe, as ``plan`` says
         (``parts_asked``: the segments were asked for their parts of this step, and one had none)."""
         q_len, sliding_window, padded, selector = plan.q_len, plan.window, plan.padded, plan.selector
-        paged = None if selector is None else self._paged_step(layer, store, query, scaling, plan)
-        if paged is not None:
-            return paged
+        if _pageable(plan, layer):
+            kernel = dispatch.kernels("attention", store.batch, store.columns())
+            paged = self._paged_step(layer, store, query, scaling, plan, kernel)
+            if paged is not None:
+                return paged
         qpos = store.last_qpos  # (B, q), -1 for padding
         view = store.view()
         # Plain causal attention needs no mask: a prefill with no past, or one decode step over
@@ -340,28 +341,20 @@ class KVCache(Cache):
         query: torch.Tensor,
         scaling: float,
         plan: ReadPlan,
-        kernel: ModuleType | None | object = _ASK,
+        kernel: ModuleType | None,
     ) -> torch.Tensor | None:
         """One unpadded decode step over full-precision rows that every head fills, on the Triton
-        path, whose read selector names the pages it reads (``read_pages``, :class:`att.Pages`):
-        the kernel's grid covers those pages and the always-read slots only, and no mask is built.
-        None where the step needs its mask (a window, padding, tiers, an observer of the
-        probabilities, the KV-hit probe, a selector without pages). ``kernel``: the attention
-        kernel the caller was answered already (:func:`dispatch.kernels`), else asked here."""
-        read_pages = getattr(plan.selector, "read_pages", None)
-        if read_pages is None or plan.q_len != 1 or plan.window is not None or plan.padded:
-            return None
-        if plan.placer is not None or plan.first[layer] < 1 or self.probe is not None:
-            return None
-        if kernel is _ASK:
-            kernel = dispatch.kernels("attention", store.batch, store.columns())
+        path (``kernel``: the attention kernel, None on the torch path), whose read selector names
+        the pages it reads (:attr:`ReadPlan.pages`, :class:`att.Pages`): the kernel's grid covers
+        those pages and the always-read slots only, and no mask is built. Asked only where
+        :func:`_pageable`; None where the step needs its mask (the torch path, rows that are not
+        dense, a selector that names no pages for the step)."""
         if kernel is None:
             return None
-        kernel = cast(ModuleType, kernel)
         kv = store.dense_kv()
         if kv is None:  # (dense rows are the full-precision rows alone: no bias, no view to make)
             return None
-        pages = read_pages(layer, store, query, store.last_qpos)
+        pages = plan.pages(layer, store, query, store.last_qpos)
         if pages is None:
             return None
         out = kernel.attend(query, *kv, None, scaling, pages=pages)
@@ -385,9 +378,10 @@ class KVCache(Cache):
         they are. The same reads as the masked read's: every slot is a token, so the mask is the
         selector's alone, and no bias exists."""
         kernel = dispatch.kernels("attention", store.batch, store.columns())
-        paged = self._paged_step(layer, store, query, scaling, plan, kernel)
-        if paged is not None:
-            return paged
+        if _pageable(plan, layer):
+            paged = self._paged_step(layer, store, query, scaling, plan, kernel)
+            if paged is not None:
+                return paged
         mask = plan.selector.read_mask(layer, store, query, store.last_qpos)
         keys, values = kv
         if keys.dtype != query.dtype:
@@ -472,6 +466,12 @@ def head_blocks(batch: int, heads: int, per_head: int) -> list[tuple[int, int, i
         return [(b, min(batch, b + step), 0, heads) for b in range(0, batch, step)]
     step = max(1, DECODE_ELEMS // max(1, per_head))
     return [(b, b + 1, h, min(heads, h + step)) for b in range(batch) for h in range(0, heads, step)]
+
+
+def _pageable(plan: ReadPlan, layer: int) -> bool:
+    """Whether ``layer``'s step may read its selector's pages (:meth:`KVCache._paged_step`): the
+    plan names them (:attr:`ReadPlan.pages`) and no observer reads this step's probabilities."""
+    return plan.pages is not None and plan.first[layer] >= 1
 
 
 def _attend_parts(store: LayerStore, query: torch.Tensor, scaling: float) -> torch.Tensor | None:

@@ -38,6 +38,9 @@ class ReadPlan:
     observed: bool
     routed: bool  # a decode step whose only technique inside attention is the read selector
     reads_all: bool  # every query reads every stored token (a step, no selector, no padding)
+    # the selector's ``read_pages`` where a step may read its pages on the Triton path (one
+    # unpadded query, no window, no tiers, no KV-hit probe), else None
+    pages: Any
 
     @classmethod
     def make(cls, cache: KVCache, q_len: int, window: int | None) -> ReadPlan:
@@ -48,7 +51,7 @@ class ReadPlan:
         padded = real is not None and not bool(real.all())
         # one decode step of real queries, unwindowed and not probed
         step = q_len == 1 and window is None and real is None and cache.probe is None
-        key = (q_len, window, padded, step, cache.routed)
+        key = (q_len, window, padded, step, cache.routed, cache.probe is None)
         made = cache.made_plans
         plan = made.get(key)
         if plan is None:
@@ -80,4 +83,7 @@ class ReadPlan:
             observed=step and bool(observers) and not (query_observers or placer or routed),
             routed=step and routed is not None and not (observers or query_observers or placer),
             reads_all=q_len == 1 and window is None and routed is None and not padded,
+            pages=getattr(routed, "read_pages", None)
+            if q_len == 1 and window is None and not padded and placer is None and cache.probe is None
+            else None,
         )

@@ -593,12 +593,11 @@ class ExpertRouter(Router):
             weight = (qpos >= 0)[:, None, :].expand_as(frac).float()
             fraction, total = (frac * weight).sum(), weight.sum()
         reads: ReadCount | StepReads
-        fp = store.fp
-        if whole and qpos.shape[1] == 1 and fp.rows.uniform and len(store.segments) == 1:
-            # one step over full rows (:func:`one_step`, one segment): every stored token is
-            # visible, and each costs the same bytes
-            visible = b * h * q * fp.rows.width
-            reads = StepReads(fp.token_nbytes(), read, routing.count, visible, b * q)
+        if len(store.segments) == 1 and one_step(store, qpos):
+            # one step over full rows of one segment: every stored token is visible, and each
+            # costs the same bytes
+            fp = store.fp
+            reads = StepReads(fp.token_nbytes(), read, routing.count, b * h * q * fp.rows.width, b * q)
         else:
             reads = count_reads(store, routing.mask, qpos)
         if fraction is None:
