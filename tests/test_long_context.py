@@ -443,13 +443,14 @@ def case(name, role, technique, per_layer, layer: int = 0, tokens: int = T32K):
             lambda: QuantizedCompressor(bits=2, group_size=32),
             lambda t: KV_HEADS * (_kivi(_packed(t), 2) + _fp(t - _packed(t))),
         ),
-        # ThinK at keep_ratio 0.5: past the sinks and the window, keys keep 64 of 128 channels
-        # (values whole); each KV head's 64 kept channel indices (int16) once per layer
+        # ThinK at keep_ratio 0.5: past the sinks and the window, whole groups of 16 tokens whose
+        # keys keep 64 of 128 channels (values whole); each KV head's 64 kept channel indices
+        # (int16) once per layer
         case(
             "pruning",
             "compressor",
             lambda: PruningCompressor(keep_ratio=0.5),
-            lambda t: KV_HEADS * ((t - 36) * (64 + HD) * 2 + _fp(36) + 64 * 2),
+            lambda t: KV_HEADS * ((q := (t - 36) // 16 * 16) * (64 + HD) * 2 + _fp(t - q) + 64 * 2),
         ),
         # evictions at budget 0.5: half the tokens, at 16 bits (which half is theirs)
         *[case(n, role, make, lambda t: KV_HEADS * _fp(t // 2)) for n, (role, make) in EVICTIONS.items()],

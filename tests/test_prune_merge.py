@@ -69,13 +69,14 @@ def test_pruning_lossless_at_keep_ratio_one(tiny_93):
     assert isinstance(cache.stores[0].compressed[0], PrunedSegment)
 
 
-def test_pruning_acts_and_stores_kept_channels_only(tiny_93):
+@pytest.mark.parametrize("group", [1, 5, 16])
+def test_pruning_acts_and_stores_kept_channels_only(tiny_93, group):
     lm = tiny_93
-    stack = make_stack(lm, compressor=pruning(keep_ratio=0.5), sinks=SINKS, window=WINDOW)
+    stack = make_stack(lm, compressor=pruning(keep_ratio=0.5, move_group=group), sinks=SINKS, window=WINDOW)
     logits, cache = run_chunks(lm, stack, tokens(N), SIZES, shadow=True)
     assert not torch.allclose(logits[-10:], full(lm)[-10:], atol=1e-3)
     d, h, keep = lm.head_dim, lm.kv_heads, lm.head_dim // 2
-    pruned = N - SINKS - WINDOW  # every unprotected token left the window
+    pruned = (N - SINKS - WINDOW) // group * group  # the unprotected tokens left in whole groups
     for layer, store in enumerate(cache.stores):
         seg = store.compressed[0]
         assert isinstance(seg, PrunedSegment) and seg.kp.shape == (pruned * h, keep)
@@ -98,6 +99,67 @@ def test_pruning_acts_and_stores_kept_channels_only(tiny_93):
             assert torch.equal(rk[:, mask], exact[row, seg.pos[row * pruned : (row + 1) * pruned]][:, mask])
             assert (rk[:, ~mask] == 0).all()
     assert cache.nbytes() == counted_bytes(cache, lm, keep)
+
+
+def test_pruning_moves_the_tokens_past_the_window_in_whole_groups(tiny_93):
+    """After every forward (a prefill, chunks, one-token steps; one sequence and a left-padded
+    batch of two), each head-row's pruned tokens are whole groups of ``move_group`` of its oldest
+    unprotected tokens, and fewer than a group of them stay whole past the sinks and the window;
+    with ``move_group=1``, every one of them has left."""
+    lm, h = tiny_93, tiny_93.kv_heads
+    sizes = [30, 7, 1, 1, 1, 1, 1, 1, 9, 1]
+    ids = tokens(sum(sizes))
+    protected = budget_of(sinks=SINKS, window=WINDOW).protected_host
+    for group in (1, 6):
+        for batch in (1, 2):
+            stack = make_stack(lm, compressor=pruning(move_group=group), sinks=SINKS, window=WINDOW)
+            cache = loop.new_cache(lm, stack, batch=batch)
+            at = 0
+            for size in sizes:
+                chunk = ids[at : at + size]
+                if batch == 1:
+                    loop.step(lm, cache, chunk)
+                else:  # the second sequence starts 3 tokens later: left padding in the prefill
+                    real = torch.ones(2, size, dtype=torch.bool)
+                    real[1, : 3 if at == 0 else 0] = False
+                    loop.forward_batch(lm, cache, torch.tensor([chunk, chunk]), real)
+                    cache.after_forward()
+                at += size
+                for store in cache.stores:
+                    for seq, seen in enumerate(store.seen_host):
+                        movable = seen - protected(seen)
+                        for row in range(seq * h, (seq + 1) * h):
+                            moved = sum(int(s.rows.lens[row]) for s in store.compressed)
+                            assert moved == movable // group * group, (group, batch, at, row)
+                            old = store.fp_view()[row][: int(store.fp.lens[row])]
+                            assert sorted(old.tolist())[:SINKS] == list(range(SINKS))  # the sinks stay
+
+
+def test_pruning_stops_watching_the_queries_once_every_channel_set_is_chosen(tiny_93):
+    """Until every head-row of every layer has chosen its kept channels, the read plan hands
+    ``pruning`` the queries; after (here, from the prefill's compression point on), a decode step
+    reads as if no technique asked for them (the bare read), with the logits the read that hands
+    them over gives."""
+    lm, ids = tiny_93, tokens(N)
+
+    def run(always: bool):
+        comp = pruning(move_group=1)
+        if always:  # as before version 4: handed the queries at every forward
+            comp.watches_queries = lambda stores: True  # type: ignore[method-assign]
+        cache = loop.new_cache(lm, make_stack(lm, compressor=comp, sinks=SINKS, window=WINDOW))
+        logits = [loop.step(lm, cache, ids[:40])[-1]]
+        plans = [cache.plan(40, None)]  # the forward's own plan, held until the next one starts
+        for token in ids[40:46]:
+            logits.append(loop.step(lm, cache, [token])[-1])
+            plans.append(cache.plan(1, None))
+        return comp, torch.stack(logits), plans
+
+    comp, logits, plans = run(always=False)
+    assert plans[0].query_observers == (comp,) and not plans[0].bare  # the prefill chooses them
+    assert all(p.bare and p.query_observers == () for p in plans[1:])
+    _, handed, old = run(always=True)
+    assert not any(p.bare for p in old)
+    assert torch.equal(logits, handed)
 
 
 def test_pruning_keeps_top_channels_by_query_key_score(tiny):
@@ -419,6 +481,7 @@ def test_padded_batch_equals_one_by_one(tiny_93, name):
         (lambda: PruningCompressor(keep_ratio=0.0), "compressor.keep_ratio=0.0"),
         (lambda: PruningCompressor(keep_ratio=1.5), "compressor.keep_ratio=1.5"),
         (lambda: PruningCompressor(obs_window=0), "compressor.obs_window=0"),
+        (lambda: PruningCompressor(move_group=0), "compressor.move_group=0"),
         (lambda: DistillationCompressor(iters=-1), "compressor.iters=-1"),
     ],
 )

@@ -241,6 +241,13 @@ class Technique:
     ) -> None:
         """The rotated queries ``(B, H_q, q, D)`` of a forward (only for ``wants_queries``)."""
 
+    def watches_queries(self, stores: Sequence[TechniqueStore]) -> bool:
+        """Whether :meth:`observe_queries` may still act on any of a cache's ``stores`` (only for
+        ``wants_queries``; asked once per forward, by its read plan). False where what the queries
+        decide is decided for good (ThinK's kept channels): the forward then reads its cache as if
+        the technique had not asked for them."""
+        return True
+
     def read_mask(
         self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:

@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class ReadPlan:
     """How every layer of one forward reads its cache: decided once, at the forward's first layer,
-    from what its layers share (the query count, the sliding window, padding, the probe and the
-    stack's hooks), not re-derived by each call. A layer then adds only its own store's state:
-    whether its rows are dense, a bias, what its view holds (:meth:`KVCache.attend`).
+    from what its layers share (the query count, the sliding window, padding, the probe, the
+    stack's hooks and whether its query observers still watch), not re-derived by each call. A
+    layer then adds only its own store's state: whether its rows are dense, a bias, what its view
+    holds (:meth:`KVCache.attend`).
 
     A decode step takes one of four paths: ``bare`` (no technique acts inside attention: dense
     full-precision rows are read as they are, plain SDPA), ``observed`` (the only technique inside
@@ -51,19 +52,30 @@ class ReadPlan:
         padded = real is not None and not bool(real.all())
         # one decode step of real queries, unwindowed and not probed
         step = q_len == 1 and window is None and real is None and cache.probe is None
-        key = (q_len, window, padded, step, cache.routed, cache.probe is None)
+        # the techniques that still read the queries (a choice made for good reads none)
+        watching = tuple(t.watches_queries(cache.stores) for t in cache.stack.query_observers)
+        key = (q_len, window, padded, step, cache.routed, cache.probe is None, watching)
         made = cache.made_plans
         plan = made.get(key)
         if plan is None:
             if len(made) >= 64:  # prefills of many chunk lengths: start over rather than grow
                 made.clear()
-            plan = made[key] = cls._make(cache, q_len, window, padded, step)
+            plan = made[key] = cls._make(cache, q_len, window, padded, step, watching)
         return plan
 
     @classmethod
-    def _make(cls, cache: KVCache, q_len: int, window: int | None, padded: bool, step: bool) -> ReadPlan:
+    def _make(
+        cls,
+        cache: KVCache,
+        q_len: int,
+        window: int | None,
+        padded: bool,
+        step: bool,
+        watching: tuple[bool, ...],
+    ) -> ReadPlan:
         stack = cache.stack
-        observers, query_observers = tuple(stack.observers), tuple(stack.query_observers)
+        observers = tuple(stack.observers)
+        query_observers = tuple(t for t, watches in zip(stack.query_observers, watching) if watches)
         selector, placer = stack.read_selector, stack.placer
         routed = selector if cache.routed else None
         first = tuple(

@@ -3,10 +3,10 @@
 Channel ``j`` of a KV head scores ``‖Q_obs[:, j]‖₂ · ‖K[:, j]‖₂`` (ThinK's per-channel magnitude
 criterion ``‖Q_obs[:, j] K[:, j]ᵀ‖_F``, which factors into the two norms), where ``Q_obs`` holds the
 last ``obs_window`` rotated queries of the head's query group and ``K`` the stored rotated keys. The
-top ``keep_ratio`` share of channels is kept. Tokens leaving the full-precision window (unprotected
-full-precision tokens, one at a time) move into a :class:`PrunedSegment` that stores only the kept
-key channels and the full values; reads put zeros in the pruned channels, so ``q · k`` uses the kept
-channels only.
+top ``keep_ratio`` share of channels is kept. The tokens past the full-precision window (unprotected
+full-precision tokens) leave it in whole groups of ``move_group`` and move into a
+:class:`PrunedSegment` that stores only the kept key channels and the full values; reads put zeros
+in the pruned channels, so ``q · k`` uses the kept channels only.
 
 The channel set of each head-row (one sequence, one KV head) is chosen once, at the first
 compression point where that head-row has tokens to prune, and stays fixed after: every later
@@ -14,15 +14,18 @@ token leaving the window is pruned to the same channels, and the indices are sto
 head-row (:class:`KeptChannels`, the layer's side data, counted in bytes).
 
 Differences from the paper: ThinK prunes the prefill keys once and leaves the keys of decoded
-tokens whole; here every token that leaves the window is pruned with the head-row's fixed set, so
-the saving holds as the sequence grows. ThinK selects per attention head; under GQA the cache holds
-one key per KV head, so the query norm here spans every query head of the group.
+tokens whole; here the decoded tokens past the window are pruned too, with the head-row's fixed
+set, so the saving holds as the sequence grows. They leave the window a group at a time (as KIVI's
+and Palu's full-precision residuals do), so a decoded token stays whole until its group is full,
+and the move's work is done once in ``move_group`` steps. ThinK selects per attention head; under
+GQA the cache holds one key per KV head, so the query norm here spans every query head of the group.
 """
 
 from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,13 +152,20 @@ class PruningCompressor(Compressor):
     Args:
         keep_ratio: share of key channels kept, in (0, 1]; ``ceil(keep_ratio * head_dim)`` channels.
         obs_window: number of latest queries whose norms drive the channel score.
+        move_group: the tokens past the full-precision window leave it in whole groups of this
+            many (the window then holds up to ``move_group - 1`` tokens more); 1: each token as it
+            leaves.
     """
 
     name: str = "pruning"
-    version = 3  # 2: packed pruned keys and values, resident bytes at their capacity; 3: the int64 index of
-    # the kept channels held (resident bytes) so that no step converts it (issue 29, CHANGELOG.md)
+    # 2: packed pruned keys and values, resident bytes at their capacity; 3: the int64 index of
+    # the kept channels held (resident bytes) so that no step converts it (issue 29, CHANGELOG.md);
+    # 4: the tokens past the window leave it in whole groups of ``move_group``, and a decode step
+    # after every head-row chose its channels takes the bare read (resident bytes; issue 29)
+    version = 4
     keep_ratio: float = 0.5
     obs_window: int = 16
+    move_group: int = 16
     flags = Flags(changes_representation=True)
     wants_queries = True
     # Per cache layer: the window's queries ``(B, Hq, w, D)`` and positions ``(B, w)`` (-1 empty),
@@ -176,6 +186,8 @@ class PruningCompressor(Compressor):
             raise ConfigError(f"compressor.keep_ratio={self.keep_ratio}: must be in (0, 1]")
         if self.obs_window < 1:
             raise ConfigError(f"compressor.obs_window={self.obs_window}: must be >= 1")
+        if self.move_group < 1:
+            raise ConfigError(f"compressor.move_group={self.move_group}: must be >= 1")
 
     def kept_channels(self, head_dim: int) -> int:
         return max(1, math.ceil(self.keep_ratio * head_dim - 1e-9))
@@ -195,6 +207,11 @@ class PruningCompressor(Compressor):
         b, hq, _, d = query.shape
         queries = torch.gather(query, 2, top[:, None, :, None].expand(b, hq, -1, d))
         self._queries[store] = (queries, torch.gather(qpos, 1, top))
+
+    def watches_queries(self, stores: Sequence[TechniqueStore]) -> bool:
+        """Until every head-row of every layer has chosen its channels: a decode step after that
+        reads its cache as if no technique read the queries (the bare read, no view made)."""
+        return not all(store in self._settled for store in stores)
 
     def channel_scores(self, store: TechniqueStore) -> torch.Tensor:
         """``(B * H, D)``: ‖Q_obs[:, j]‖ over the group's window queries times ‖K[:, j]‖ over stored keys."""
@@ -239,10 +256,11 @@ class PruningCompressor(Compressor):
         return kept
 
     def compress(self, layer: int, store: TechniqueStore) -> None:
-        move = leaving(store, self.budget)  # columns where the host knows them, else a mask
+        group = self.move_group
+        move = leaving(store, self.budget, group)  # columns where the host knows them, else a mask
         if move is None or (isinstance(move, torch.Tensor) and not bool(move.any())):
             return
-        per_row = moving_per_row(store, self.budget, 1)
+        per_row = moving_per_row(store, self.budget, group)
         kept = self._channels(store, move)
 
         def build(k, v, pos, lens):
