@@ -311,6 +311,54 @@ def test_fastv_drops_the_same_lowest_ranked_positions_from_layer_k(tiny4):
             assert kept_positions(store, h) == (list(range(48)) if layer < 2 else expect)
 
 
+def test_fastv_decode_steps_read_its_other_layers_as_bare_steps(tiny4, monkeypatch):
+    """At a decode step only layer K-1 computes the probabilities FastV reads (once, its output
+    taken from them); every other layer reads its rows as a step no technique acts in reads them
+    (plain SDPA, no view, no mask), with the logits the masked read gives them."""
+    from kvbench.cache import attention as att
+    from kvbench.cache import engine
+
+    ids = tokens(40)
+
+    def run(bare: bool):
+        observed, plain = [], []
+        real_observed, real_attend = engine.KVCache._observed_step, att.attend
+
+        def spy_observed(self, layer, *args):
+            observed.append(layer)
+            return real_observed(self, layer, *args)
+
+        def spy_attend(query, key, value, mask, scaling, bias=None):
+            plain.append(mask is None)
+            return real_attend(query, key, value, mask, scaling, bias)
+
+        monkeypatch.setattr(engine.KVCache, "_observed_step", spy_observed)
+        monkeypatch.setattr(att, "attend", spy_attend)
+        if not bare:  # the layers no observer reads through the masked read, as before
+            real_step = engine.KVCache.attend
+
+            def masked(self, layer, query, scaling, window):
+                plan = self.plan(query.shape[2], window)
+                if plan.first[layer] < query.shape[2]:
+                    return real_step(self, layer, query, scaling, window)
+                return self._attend_masked(layer, self.stores[layer], query, scaling, plan)
+
+            monkeypatch.setattr(engine.KVCache, "attend", masked)
+        stack = make_stack(tiny4, compressor=FastVCompressor(layer=2), budget=0.4, sinks=2, window=4)
+        cache = loop.new_cache(tiny4, stack)
+        loop.step(tiny4, cache, ids[:32])
+        observed.clear(), plain.clear()
+        logits = torch.stack([loop.step(tiny4, cache, [t])[-1] for t in ids[32:]])
+        monkeypatch.undo()
+        return logits, observed, plain
+
+    logits, observed, plain = run(bare=True)
+    assert observed == [1] * 8  # layer K-1 of each of the 8 steps
+    assert plain == [True] * (3 * 8)  # the other three layers: plain SDPA over the rows
+    masked, _, _ = run(bare=False)
+    assert torch.equal(logits, masked)
+
+
 def test_fastv_layer_is_checked_at_bind(tiny):
     with pytest.raises(ConfigError, match="compressor.layer=2: must be < the model's 2 layers"):
         make_stack(tiny, compressor=FastVCompressor())

@@ -229,13 +229,17 @@ class KVCache(Cache):
             kv = store.dense_kv()
             if kv is not None:
                 return self._routed_step(layer, store, query, scaling, kv, plan)
-        if plan.observed and plan.first[layer] < 1:
+        if plan.observed:
             kv = store.dense_kv()
-            if kv is not None:
+            if plan.first[layer] >= 1:  # no observer reads this layer's step (FastV's other layers)
+                if kv is not None:  # read as a bare step reads it
+                    return att.attend(query, *kv, None, scaling)
+            elif kv is not None:
                 return self._observed_step(layer, store, query, scaling, kv, plan.observers)
-            out = _observed_ragged(layer, store, query, scaling, plan.observers)
-            if out is not None:
-                return out
+            else:
+                out = _observed_ragged(layer, store, query, scaling, plan.observers)
+                if out is not None:
+                    return out
         return self._attend_masked(layer, store, query, scaling, plan)
 
     def _attend_masked(
