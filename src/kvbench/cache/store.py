@@ -29,7 +29,7 @@ import torch
 
 from kvbench.cache import ragged
 from kvbench.cache.positions import step_positions
-from kvbench.cache.rows import Columns, Rows
+from kvbench.cache.rows import Columns, Rows, true_slots
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
 from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.surface import Build, every_position
@@ -232,19 +232,31 @@ class LayerStore:
         self.edits += 1
         self._changed()
 
-    def keep(self, mask: torch.Tensor, kept: list[int] | None = None) -> None:
+    def keep(self, mask: torch.Tensor, kept: list[int] | None = None, few: bool = False) -> None:
         """Evict every token where ``mask`` ``(B, H, T)`` (aligned with ``view()``) is False.
 
         ``kept``: per segment (as :attr:`segments`), the tokens every head-row of it keeps, when
         known on the host: a segment that keeps none goes whole, the others compact without a
         synchronisation. Otherwise each head-row's kept tokens in every segment are read in one
         synchronisation, which tells both the segments that keep every token (left as they are)
-        and the compactions' widths."""
+        and the compactions' widths.
+
+        ``few``: where those counts show the full-precision rows alone, full, every head-row keeping
+        the same number and a few leaving (:meth:`can_drop`), the leaving tokens go as :meth:`drop`
+        takes them: the last tokens into the freed slots, O(evicted) writes, where a compaction
+        rewrites the kept rows (the rows are then out of position order)."""
         segs = self.segments
         parts = self._split(mask)
         counts: list[int | None] = list(kept) if kept is not None else [None] * len(segs)
         bh = self.batch * self.kv_heads
         counted = [None] * len(segs) if kept is not None else _kept_counts(segs, parts, bh)
+        if few and counted[0] is not None and len(set(counted[0][2])) == 1:
+            stays, width = counted[0][2][0], self._fp.rows.width
+            if stays < width and self.can_drop(stays):
+                # row by row, each row's ``width - stays`` leaving columns
+                _, cols = true_slots(~counted[0][0], bh * (width - stays))
+                self.drop(cols.view(self.batch, self.kv_heads, width - stays))
+                return
         changed = False
         for seg, keep, n, count in zip(segs, parts, counts, counted):
             rows = seg.rows

@@ -74,7 +74,9 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
     """
 
     name: str = "chunkkv"
-    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    # 2: the decode step of issue 29 (CHANGELOG.md); 3: a decode step's few leaving tokens go as
+    # drops (the last tokens into the freed slots), not a compaction (issue 29)
+    version = 3
     chunk_size: int = 10
     reuse_layers: int = 1
     obs_window: int = 16
@@ -116,7 +118,7 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
             if self.reuse_layers > 1:
                 self._chosen = by_position(keep, view.pos, store.seen_max)
         if not bool(keep[view.valid].all()):
-            store.keep(keep)
+            store.keep(keep, few=True)
 
 
 def by_position(mask: torch.Tensor, pos: torch.Tensor, width: int) -> torch.Tensor:

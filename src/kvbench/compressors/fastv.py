@@ -36,7 +36,9 @@ class FastVCompressor(Compressor):
     """
 
     name: str = "fastv"
-    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    # 2: the decode step of issue 29 (CHANGELOG.md); 3: a decode step's few leaving tokens go as
+    # drops (the last tokens into the freed slots), not a compaction (issue 29)
+    version = 3
     layer: int = 2
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
     _score: torch.Tensor | None = field(default=None, init=False, repr=False)  # (B, P) the last query's
@@ -98,7 +100,7 @@ class FastVCompressor(Compressor):
         keep = torch.gather(keep_pos, -1, idx).view_as(view.pos)
         if not view.dense:
             keep = keep & view.valid
-        store.keep(keep)  # nothing moves where every token stays
+        store.keep(keep, few=True)  # nothing moves where every token stays; a few leave in O(few)
 
     def _keep_positions(self, store: TechniqueStore) -> torch.Tensor:
         """``(B, P)`` bool: protected positions plus the best-ranked stored ones, up to the capacity."""
