@@ -42,6 +42,36 @@ def run_chunks(lm, stack, ids, sizes, shadow=False, protect=None):
     return torch.cat(outs), cache
 
 
+def moved_in_groups(lm, stack_of, sinks: int, window: int) -> None:
+    """After every forward (a prefill, chunks, one-token steps; one sequence and a left-padded
+    batch of two, whose second sequence starts 3 tokens later), each head-row's compressed tokens
+    are whole groups of ``group`` of its oldest unprotected ones, for ``stack_of(group)`` with the
+    groups 1 and 6 (``sinks`` and ``window`` its budget's)."""
+    h, sizes = lm.kv_heads, [30, 7, 1, 1, 1, 1, 1, 1, 9, 1]
+    ids = tokens(sum(sizes))
+    protected = budget_of(sinks=sinks, window=window).protected_host
+    for group in (1, 6):
+        for batch in (1, 2):
+            cache = loop.new_cache(lm, stack_of(group), batch=batch)
+            at = 0
+            for size in sizes:
+                chunk = ids[at : at + size]
+                if batch == 1:
+                    loop.step(lm, cache, chunk)
+                else:
+                    real = torch.ones(2, size, dtype=torch.bool)
+                    real[1, : 3 if at == 0 else 0] = False
+                    loop.forward_batch(lm, cache, torch.tensor([chunk, chunk]), real)
+                    cache.after_forward()
+                at += size
+                for store in cache.stores:
+                    for seq, seen in enumerate(store.seen_host):
+                        movable = seen - protected(seen)
+                        for row in range(seq * h, (seq + 1) * h):
+                            moved = sum(int(s.rows.lens[row]) for s in store.compressed)
+                            assert moved == movable // group * group, (group, batch, at, row)
+
+
 def tokens(n: int, seed: int = 0) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), generator=g).tolist()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_cfg
-from helpers import budget_of, make_stack, run_chunks, tokens
+from helpers import budget_of, make_stack, moved_in_groups, run_chunks, tokens
 from kvbench import models
 from kvbench.cache.quant import SUPPORTED_BITS
 from kvbench.cache.rotary import Rotary
@@ -391,30 +391,11 @@ def test_lora_moves_the_tokens_past_the_window_in_whole_groups(tiny_93, name):
     batch of two), each head-row's latents are whole groups of ``move_group`` of its oldest
     unprotected tokens, and fewer than a group of them stay in full precision past the sinks and
     the window; with ``move_group=1``, every one of them has left."""
-    lm, h = tiny_93, tiny_93.kv_heads
-    sizes = [30, 7, 1, 1, 1, 1, 1, 1, 9, 1]
-    ids = tokens(sum(sizes))
-    for group in (1, 6):
-        for batch in (1, 2):
-            stack = make_stack(lm, compressor=make(name, move_group=group), sinks=SINKS, window=WINDOW)
-            cache = loop.new_cache(lm, stack, batch=batch)
-            at = 0
-            for size in sizes:
-                chunk = ids[at : at + size]
-                if batch == 1:
-                    loop.step(lm, cache, chunk)
-                else:  # the second sequence starts 3 tokens later: left padding in the prefill
-                    real = torch.ones(2, size, dtype=torch.bool)
-                    real[1, : 3 if at == 0 else 0] = False
-                    loop.forward_batch(lm, cache, torch.tensor([chunk, chunk]), real)
-                    cache.after_forward()
-                at += size
-                for store in cache.stores:
-                    for seq, seen in enumerate(store.seen_host):
-                        movable = seen - budget_of(sinks=SINKS, window=WINDOW).protected_host(seen)
-                        for row in range(seq * h, (seq + 1) * h):
-                            latent = sum(int(s.rows.lens[row]) for s in store.compressed)
-                            assert latent == movable // group * group, (group, batch, at, row)
+
+    def stack_of(group):
+        return make_stack(tiny_93, compressor=make(name, move_group=group), sinks=SINKS, window=WINDOW)
+
+    moved_in_groups(tiny_93, stack_of, SINKS, WINDOW)
 
 
 def test_lora_bases_are_calibrated_once_and_recorded(tiny, tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_cfg
-from helpers import budget_of, make_stack, padded_batch_vs_solo, run_chunks, tokens
+from helpers import budget_of, make_stack, moved_in_groups, padded_batch_vs_solo, run_chunks, tokens
 from kvbench import models
 from kvbench.cache import attention as att
 from kvbench.cache import held
@@ -106,33 +106,11 @@ def test_pruning_moves_the_tokens_past_the_window_in_whole_groups(tiny_93):
     batch of two), each head-row's pruned tokens are whole groups of ``move_group`` of its oldest
     unprotected tokens, and fewer than a group of them stay whole past the sinks and the window;
     with ``move_group=1``, every one of them has left."""
-    lm, h = tiny_93, tiny_93.kv_heads
-    sizes = [30, 7, 1, 1, 1, 1, 1, 1, 9, 1]
-    ids = tokens(sum(sizes))
-    protected = budget_of(sinks=SINKS, window=WINDOW).protected_host
-    for group in (1, 6):
-        for batch in (1, 2):
-            stack = make_stack(lm, compressor=pruning(move_group=group), sinks=SINKS, window=WINDOW)
-            cache = loop.new_cache(lm, stack, batch=batch)
-            at = 0
-            for size in sizes:
-                chunk = ids[at : at + size]
-                if batch == 1:
-                    loop.step(lm, cache, chunk)
-                else:  # the second sequence starts 3 tokens later: left padding in the prefill
-                    real = torch.ones(2, size, dtype=torch.bool)
-                    real[1, : 3 if at == 0 else 0] = False
-                    loop.forward_batch(lm, cache, torch.tensor([chunk, chunk]), real)
-                    cache.after_forward()
-                at += size
-                for store in cache.stores:
-                    for seq, seen in enumerate(store.seen_host):
-                        movable = seen - protected(seen)
-                        for row in range(seq * h, (seq + 1) * h):
-                            moved = sum(int(s.rows.lens[row]) for s in store.compressed)
-                            assert moved == movable // group * group, (group, batch, at, row)
-                            old = store.fp_view()[row][: int(store.fp.lens[row])]
-                            assert sorted(old.tolist())[:SINKS] == list(range(SINKS))  # the sinks stay
+
+    def stack_of(group):
+        return make_stack(tiny_93, compressor=pruning(move_group=group), sinks=SINKS, window=WINDOW)
+
+    moved_in_groups(tiny_93, stack_of, SINKS, WINDOW)
 
 
 def test_pruning_stops_watching_the_queries_once_every_channel_set_is_chosen(tiny_93):
