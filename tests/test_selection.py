@@ -321,18 +321,24 @@ def test_fastv_decode_steps_read_its_other_layers_as_bare_steps(tiny4, monkeypat
     ids = tokens(40)
 
     def run(bare: bool):
-        observed, plain = [], []
+        observed, plain, masked_reads = [], [], []
         real_observed, real_attend = engine.KVCache._observed_step, att.attend
+        real_masked = engine.KVCache._attend_masked
 
         def spy_observed(self, layer, *args):
             observed.append(layer)
             return real_observed(self, layer, *args)
+
+        def spy_masked(self, layer, *args, **kwargs):
+            masked_reads.append(layer)
+            return real_masked(self, layer, *args, **kwargs)
 
         def spy_attend(query, key, value, mask, scaling, bias=None):
             plain.append(mask is None)
             return real_attend(query, key, value, mask, scaling, bias)
 
         monkeypatch.setattr(engine.KVCache, "_observed_step", spy_observed)
+        monkeypatch.setattr(engine.KVCache, "_attend_masked", spy_masked)
         monkeypatch.setattr(att, "attend", spy_attend)
         if not bare:  # the layers no observer reads through the masked read, as before
             real_step = engine.KVCache.attend
@@ -341,22 +347,23 @@ def test_fastv_decode_steps_read_its_other_layers_as_bare_steps(tiny4, monkeypat
                 plan = self.plan(query.shape[2], window)
                 if plan.first[layer] < query.shape[2]:
                     return real_step(self, layer, query, scaling, window)
-                return self._attend_masked(layer, self.stores[layer], query, scaling, plan)
+                return spy_masked(self, layer, self.stores[layer], query, scaling, plan)
 
             monkeypatch.setattr(engine.KVCache, "attend", masked)
         stack = make_stack(tiny4, compressor=FastVCompressor(layer=2), budget=0.4, sinks=2, window=4)
         cache = loop.new_cache(tiny4, stack)
         loop.step(tiny4, cache, ids[:32])
-        observed.clear(), plain.clear()
+        observed.clear(), plain.clear(), masked_reads.clear()
         logits = torch.stack([loop.step(tiny4, cache, [t])[-1] for t in ids[32:]])
         monkeypatch.undo()
-        return logits, observed, plain
+        return logits, observed, plain, masked_reads
 
-    logits, observed, plain = run(bare=True)
+    logits, observed, plain, masked_reads = run(bare=True)
     assert observed == [1] * 8  # layer K-1 of each of the 8 steps
     assert plain == [True] * (3 * 8)  # the other three layers: plain SDPA over the rows
-    masked, _, _ = run(bare=False)
-    assert torch.equal(logits, masked)
+    assert masked_reads == []  # and no masked read (its view, its mask's checks)
+    masked, _, _, before = run(bare=False)
+    assert sorted(set(before)) == [0, 2, 3] and torch.equal(logits, masked)
 
 
 def test_fastv_layer_is_checked_at_bind(tiny):
@@ -529,7 +536,7 @@ def test_moves_counted_on_the_host_are_those_the_device_counts(
     number the move takes, and the columns it names (``select.leaving_columns``: past the sinks)
     are the tokens the device marks; elsewhere it says it does not know. The logits and bytes are
     those of counting on the device: KIVI's groups (a count, then the mask) and ThinK's tokens one
-    at a time (the columns, :func:`select.leaving`)."""
+    at a time (``move_group=1``: the columns, :func:`select.leaving`)."""
     from kvbench import select
     from kvbench.compressors import pruning, quantized
 
@@ -555,7 +562,7 @@ def test_moves_counted_on_the_host_are_those_the_device_counts(
         if compressor == "quantized":
             technique = QuantizedCompressor(bits=4, group_size=4)
         else:
-            technique = pruning.PruningCompressor(keep_ratio=0.5)
+            technique = pruning.PruningCompressor(keep_ratio=0.5, move_group=1)
         stack = make_stack(tiny_93, compressor=technique, sinks=2, window=4)
         out, cache = run_chunks(tiny_93, stack, tokens(sum(sizes)), sizes, protect=protect)
         return out, cache.nbytes()

@@ -412,33 +412,40 @@ def test_a_store_puts_dropped_rows_back_in_order_for_a_reader_of_the_oldest():
     assert store.in_position_order()
 
 
-@pytest.mark.parametrize("leaving", [[1, 1], [3, 3], [2, 1], [4, 4]])
+@pytest.mark.parametrize(
+    "leaving", [[[1, 1]], [[3, 3]], [[2, 1]], [[4, 4]], [[5, 5]], [[2, 2], [2, 2]], [[1, 1], [1, 2]]]
+)
 def test_a_keep_of_a_few_drops_them_where_every_row_loses_as_many(leaving):
     """``keep(mask, few=True)`` keeps what a compaction keeps, each token with its key and value:
-    where every head-row loses the same few (at most a quarter of 16), by drops (the rows then out
-    of position order); where they lose different numbers, or more, by the compaction (in order)."""
-    gen = torch.Generator().manual_seed(sum(leaving))
-    k, v = torch.randn(1, 2, 16, 4, generator=gen), torch.randn(1, 2, 16, 4, generator=gen)
-    mask = torch.ones(1, 2, 16, dtype=torch.bool)
-    for head, n in enumerate(leaving):
-        mask[0, head, torch.randperm(16, generator=gen)[:n]] = False
+    where every head-row (of one sequence or two) loses the same few (at most a quarter of 16), by
+    drops (the rows then out of position order); where they lose different numbers, or more, by
+    the compaction (in order)."""
+    batch = len(leaving)
+    gen = torch.Generator().manual_seed(sum(map(sum, leaving)) + batch)
+    k, v = torch.randn(batch, 2, 16, 4, generator=gen), torch.randn(batch, 2, 16, 4, generator=gen)
+    mask = torch.ones(batch, 2, 16, dtype=torch.bool)
+    for seq, heads in enumerate(leaving):
+        for head, n in enumerate(heads):
+            mask[seq, head, torch.randperm(16, generator=gen)[:n]] = False
     stores = []
     for few in (False, True):
-        store = LayerStore(1, 2, 4, torch.float32, torch.device("cpu"))
+        store = LayerStore(batch, 2, 4, torch.float32, torch.device("cpu"))
         store.append(k, v)
         store.keep(mask, few=few)
         stores.append(store)
     compacted, kept = stores
-    assert kept.in_position_order() == (len(set(leaving)) > 1 or 4 * leaving[0] > 16)
-    for head in range(2):
-        mine, theirs = kept.view(), compacted.view()
-        live, other = mine.valid[0, head], theirs.valid[0, head]
-        pos = mine.pos[0, head][live]
-        order = pos.argsort()
-        assert torch.equal(pos[order], theirs.pos[0, head][other])
-        for name in ("k", "v"):
-            exact = getattr(mine, name)[0, head][live][order]
-            assert torch.equal(exact, getattr(theirs, name)[0, head][other])
+    counts = {n for heads in leaving for n in heads}
+    assert kept.in_position_order() == (len(counts) > 1 or 4 * counts.pop() > 16)
+    mine, theirs = kept.view(), compacted.view()
+    for seq in range(batch):
+        for head in range(2):
+            live, other = mine.valid[seq, head], theirs.valid[seq, head]
+            pos = mine.pos[seq, head][live]
+            order = pos.argsort()
+            assert torch.equal(pos[order], theirs.pos[seq, head][other])
+            for name in ("k", "v"):
+                exact = getattr(mine, name)[seq, head][live][order]
+                assert torch.equal(exact, getattr(theirs, name)[seq, head][other])
 
 
 @pytest.mark.parametrize(

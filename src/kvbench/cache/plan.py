@@ -46,8 +46,9 @@ class ReadPlan:
     @classmethod
     def make(cls, cache: KVCache, q_len: int, window: int | None) -> ReadPlan:
         """The plan of ``cache``'s next forward: made once per situation (the query count, the
-        window, padding, the probe, the first compression point passed), for the cache's stack,
-        which does not change; a decode loop's steps share one."""
+        window, padding, the probe, the first compression point passed, which query observers
+        still watch), for the cache's stack, which does not change; a decode loop's steps share
+        one."""
         real = cache.real
         padded = real is not None and not bool(real.all())
         # one decode step of real queries, unwindowed and not probed

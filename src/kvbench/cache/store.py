@@ -250,7 +250,7 @@ class LayerStore:
         counts: list[int | None] = list(kept) if kept is not None else [None] * len(segs)
         bh = self.batch * self.kv_heads
         counted = [None] * len(segs) if kept is not None else _kept_counts(segs, parts, bh)
-        if few and counted[0] is not None and len(set(counted[0][2])) == 1:
+        if few and not self._compressed and counted[0] is not None and len(set(counted[0][2])) == 1:
             stays, width = counted[0][2][0], self._fp.rows.width
             if stays < width and self.can_drop(stays):
                 # row by row, each row's ``width - stays`` leaving columns

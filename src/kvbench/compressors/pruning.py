@@ -9,7 +9,8 @@ full-precision tokens) leave it in whole groups of ``move_group`` and move into 
 in the pruned channels, so ``q · k`` uses the kept channels only.
 
 The channel set of each head-row (one sequence, one KV head) is chosen once, at the first
-compression point where that head-row has tokens to prune, and stays fixed after: every later
+compression point where that head-row has tokens to prune (a whole group leaving the window), and
+stays fixed after: every later
 token leaving the window is pruned to the same channels, and the indices are stored once per
 head-row (:class:`KeptChannels`, the layer's side data, counted in bytes).
 
