@@ -487,3 +487,37 @@ def test_a_routed_step_over_dense_rows_reads_through_the_mask_with_no_view(tiny_
     assert not masked and masked_ref
     assert kind == "quest" or not views
     assert torch.equal(lean, ref) and figures == figures_ref
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_bare_step_over_rows_of_different_lengths_is_one_masked_sdpa(batch):
+    """One segment of full-precision rows of different lengths (DuoAttention's streaming heads
+    shorter than its retrieval heads) is read on the torch path by SDPA with the rows' valid slots
+    as its mask: the attention over each head-row's own tokens (float64 reference), as the
+    segment's partial and its merge give it, in fewer operations."""
+    from kvbench.cache.store import LayerStore
+    from kvbench.eval.stepcost import LaunchCounter
+
+    gen = torch.Generator().manual_seed(batch)
+    h, g, d, t = 2, 3, 8, 20
+    store = LayerStore(batch, h, d, torch.float32, torch.device("cpu"))
+    store.append(torch.randn(batch, h, t, d, generator=gen), torch.randn(batch, h, t, d, generator=gen))
+    mask = torch.ones(batch, h, t, dtype=torch.bool)
+    mask[:, 1, 4:15] = False  # the second head of each sequence keeps 9 of its 20 tokens
+    store.keep(mask)
+    assert not store.fp.rows.uniform and store.dense_kv() is None
+    query = torch.randn(batch, h * g, 1, d, generator=gen)
+    with torch.inference_mode(), LaunchCounter() as ragged:
+        out = engine._attend_ragged(store, query, 0.3)
+    with torch.inference_mode(), LaunchCounter() as parts:
+        merged = engine._attend_parts(store, query, 0.3)
+    assert out is not None and merged is not None and ragged.ops < parts.ops
+    view = store.view()
+    for b in range(batch):
+        for head in range(h * g):
+            kv = head // g
+            live = view.valid[b, kv]
+            k, v = view.k[b, kv][live].double(), view.v[b, kv][live].double()
+            want = torch.softmax(query[b, head, 0].double() @ k.T * 0.3, -1) @ v
+            assert torch.allclose(out[b, head, 0].double(), want, atol=1e-6)
+            assert torch.allclose(merged[b, head, 0].double(), want, atol=1e-6)

@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvbench.cache import attention as att
 from kvbench.cache import held, partials
 from kvbench.cache.plan import ReadPlan
+from kvbench.cache.segments import FPSegment
 from kvbench.cache.store import LayerStore
 from kvbench.cache.timing import AttnTimer
 from kvbench.kernels import dispatch
@@ -218,6 +219,9 @@ class KVCache(Cache):
             kv = store.dense_kv()
             if kv is not None:  # one decode step over full-precision rows that every head fills
                 return att.attend(query, *kv, None, scaling)
+            out = _attend_ragged(store, query, scaling)
+            if out is not None:
+                return out
             out = _attend_parts(store, query, scaling)  # the others, where each segment can: no view
             if out is not None:
                 return out
@@ -476,6 +480,23 @@ def _pageable(plan: ReadPlan, layer: int) -> bool:
     """Whether ``layer``'s step may read its selector's pages (:meth:`KVCache._paged_step`): the
     plan names them (:attr:`ReadPlan.pages`) and no observer reads this step's probabilities."""
     return plan.pages is not None and plan.first[layer] >= 1
+
+
+def _attend_ragged(store: LayerStore, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """A bare step over one segment of full-precision rows of different lengths (DuoAttention's
+    streaming heads hold fewer tokens than its retrieval heads), on the torch path: SDPA over the
+    rows as they are, their valid slots its mask (made once per lengths, :meth:`Rows.valid`), where
+    the segment's partial and its merge (:mod:`.partials`) take a dozen operations. None elsewhere
+    (the Triton path's kernel reads each row to its length without a mask)."""
+    segs = store.segments
+    if len(segs) != 1 or not isinstance(segs[0], FPSegment):
+        return None
+    rows = segs[0].rows
+    if dispatch.kernels("attention", store.batch, rows.width) is not None:
+        return None
+    b, h = store.batch, store.kv_heads
+    valid = rows.valid().view(b, h, 1, rows.width)
+    return att.attend(query, rows.heads("k", b), rows.heads("v", b), valid, scaling)
 
 
 def _attend_parts(store: LayerStore, query: torch.Tensor, scaling: float) -> torch.Tensor | None:

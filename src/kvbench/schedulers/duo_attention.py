@@ -48,6 +48,9 @@ class DuoAttentionScheduler(Scheduler):
     """
 
     name: str = "duo_attention"
+    # 2: a decode step over its rows of different lengths is one masked SDPA on the torch path, not
+    # a partial and its merge (issue 29, CHANGELOG.md)
+    version = 2
     retrieval_ratio: float | None = None
     threshold: float | None = None
     samples: int = 8
