@@ -259,7 +259,8 @@ class PruningCompressor(Compressor):
     def compress(self, layer: int, store: TechniqueStore) -> None:
         group = self.move_group
         move = leaving(store, self.budget, group)  # columns where the host knows them, else a mask
-        if move is None or (isinstance(move, torch.Tensor) and not bool(move.any())):
+        # a group's mask holds a token (``leaving_groups`` read that already); one token's may not
+        if move is None or (group == 1 and isinstance(move, torch.Tensor) and not bool(move.any())):
             return
         per_row = moving_per_row(store, self.budget, group)
         kept = self._channels(store, move)
