@@ -5,6 +5,7 @@ one-by-one runs; and each one's own invariant holds."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from kvbench.routers.moba import BaseRouter
 from kvbench.schedulers.adakv import AdaKVScheduler
 from kvbench.schedulers.duo_attention import DuoAttentionScheduler
 from kvbench.schedulers.lru import POSITION_SPAN, LRUScheduler, ranked, used
-from kvbench.schedulers.lru_plus import LRUPlusScheduler
+from kvbench.schedulers.lru_plus import KEY_SPAN, LRUPlusScheduler
 from kvbench.stack import Stack
 
 SIZES = [48, 8, 8, 1, 1]  # prefill, two chunks, two decode steps
@@ -236,6 +237,32 @@ def test_lru_plus_incremental_score_equals_closed_form(tiny_93, decay):
                 want = closed.get((row, int(ps[col])), 0.0)
                 assert float(score[row, col]) == pytest.approx(want, rel=1e-4, abs=1e-30)
     assert sched.uses  # the test saw uses
+
+
+def test_lru_plus_score_orders_as_decayed_use_then_arrival():
+    """LRU+'s float64 key orders a head-row's tokens as ranking them by log score and then by
+    position does (:func:`ranked`, two sorts), its values distinct: zeros of either sign tie, -inf
+    (never used) ranks lowest, and every float32 keeps its order. Past ``KEY_SPAN`` positions, the
+    score is those ranks."""
+    gen = torch.Generator().manual_seed(0)
+    special = torch.tensor([float("-inf"), -0.0, 0.0, -1.5, 2.0, 1e-38, -1e-38, 3.4e38, -3.4e38])
+    for t in (5, 300, 4096):
+        pos = torch.stack([torch.randperm(KEY_SPAN, generator=gen)[:t] for _ in range(6)]).view(2, 3, t)
+        log = torch.randn(2, 3, t, generator=gen) * 20
+        some = torch.rand(2, 3, t, generator=gen) < 0.5
+        log[some] = special[torch.randint(0, len(special), (int(some.sum()),), generator=gen)]
+        view = SimpleNamespace(pos=pos)
+        store = SimpleNamespace(
+            seen_max=int(pos.max()) + 1, view=lambda view=view: view, by_position=pos.argsort
+        )
+        sched = LRUPlusScheduler()
+        sched.log_scores = lambda store, log=log: log
+        key = sched.score(0, store)
+        rank = ranked(log, pos.argsort(-1))
+        assert key.dtype == torch.float64 and torch.equal(key.argsort(-1), rank.argsort(-1))
+        assert all(len(set(row)) == t for row in key.view(-1, t).tolist())
+        store.seen_max = KEY_SPAN
+        assert torch.equal(sched.score(0, store), rank)
 
 
 def test_lru_plus_evicts_the_lowest_scores(tiny):

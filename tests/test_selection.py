@@ -512,7 +512,7 @@ def test_an_eviction_breaks_ties_by_position_whatever_the_layout():
 
 
 def test_distinct_scores_leave_in_the_same_order_without_the_position_order():
-    """Scores distinct in each row (``distinct_scores``: `lru`'s key, `lru_plus`'s ranks,
+    """Scores distinct in each row (``distinct_scores``: `lru`'s and `lru_plus`'s keys,
     `streaming_llm`'s positions) leave the same tokens, in the same order, whether or not the rows'
     position order breaks ties: there are none."""
     from kvbench.select import lowest
@@ -523,6 +523,18 @@ def test_distinct_scores_leave_in_the_same_order_without_the_position_order():
         scores = torch.randperm(2 * 2 * t, generator=gen).double().view(2, 2, t)
         for kept in (0, 1, t // 2, t - 1):
             assert torch.equal(lowest(scores, pos.argsort(-1), kept), lowest(scores, None, kept))
+
+
+def test_one_leaving_of_distinct_scores_is_their_lowest_unsorted():
+    """A decode step's eviction of distinct scores (one token leaves each head-row) takes the
+    ``argmin`` of the scores with the protected at +inf: the token :func:`lowest` takes by a sort."""
+    from kvbench.select import lowest
+
+    gen = torch.Generator().manual_seed(1)
+    for t in (2, 9, 300):
+        scores = torch.randperm(2 * 3 * t, generator=gen).double().view(2, 3, t)
+        scores[..., : t // 3] = float("inf")  # protected
+        assert torch.equal(scores.argmin(-1, keepdim=True), lowest(scores, None, t - 1))
 
 
 @pytest.mark.parametrize("compressor", ["quantized", "pruning"])

@@ -154,8 +154,12 @@ def evict_by_score(
         cols = None if distinct else leaving_by_position(store, budget, kept[0], score, in_order)
         if cols is None:
             scores = score().masked_fill(budget.protected_view(store), float("inf"))
-            by_pos = None if distinct or store.in_position_order() else store.by_position()
-            cols = lowest(scores, by_pos, kept[0])
+            if distinct and scores.shape[-1] - kept[0] == 1:  # one leaves each head-row (a decode
+                # step's): its lowest score, the only one (distinct), as ``lowest`` takes it, unsorted
+                cols = scores.argmin(-1, keepdim=True)
+            else:
+                by_pos = None if distinct or store.in_position_order() else store.by_position()
+                cols = lowest(scores, by_pos, kept[0])
         store.drop(cols)
         return
     scores = score().masked_fill(budget.protected_view(store), float("inf"))

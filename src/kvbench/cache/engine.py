@@ -117,6 +117,7 @@ class KVCache(Cache):
         self.stores = [LayerStore(batch, kv_heads, head_dim, dtype, devices[i]) for i in range(num_layers)]
         super().__init__(layers=[_Layer(s) for s in self.stores])
         self.stack = stack
+        self.idle = not stack.pipeline  # no technique acts after a forward (the full cache)
         probed = set(range(num_layers)) if shadow is True else set(shadow or ())
         # per layer: the exact keys seen (on the host), None for a layer not probed
         self.shadow: list[list[torch.Tensor] | None] | None = (
@@ -165,16 +166,21 @@ class KVCache(Cache):
         """Apply the stack after a forward chunk: compressor, then scheduler, then router writes.
 
         Under inference mode, as the forward itself: the store's tensors are inference tensors,
-        updated in place.
+        updated in place. A stack with no technique (the full cache) only drops the views its
+        readers made, outside any timed sample (a sampled step times each layer's hooks as ever).
         """
         timer = self.timer
-        with torch.inference_mode():
-            for i, store in enumerate(self.stores):
-                mark = None if timer is None else timer.start(store.device)
-                self.stack.apply(i, store)
+        if self.idle and timer is None:
+            for store in self.stores:
                 store.release()
-                if timer is not None:
-                    timer.stop(store.device, mark)
+        else:
+            with torch.inference_mode():
+                for i, store in enumerate(self.stores):
+                    mark = None if timer is None else timer.start(store.device)
+                    self.stack.apply(i, store)
+                    store.release()
+                    if timer is not None:
+                        timer.stop(store.device, mark)
         self.routed = True
         _ACTIVE.set(None)  # the next forward's update sets it again; a finished cache is not kept
 
@@ -496,7 +502,7 @@ def _attend_ragged(store: LayerStore, query: torch.Tensor, scaling: float) -> to
         return None
     b, h = store.batch, store.kv_heads
     valid = rows.valid().view(b, h, 1, rows.width)
-    return att.attend(query, rows.heads("k", b), rows.heads("v", b), valid, scaling)
+    return att.attend(query, *rows.kv_heads(b), valid, scaling)
 
 
 def _attend_parts(store: LayerStore, query: torch.Tensor, scaling: float) -> torch.Tensor | None:

@@ -320,6 +320,21 @@ class Rows:
             self._heads[name] = held
         return held[1].narrow(2, 0, self.width)
 
+    def kv_heads(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`heads` of the keys and of the values, in one call (a bare decode step's read)."""
+        run = self._run
+        if run is not None and run[0] in ("k", "v"):
+            self._write_run()
+        width, held = self.width, self._heads
+        out = []
+        for name in ("k", "v"):
+            field = self._fields[name]
+            view = held.get(name)
+            if view is None or view[0] is not field:
+                view = held[name] = field, field.view(batch, self.bh // batch, *field.shape[1:])
+            out.append(view[1].narrow(2, 0, width))
+        return out[0], out[1]
+
     def get(self, name: str) -> torch.Tensor:
         """The padded rectangle of a field: ``(BH, width, *rest)``, a view (slots past a row's
         length read as zeros)."""

@@ -381,7 +381,7 @@ class LayerStore:
         rows = self._fp.rows
         if self._compressed or not rows.uniform:
             return None
-        return rows.heads("k", self.batch), rows.heads("v", self.batch)
+        return rows.kv_heads(self.batch)
 
     def decoded(self, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of head-rows ``lo .. hi - 1`` laid out as ``view()``'s, ``(hi - lo, T, D)``

@@ -25,6 +25,8 @@ from kvbench.roles import Flags, Scheduler
 from kvbench.schedulers.lru import ranked, used
 from kvbench.select import ScoredSelection
 
+KEY_SPAN = 2**21  # above every position a key holds exactly: 2**31 float32 orders times it, below 2**53
+
 
 @dataclass
 class LRUPlusScheduler(ScoredSelection, Scheduler):
@@ -96,5 +98,16 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
         return store.state(self.SCORE)
 
     def score(self, layer: int, store: TechniqueStore) -> torch.Tensor:
-        """``(B, H, T)`` eviction scores: rank by decayed use, then by arrival."""
-        return ranked(self.log_scores(store), store.by_position())
+        """``(B, H, T)`` eviction scores: by decayed use, then by arrival, distinct in each head-row.
+
+        Below :data:`KEY_SPAN` positions, one float64 key ``order(log score) · KEY_SPAN + position``,
+        where ``order`` maps a float32 to an int32 in the same order (its bits, the lower 31
+        flipped where it is negative; zero's sign dropped first, so that ``-0.0`` ties with ``0.0``
+        as the floats do): whole numbers below 2**53, exact, ordering the tokens as the two keys do
+        one after the other, as :func:`ranked` does with two sorts. Past it, those ranks."""
+        log = self.log_scores(store)
+        if store.seen_max >= KEY_SPAN:
+            return ranked(log, store.by_position())
+        bits = (log + 0.0).view(torch.int32)
+        order = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        return torch.add(store.view().pos, order.double(), alpha=KEY_SPAN)
