@@ -706,3 +706,45 @@ def test_keys_and_values_read_without_a_view_are_the_views(batch):
     keys, (k, v) = store.keys(), store.kv()
     view = store.view()
     assert keys is view.k and k is view.k and v is view.v
+
+
+def test_a_decode_append_through_the_views_writes_what_the_general_append_writes(monkeypatch):
+    """One sequence's decode appends (:meth:`Rows.append_kv`: keys and values through the 4-d views
+    a read keeps, positions joining the pending run) leave every field, width and position as the
+    general path does, across reads, growth of the capacity, a drop and a state field; where they do
+    not apply they write nothing and say so."""
+    from kvbench.cache.rows import Rows
+
+    gen = torch.Generator().manual_seed(0)
+    h, d = 2, 4
+    fast, slow = (LayerStore(1, h, d, torch.float32, torch.device("cpu")) for _ in range(2))
+    taken = []
+    plain_append_kv = Rows.append_kv
+
+    def spy(self, *args):
+        taken.append(plain_append_kv(self, *args))
+        return taken[-1]
+
+    for step in range(70):
+        q = 9 if step == 0 else 1
+        k, v = torch.randn(1, h, q, d, generator=gen), torch.randn(1, h, q, d, generator=gen)
+        monkeypatch.setattr(Rows, "append_kv", spy)
+        fast.append(k, v)
+        monkeypatch.setattr(Rows, "append_kv", lambda self, *args: False)
+        slow.append(k, v)
+        if step % 5 == 4:
+            for s in (fast, slow):
+                s.kv()  # a read: the views the next appends write through
+        if step == 40:
+            col = torch.randint(0, fast.columns(), (1, h, 1), generator=gen)
+            for s in (fast, slow):
+                s.drop(col)
+        a, b = fast.view(), slow.view()
+        assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.pos, b.pos)
+        assert fast._fp.rows.width == slow._fp.rows.width and fast.seen_host == slow.seen_host
+    assert any(taken) and not all(taken)  # it took most decode steps, and declined where it must
+    fast._fp.rows.ensure("score", (), torch.float32)  # a state field: the general path only
+    rows = fast._fp.rows
+    before = (rows.width, {n: f.clone() for n, f in rows.fields.items()})
+    assert not rows.append_kv(k, v, torch.tensor([[fast.seen_host[0]]]), fast.seen_host[0])
+    assert rows.width == before[0] and all(torch.equal(f, before[1][n]) for n, f in rows.fields.items())

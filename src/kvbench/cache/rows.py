@@ -425,6 +425,37 @@ class Rows:
                 field[:, start:stop] = 0
             self._zeroed = stop
 
+    def append_kv(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, start: int) -> bool:
+        """:meth:`append`'s first path for the fields ``k``, ``v`` and ``pos`` alone, given as a
+        batch's heads: keys and values ``(B, H, q, D)`` written through the 4-d views :meth:`kv_heads`
+        keeps, positions ``pos`` ``(1, q)`` = ``start, start + 1, ...`` in every row joining the
+        pending run (written when read). A decode step of one sequence's append, without the
+        general path's dict and reshapes. Returns False, having written nothing, where it does not
+        apply (rows of different lengths, other fields, no room, no views yet, a run it does not
+        continue): :meth:`append` then does it."""
+        fields, pending, width, q = self._fields, self._run, self.width, k.shape[2]
+        held = self._heads
+        kh, vh = held.get("k"), held.get("v")
+        if (
+            not self.uniform
+            or len(fields) != 3
+            or width + q > self.capacity
+            or kh is None
+            or vh is None
+            or kh[0] is not fields["k"]
+            or vh[0] is not fields["v"]
+            or not (pending is None or (pending[0] == "pos" and pending[2] + width - pending[1] == start))
+        ):
+            return False
+        kh[1].narrow(2, width, q).copy_(k)
+        vh[1].narrow(2, width, q).copy_(v)
+        first, start = (width, start) if pending is None else pending[1:3]
+        self._run = ("pos", first, start, pos)
+        if self.changed_from is None or self.changed_from > width:
+            self.changed_from = width
+        self._lens, self.width = None, width + q
+        return True
+
     def append(self, new: dict[str, torch.Tensor], run: tuple[str, int] | None = None) -> None:
         """Append ``q`` tokens to every row: ``new[name]`` ``(BH, q, *rest)`` (or ``(1, q, *rest)``,
         the same for every row); fields not given get zeros.

@@ -127,15 +127,16 @@ class LayerStore:
             qpos, self._seen = step_positions(k.device, self.seen_host, q)
             self.last_qpos = qpos
             at_one = b == 1 or len(set(self.seen_host)) == 1  # every row gets positions seen, seen + 1, ...
-            rows.append(
-                {
-                    "k": k.reshape(b * h, q, d),
-                    "v": v.reshape(b * h, q, d),
-                    # one sequence: its positions broadcast over its heads as they are written
-                    "pos": qpos if b == 1 else qpos.repeat_interleave(h, dim=0),
-                },
-                run=("pos", self.seen_host[0]) if at_one else None,  # written when read
-            )
+            if b != 1 or not rows.append_kv(k, v, qpos, self.seen_host[0]):
+                rows.append(
+                    {
+                        "k": k.reshape(b * h, q, d),
+                        "v": v.reshape(b * h, q, d),
+                        # one sequence: its positions broadcast over its heads as they are written
+                        "pos": qpos if b == 1 else qpos.repeat_interleave(h, dim=0),
+                    },
+                    run=("pos", self.seen_host[0]) if at_one else None,  # written when read
+                )
             self.seen_host = [self.seen_host[0] + q] if b == 1 else [n + q for n in self.seen_host]
             self._seen_max += q
             self.last_padded = False
