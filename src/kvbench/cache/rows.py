@@ -439,6 +439,7 @@ class Rows:
         if (
             not self.uniform
             or len(fields) != 3
+            or "pos" not in fields
             or width + q > self.capacity
             or kh is None
             or vh is None
