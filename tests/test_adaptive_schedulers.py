@@ -265,6 +265,37 @@ def test_lru_plus_score_orders_as_decayed_use_then_arrival():
         assert torch.equal(sched.score(0, store), rank)
 
 
+@pytest.mark.parametrize("name", ["lru", "lru_plus"])
+def test_a_decode_step_evicts_by_argmin_what_the_sort_evicts(tiny, monkeypatch, name):
+    """Decode steps of one token each past the capacity (rows out of position order after their
+    drops) evict, by the argmin of distinct scores, the tokens the sort of ``lowest`` evicts: the
+    same logits and the same stored positions after every step."""
+    from kvbench import select
+
+    sizes = [40, 8, *[1] * 24, 3, *[1] * 6]
+    runs, sorts, lowest = [], [], select.lowest
+
+    def counted(*args):
+        sorts[-1] += 1
+        return lowest(*args)
+
+    monkeypatch.setattr(select, "lowest", counted)
+    for span in (select.DISTINCT_SPAN, -1):  # -1: every eviction through ``lowest``
+        monkeypatch.setattr(select, "DISTINCT_SPAN", span)
+        sorts.append(0)
+        stack = make_stack(tiny, scheduler=make(name, tiny), budget=0.4, sinks=2, window=4)
+        cache, at, seen = loop.new_cache(tiny, stack), 0, []
+        ids = tokens(sum(sizes))
+        for n in sizes:
+            seen.append((loop.step(tiny, cache, ids[at : at + n]), [row_positions(s) for s in cache.stores]))
+            at += n
+        runs.append(seen)
+    assert not all(s.in_position_order() for s in cache.stores)  # the drops left rows out of order
+    assert sorts[0] < sorts[1]  # the one-token evictions took the argmin
+    for (a, pa), (b, pb) in zip(*runs):
+        assert torch.equal(a, b) and pa == pb
+
+
 def test_lru_plus_evicts_the_lowest_scores(tiny):
     lm, sinks, window = tiny, 2, 4
     _, cache = run_chunks(

@@ -711,8 +711,8 @@ def test_keys_and_values_read_without_a_view_are_the_views(batch):
 def test_a_decode_append_through_the_views_writes_what_the_general_append_writes(monkeypatch):
     """One sequence's decode appends (:meth:`Rows.append_kv`: keys and values through the 4-d views
     a read keeps, positions joining the pending run) leave every field, width and position as the
-    general path does, across reads, growth of the capacity, a drop and a state field; where they do
-    not apply they write nothing and say so."""
+    general path does, across reads, chunks, growth of the capacity, a compaction, a drop and its
+    sort back into order, and a state field; where they do not apply they write nothing and say so."""
     from kvbench.cache.rows import Rows
 
     gen = torch.Generator().manual_seed(0)
@@ -726,7 +726,7 @@ def test_a_decode_append_through_the_views_writes_what_the_general_append_writes
         return taken[-1]
 
     for step in range(70):
-        q = 9 if step == 0 else 1
+        q = 9 if step == 0 else 3 if step == 21 else 1  # a chunk after reads, too
         k, v = torch.randn(1, h, q, d, generator=gen), torch.randn(1, h, q, d, generator=gen)
         monkeypatch.setattr(Rows, "append_kv", spy)
         fast.append(k, v)
@@ -735,10 +735,18 @@ def test_a_decode_append_through_the_views_writes_what_the_general_append_writes
         if step % 5 == 4:
             for s in (fast, slow):
                 s.kv()  # a read: the views the next appends write through
+        if step == 30:  # a compaction: new field tensors, the views kept of the old ones stale
+            keep = torch.ones(1, h, fast.columns(), dtype=torch.bool)
+            keep[..., 3:5] = False
+            for s in (fast, slow):
+                s.keep(keep)
         if step == 40:
             col = torch.randint(0, fast.columns(), (1, h, 1), generator=gen)
             for s in (fast, slow):
                 s.drop(col)
+        if step == 50:  # a reader of the oldest puts the dropped rows back in order, in place
+            for s in (fast, slow):
+                s._in_order()
         a, b = fast.view(), slow.view()
         assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and torch.equal(a.pos, b.pos)
         assert fast._fp.rows.width == slow._fp.rows.width and fast.seen_host == slow.seen_host

@@ -123,6 +123,11 @@ def within(store: TechniqueStore, capacity: Callable[[int], int]) -> bool:
     return n is not None and all(n <= capacity(seen) for seen in store.seen_host)
 
 
+# positions up to which every ``distinct_scores`` technique's scores are distinct (float32 positions,
+# ``lru``'s key: exact below 2**24; ``lru_plus`` takes its ranks past its own key's span)
+DISTINCT_SPAN = 2**24
+
+
 def evict_by_score(
     store: TechniqueStore,
     budget: Budget,
@@ -139,8 +144,9 @@ def evict_by_score(
             head-row is over its capacity.
         capacity: tokens a head-row of a sequence that has seen ``seen`` tokens keeps, on the host
             (e.g. :meth:`Budget.capacity_host`).
-        distinct: no two valid unprotected tokens of a head-row have the same score, so no tie is
-            broken by position: the tokens that leave are chosen without their position order.
+        distinct: no two valid unprotected tokens of a head-row have the same score (below
+            :data:`DISTINCT_SPAN` positions), so no tie is broken by position: the tokens that leave
+            are chosen without their position order, one leaving each head-row by an ``argmin``.
         in_order: ``in_order(order)`` returns the scores of ``score()`` in position order, given
             ``order`` (:meth:`LayerStore.by_position`, or None where the columns are in it), where
             it makes them with fewer operations than a gather of ``score()``.
@@ -154,8 +160,9 @@ def evict_by_score(
         cols = None if distinct else leaving_by_position(store, budget, kept[0], score, in_order)
         if cols is None:
             scores = score().masked_fill(budget.protected_view(store), float("inf"))
-            if distinct and scores.shape[-1] - kept[0] == 1:  # one leaves each head-row (a decode
-                # step's): its lowest score, the only one (distinct), as ``lowest`` takes it, unsorted
+            if distinct and scores.shape[-1] - kept[0] == 1 and store.seen_max <= DISTINCT_SPAN:
+                # one leaves each head-row (a decode step's): its lowest score, the only one
+                # (distinct), the one ``lowest`` takes, unsorted
                 cols = scores.argmin(-1, keepdim=True)
             else:
                 by_pos = None if distinct or store.in_position_order() else store.by_position()

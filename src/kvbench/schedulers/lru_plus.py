@@ -25,7 +25,9 @@ from kvbench.roles import Flags, Scheduler
 from kvbench.schedulers.lru import ranked, used
 from kvbench.select import ScoredSelection
 
-KEY_SPAN = 2**21  # above every position a key holds exactly: 2**31 float32 orders times it, below 2**53
+# above every position a key holds exactly: a float32's order (an int32, at most 2**31 in
+# magnitude) times it, plus a position, stays below 2**53
+KEY_SPAN = 2**21
 
 
 @dataclass
@@ -42,7 +44,7 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
 
     name: str = "lru_plus"
     version = 3  # 2: the decode step of issue 29; 3: no per-token "seen" flag (CHANGELOG.md)
-    distinct_scores = True  # ranks: a permutation of each head-row's columns
+    distinct_scores = True  # keys with the position in them (past KEY_SPAN, ranks: a permutation)
     decay: float = 0.9
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
