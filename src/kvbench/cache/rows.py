@@ -313,27 +313,24 @@ class Rows:
         """Field ``name`` of full rows as ``(batch, BH / batch, width, *rest)``: a view, its 4-d form
         kept per field tensor, so a decode step slices it once."""
         self._flush(name)
-        field = self._fields[name]
-        held = self._heads.get(name)
-        if held is None or held[0] is not field:
-            held = field, field.view(batch, self.bh // batch, *field.shape[1:])
-            self._heads[name] = held
-        return held[1].narrow(2, 0, self.width)
+        return self._head_view(name, batch).narrow(2, 0, self.width)
 
     def kv_heads(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`heads` of the keys and of the values, in one call (a bare decode step's read)."""
         run = self._run
         if run is not None and run[0] in ("k", "v"):
             self._write_run()
-        width, held = self.width, self._heads
-        out = []
-        for name in ("k", "v"):
-            field = self._fields[name]
-            view = held.get(name)
-            if view is None or view[0] is not field:
-                view = held[name] = field, field.view(batch, self.bh // batch, *field.shape[1:])
-            out.append(view[1].narrow(2, 0, width))
-        return out[0], out[1]
+        k, v = self._head_view("k", batch), self._head_view("v", batch)
+        return k.narrow(2, 0, self.width), v.narrow(2, 0, self.width)
+
+    def _head_view(self, name: str, batch: int) -> torch.Tensor:
+        """Field ``name``'s whole tensor as ``(batch, BH / batch, capacity, *rest)``, kept while the
+        field is that tensor (:meth:`append_kv` writes through it)."""
+        field = self._fields[name]
+        held = self._heads.get(name)
+        if held is None or held[0] is not field:
+            held = self._heads[name] = field, field.view(batch, self.bh // batch, *field.shape[1:])
+        return held[1]
 
     def get(self, name: str) -> torch.Tensor:
         """The padded rectangle of a field: ``(BH, width, *rest)``, a view (slots past a row's

@@ -126,8 +126,9 @@ class LayerStore:
         if real is None:
             qpos, self._seen = step_positions(k.device, self.seen_host, q)
             self.last_qpos = qpos
-            at_one = b == 1 or len(set(self.seen_host)) == 1  # every row gets positions seen, seen + 1, ...
             if b != 1 or not rows.append_kv(k, v, qpos, self.seen_host[0]):
+                # every row gets positions seen, seen + 1, ...
+                at_one = b == 1 or len(set(self.seen_host)) == 1
                 rows.append(
                     {
                         "k": k.reshape(b * h, q, d),

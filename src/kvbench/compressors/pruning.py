@@ -36,6 +36,7 @@ from kvbench.cache.ragged import segment_ids
 from kvbench.cache.segments import RowCounts, Segment, packed_rows
 from kvbench.cache.side import SideData
 from kvbench.cache.surface import Columns, TechniqueStore
+from kvbench.compressors.lowrank import check_rank
 from kvbench.errors import ConfigError
 from kvbench.kernels import dispatch
 from kvbench.roles import Compressor, Flags
@@ -187,8 +188,7 @@ class PruningCompressor(Compressor):
             raise ConfigError(f"compressor.keep_ratio={self.keep_ratio}: must be in (0, 1]")
         if self.obs_window < 1:
             raise ConfigError(f"compressor.obs_window={self.obs_window}: must be >= 1")
-        if self.move_group < 1:
-            raise ConfigError(f"compressor.move_group={self.move_group}: must be >= 1")
+        check_rank("compressor.move_group", self.move_group)
 
     def kept_channels(self, head_dim: int) -> int:
         return max(1, math.ceil(self.keep_ratio * head_dim - 1e-9))
