@@ -139,3 +139,25 @@ def in_packed_rows(flat: torch.Tensor, rows: int, room: int = 7) -> torch.Tensor
     buf = torch.full((rows, n + room, *flat.shape[1:]), fill, dtype=flat.dtype, device=flat.device)
     buf[:, :n] = flat.view(rows, n, *flat.shape[1:])
     return buf[:, :n]
+
+
+def decode_with_ops(lm, stack, ids, steps: int = 3):
+    """Prefill ``ids`` and take ``steps`` greedy decode steps: the logits of each (the prefill's
+    last first) and the names of the aten operations the decode steps ran."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    cache = loop.new_cache(lm, stack)
+    logits = [loop.step(lm, cache, ids, keep=1)[-1]]
+    with Ops() as ops:
+        for _ in range(steps):
+            logits.append(loop.step(lm, cache, [int(logits[-1].argmax())])[-1])
+    return torch.stack(logits), ops.names

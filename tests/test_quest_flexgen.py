@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from helpers import make_stack, padded_batch_vs_solo, run_chunks, tokens
+from helpers import decode_with_ops, make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench.cache import attention as att
 from kvbench.cache.attention import page_bounds
 from kvbench.compressors.quantized import QuantizedCompressor
@@ -155,11 +155,12 @@ def test_quest_bound_is_an_upper_bound():
 class _Recorder(QuestScheduler):
     """Quest that keeps what each read selection saw and chose."""
 
-    def read_mask(self, layer, store, query, qpos):
-        mask = super().read_mask(layer, store, query, qpos)
+    def _read(self, layer, store, query, qpos, groups):
+        mask = super()._read(layer, store, query, qpos, groups)
         view = store.view()
         self.seen_calls = getattr(self, "seen_calls", [])
-        self.seen_calls.append((layer, query.clone(), view.k.clone(), view.pos.clone(), mask.clone()))
+        kv_mask = mask if mask.shape[1] == store.kv_heads else mask[:, ::groups]  # per KV head
+        self.seen_calls.append((layer, query.clone(), view.k.clone(), view.pos.clone(), kv_mask.clone()))
         return mask
 
 
@@ -417,3 +418,20 @@ def test_read_figures_settled_in_small_batches_are_those_settled_once(tiny_93, m
     monkeypatch.setattr(reads, "SETTLE_EVERY", 3)
     often = go()
     assert torch.equal(once[0], often[0]) and once[1] == often[1] and once[1]
+
+
+def test_a_quest_decode_step_reads_its_pages_per_query_head_and_repeats_no_mask(tiny):
+    """On the torch path Quest's decode step takes its pages' mask per query head
+    (:meth:`QuestScheduler.read_head_mask`, one gather): no mask is repeated, and the logits and
+    the read figures are those of the mask per KV head repeated by the read."""
+    out = {}
+    for per_head in (True, False):
+        quest = QuestScheduler(page_size=P, dense_layers=1)
+        if not per_head:
+            quest.read_head_mask = None  # the plan then asks read_mask
+        stack = make_stack(tiny, scheduler=quest, budget=0.25, sinks=2, window=4)
+        logits, ops = decode_with_ops(tiny, stack, tokens(97))
+        out[per_head] = (logits, ops.count("repeat_interleave.self_int"), stack.metrics())
+    assert torch.equal(out[True][0], out[False][0])
+    assert out[True][2] == out[False][2]
+    assert out[True][1] < out[False][1]  # the dense layer's mask, every token, is still repeated

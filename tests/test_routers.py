@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from helpers import make_stack, padded_batch_vs_solo, run_chunks, tokens
+from helpers import decode_with_ops, make_stack, padded_batch_vs_solo, run_chunks, tokens
+from kvbench.cache import attention as att
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
 from kvbench.eval import loop
@@ -27,7 +28,16 @@ from kvbench.routers.eplb import (
     serve,
     water_fill,
 )
-from kvbench.routers.expert import ExpertRouter, fill_by_preference, position_blocks, top_k_choice
+from kvbench.routers.expert import (
+    ExpertRouter,
+    Experts,
+    Routing,
+    choice_at,
+    fill_by_preference,
+    no_choice,
+    position_blocks,
+    top_k_choice,
+)
 from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
 from kvbench.routers.moba import BaseRouter
 from kvbench.routers.pikv import PikvRouter, PreviousChoice
@@ -779,3 +789,61 @@ def test_read_all_reads_values_of_every_dtype_exactly():
     wide = torch.tensor(0.1, dtype=torch.float64)
     ts = [torch.tensor(0.1), torch.tensor(2**40), 3.5, torch.tensor(True), wide]
     assert read_all(ts) == [float(torch.tensor(0.1)), float(2**40), 3.5, 1.0, 0.1]
+
+
+def test_a_choice_is_one_scatter_into_an_empty_choice_it_leaves_empty():
+    """:func:`choice_at` scatters into the held empty choice out of place: each choice is what a
+    copy of the empty one with the experts set gives, and the held one stays empty."""
+    gen = torch.Generator().manual_seed(1)
+    for pad in (False, True):
+        for _ in range(50):
+            e = int(torch.randint(1, 9, (1,), generator=gen))
+            k = int(torch.randint(1, e + 1, (1,), generator=gen))
+            score = torch.randn(2, 3, int(torch.randint(1, 4, (1,), generator=gen)), e, generator=gen)
+            score[score > 1.2] = float("-inf")
+            index = score.topk(k, -1).indices
+            took = score.topk(k, -1).values.isfinite()
+            want = torch.zeros(*score.shape[:-1], e + pad, dtype=torch.bool)
+            want[..., e:] = True
+            for chosen in (None, took):
+                expect = want.clone().scatter_(-1, index, True if chosen is None else chosen)
+                assert torch.equal(choice_at(score, index, chosen, pad), expect)
+            assert torch.equal(no_choice(score, pad), want)
+
+
+def test_a_routed_mask_per_query_head_is_the_mask_repeated_over_each_group():
+    """:meth:`Routing.head_mask` gathers each KV head's rows once per query head of its group: the
+    mask repeated over the group, for one query and a chunk, a padded choice and not."""
+    gen = torch.Generator().manual_seed(2)
+    for q in (1, 5):
+        for pad in (False, True):
+            e, t = 8, 40
+            score = torch.randn(2, 3, q, e, generator=gen)
+            column = torch.randint(0, e + 1, (2, 3, 1, t), generator=gen)
+            count = torch.ones(2, 3, e)
+            routing = Routing(Experts(count, column=column), top_k_choice(score, 3, True, pad))
+            for groups in (1, 4):
+                want = routing.mask.repeat_interleave(groups, dim=1)
+                assert torch.equal(routing.head_mask(groups), want)
+                query = torch.randn(2, 3 * groups, q, 16, generator=gen)
+                keys, values = torch.randn(2, 2, 3, t, 16, generator=gen)
+                assert torch.equal(
+                    att.attend(query, keys, values, routing.head_mask(groups), 0.25),
+                    att.attend(query, keys, values, routing.mask, 0.25),
+                )
+
+
+def test_a_routed_decode_step_reads_its_mask_per_query_head_and_repeats_none(tiny):
+    """On the torch path a routed decode step takes its selector's mask per query head
+    (:meth:`ExpertRouter.read_head_mask`): the step repeats no mask, and its logits are those of a
+    read through the mask per KV head."""
+    out = {}
+    for per_head in (True, False):
+        router = BaseRouter(num_experts=8, top_k=2)
+        if not per_head:
+            router.read_head_mask = None  # the plan then asks read_mask
+        stack = make_stack(tiny, router=router, budget=0.5, sinks=SINKS, window=WINDOW)
+        logits, ops = decode_with_ops(tiny, stack, tokens(96))
+        out[per_head] = (logits, ops.count("repeat_interleave.self_int"))
+    assert torch.equal(out[True][0], out[False][0])
+    assert out[True][1] == 0 < out[False][1]

@@ -118,7 +118,8 @@ def attend(
     scaling: float,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Grouped-query attention with a per-KV-head boolean mask; ``mask=None`` means causal.
+    """Grouped-query attention with a boolean mask per KV head, or per query head (``(B, H_q, q,
+    T)``, repeated no further); ``mask=None`` means causal.
 
     ``bias`` ``(B, H, T)`` adds a logit per stored unit (a merged token's log(count)).
 
@@ -131,7 +132,7 @@ def attend(
             query, key, value, is_causal=query.shape[2] > 1, scale=scaling, enable_gqa=groups > 1
         )
     attn_mask = mask if bias is None else additive(mask, bias, query.dtype)
-    if groups > 1:
+    if groups > 1 and attn_mask.shape[1] != query.shape[1]:
         attn_mask = attn_mask.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, scale=scaling, enable_gqa=groups > 1

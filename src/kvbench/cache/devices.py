@@ -39,6 +39,22 @@ def whole(n: int, like: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.
     return arange(n + 1, like, dtype)[n]
 
 
+_TRUE: dict[tuple[object, torch.Size], torch.Tensor] = {}
+
+
+def true_like(like: torch.Tensor) -> torch.Tensor:
+    """A bool tensor of ``like``'s shape, all True, on its device: one 0-d True expanded, made once
+    per device and shape (read-only; the few shapes of a choice's indices)."""
+    key = (device_of(like), like.shape)
+    held = _TRUE.get(key)
+    if held is None:
+        if len(_TRUE) >= 64:  # chunks of many lengths: start over rather than grow
+            _TRUE.clear()
+        with torch.inference_mode(False):
+            held = _TRUE[key] = torch.ones((), dtype=torch.bool, device=like.device).expand(like.shape)
+    return held
+
+
 ABSENT = object()  # what :meth:`TensorMemo.get` gives for a tensor it holds nothing for
 
 

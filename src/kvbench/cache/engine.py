@@ -396,7 +396,10 @@ class KVCache(Cache):
             paged = self._paged_step(layer, store, query, scaling, plan, kernel)
             if paged is not None:
                 return paged
-        mask = plan.selector.read_mask(layer, store, query, store.last_qpos)
+        if kernel is None and plan.head_mask is not None:  # per query head: no repeat in the read
+            mask = plan.head_mask(layer, store, query, store.last_qpos)
+        else:
+            mask = plan.selector.read_mask(layer, store, query, store.last_qpos)
         keys, values = kv
         if keys.dtype != query.dtype:
             keys, values = keys.to(query.dtype), values.to(query.dtype)

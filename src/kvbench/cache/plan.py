@@ -42,6 +42,9 @@ class ReadPlan:
     # the selector's ``read_pages`` where a step may read its pages on the Triton path (one
     # unpadded query, no window, no tiers, no KV-hit probe), else None
     pages: Any
+    # the selector's ``read_head_mask`` where it gives its mask per query head (a routed step's
+    # torch read then repeats no mask over the query groups), else None
+    head_mask: Any
 
     @classmethod
     def make(cls, cache: KVCache, q_len: int, window: int | None) -> ReadPlan:
@@ -99,4 +102,5 @@ class ReadPlan:
             pages=getattr(routed, "read_pages", None)
             if q_len == 1 and window is None and not padded and placer is None and cache.probe is None
             else None,
+            head_mask=getattr(routed, "read_head_mask", None),
         )

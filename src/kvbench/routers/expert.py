@@ -178,21 +178,35 @@ _NO_CHOICE: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
 def no_choice(like: torch.Tensor, pad: bool = False) -> torch.Tensor:
-    """``(..., E)`` bool, no expert chosen, to scatter a choice into; with ``pad``, ``(..., E + 1)``
-    with column ``E`` True: a choice that carries the always-read column of :attr:`Routing.mask`.
-    One operation either way: the padded one is a copy of a padded empty choice made once per
-    shape and device (read-only; a few shapes, a decode step's and a chunk's)."""
-    if not pad:
-        return torch.zeros_like(like, dtype=torch.bool)
-    key = (like.shape, devices.device_of(like))
+    """``(..., E)`` bool, no expert chosen; with ``pad``, ``(..., E + 1)`` with column ``E`` True:
+    a choice that carries the always-read column of :attr:`Routing.mask`. Read-only: made once per
+    shape, device and padding (a few shapes, a decode step's and a chunk's); :func:`choice_at`
+    makes a choice from it."""
+    key = (like.shape, devices.device_of(like), pad)
     empty = _NO_CHOICE.get(key)
     if empty is None:
         if len(_NO_CHOICE) >= 64:  # prefills of many lengths: start over rather than grow
             _NO_CHOICE.clear()
         experts = like.shape[-1]
-        ids = expert_ids(experts + 1, like)
-        empty = _NO_CHOICE[key] = ids.expand(*like.shape[:-1], experts + 1) >= experts
-    return empty.clone()
+        with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
+            if pad:
+                ids = expert_ids(experts + 1, like)
+                empty = ids.expand(*like.shape[:-1], experts + 1) >= experts
+            else:
+                empty = torch.zeros_like(like, dtype=torch.bool)
+        _NO_CHOICE[key] = empty
+    return empty
+
+
+def choice_at(
+    like: torch.Tensor, index: torch.Tensor, chosen: torch.Tensor | None = None, pad: bool = False
+) -> torch.Tensor:
+    """:func:`no_choice` with the experts at ``index`` ``(..., k)`` chosen where ``chosen`` (bool,
+    as ``index``; None: all of them): one out-of-place scatter into the held empty choice, not a
+    copy of it and a scatter in place."""
+    if chosen is None:
+        chosen = devices.true_like(index)
+    return no_choice(like, pad).scatter(-1, index, chosen)
 
 
 def top_k_choice(score: torch.Tensor, k: int, finite: bool = False, pad: bool = False) -> torch.Tensor:
@@ -201,7 +215,7 @@ def top_k_choice(score: torch.Tensor, k: int, finite: bool = False, pad: bool = 
     ``finite``: known on the host that the ``k`` best scores are finite (every expert holds a
     token), so each is chosen without looking. ``pad``: as :func:`no_choice`'s."""
     best = score.topk(min(k, score.shape[-1]), dim=-1)
-    return no_choice(score, pad).scatter_(-1, best.indices, True if finite else best.values.isfinite())
+    return choice_at(score, best.indices, None if finite else best.values.isfinite(), pad)
 
 
 def fill_by_preference(
@@ -341,12 +355,29 @@ class Routing:
         """``(B, H, q, T)``: a routed token is read iff its expert is chosen; the rest always.
 
         Built once per routing: the read figures and attention both use it."""
-        q = self.chosen.shape[2]
-        column = self.experts.column
-        padded = self.padded
-        if padded is None:
-            padded = F.pad(self.chosen, (0, 1), value=True)  # column E: always read
-        return padded.gather(-1, column.expand(*column.shape[:2], q, column.shape[-1]))
+        padded, column = self._padded(), self.experts.column
+        q = padded.shape[2]
+        if column.shape[2] != q:
+            column = column.expand(*column.shape[:2], q, column.shape[-1])
+        return padded.gather(-1, column)
+
+    def head_mask(self, groups: int) -> torch.Tensor:
+        """:attr:`mask` per query head, ``(B, H · groups, q, T)`` for ``groups`` query heads a KV
+        head (each its KV head's rows): one gather from the choice seen ``groups`` times, not the
+        mask made and then repeated. Not kept: a read asks once."""
+        if groups == 1:
+            return self.mask
+        padded, column = self._padded(), self.experts.column
+        b, h, q, width = padded.shape
+        t = column.shape[-1]
+        rows = padded[:, :, None].expand(b, h, groups, q, width)
+        return rows.gather(-1, column[:, :, None].expand(b, h, groups, q, t)).view(b, h * groups, q, t)
+
+    def _padded(self) -> torch.Tensor:
+        """The choice with column ``E`` (always read) True: ``(B, H, q, E + 1)``."""
+        if self.padded is not None:
+            return self.padded
+        return F.pad(self.chosen, (0, 1), value=True)
 
 
 def f32_quotient(a: float, b: float) -> float:
@@ -533,6 +564,13 @@ class ExpertRouter(Router):
         self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
         return self.route(layer, store, query, qpos).mask
+
+    def read_head_mask(
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`read_mask` per query head ``(B, H_q, q, T)`` (:meth:`Routing.head_mask`), for a
+        torch read that would repeat the mask over each KV head's query group."""
+        return self.route(layer, store, query, qpos).head_mask(query.shape[1] // store.kv_heads)
 
     def route(self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor) -> Routing:
         """Route a block of queries ``(B, Hq, q, D)``.

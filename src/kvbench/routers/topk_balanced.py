@@ -26,7 +26,7 @@ import torch
 from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
 from kvbench.routers.centroids import CentroidExperts, Centroids, sq_dist, write_columns
-from kvbench.routers.expert import ExpertRouter, expert_counts, expert_onehot, fill_by_preference, no_choice
+from kvbench.routers.expert import ExpertRouter, choice_at, expert_counts, expert_onehot, fill_by_preference
 
 
 def capacity(factor: float, demand: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
@@ -44,10 +44,10 @@ def first_finite(
     so the first ``k`` by score are taken without counting. ``pad``: as :func:`no_choice`'s."""
     ranked, order = score.sort(dim=-1, descending=True, stable=True)
     if finite and isinstance(k, int):
-        return no_choice(score, pad).scatter_(-1, order[..., :k], True)
+        return choice_at(score, order[..., :k], None, pad)
     ok = ranked.isfinite()
     took = ok & (ok.long().cumsum(-1) <= (k if isinstance(k, int) else k[..., None]))
-    return no_choice(score, pad).scatter_(-1, order, took)
+    return choice_at(score, order, took, pad)
 
 
 def shortfalls(calls: list[tuple[torch.Tensor, torch.Tensor | int]]) -> list[int]:

@@ -118,14 +118,21 @@ class _Pages:
         # as c - 2 cumsum > -2 extra; a blocked page costs more than any budget, so never fits
         return order, c, torch.sub(c, c.cumsum(-1), alpha=2) > self.room
 
-    def take(self, bound: torch.Tensor) -> torch.Tensor:
+    def take(self, bound: torch.Tensor, groups: int = 1) -> torch.Tensor:
         """The tokens read ``(B, H, q, T)`` where ``bound`` ``(B, H, q, P)`` bounds each page's
-        scores (:meth:`choose`), with the tokens always read."""
+        scores (:meth:`choose`), with the tokens always read; with ``groups`` query heads a KV
+        head, per query head ``(B, H · groups, q, T)``: one gather from the pages read seen
+        ``groups`` times, not the mask made and then repeated."""
         order, _, fits = self.choose(bound)
         b, h, q, _ = bound.shape
         pages = self.base.expand(b, h, q, self.width + 2).clone(memory_format=torch.contiguous_format)
         (pages if self.span is None else pages[..., self.span[0] : self.span[1]]).scatter_(-1, order, fits)
-        return torch.gather(pages, -1, self.index.expand(b, h, q, self.index.shape[-1]))
+        t = self.index.shape[-1]
+        if groups == 1:
+            return torch.gather(pages, -1, self.index.expand(b, h, q, t))
+        rows = pages[:, :, None].expand(b, h, groups, q, self.width + 2)
+        index = self.index[:, :, None].expand(b, h, groups, q, t)
+        return torch.gather(rows, -1, index).view(b, h * groups, q, t)
 
 
 # the page of each slot ``t``, ``t // page_size``, per (page size, dtype, device): read-only
@@ -238,6 +245,21 @@ class QuestScheduler(Scheduler):
     def read_mask(
         self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
+        return self._read(layer, store, query, qpos, 1)
+
+    def read_head_mask(
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
+    ) -> torch.Tensor:
+        """:meth:`read_mask` per query head ``(B, H_q, q, T)`` where pages are chosen (per KV head
+        where every query reads the same tokens: the read then repeats it), for a torch read that
+        would repeat the mask over each KV head's query group."""
+        return self._read(layer, store, query, qpos, query.shape[1] // store.kv_heads)
+
+    def _read(
+        self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor, groups: int
+    ) -> torch.Tensor:
+        """:meth:`read_mask`, with the pages' mask per query head for ``groups`` query heads a KV
+        head (:meth:`_Pages.take`); the reads are counted from its rows of one query head a group."""
         b, h, t, d = store.batch, store.kv_heads, store.columns(), store.head_dim  # the view's shape
         q = query.shape[2]
         if layer < self.dense_layers:
@@ -261,14 +283,14 @@ class QuestScheduler(Scheduler):
             kmax = ragged.to_padded(bounds.kmax, lay.n_full.flatten())[0].view(b, h, width, d)
         # (B, H, q, P): the bound's maximum over the query group, by the cell's path
         bound = (dispatch.kernels("scoring", b, t) or att).group_bounds(query, kmin, kmax)
-        mask = lay.take(bound)
+        mask = lay.take(bound, groups)
         per_page = 2 * d * bounds.kmin.element_size()
         if key is not None:  # every query real: the bytes of the bounds per query, from the host
             meta: torch.Tensor | float = float(lay.total * per_page * q) / float(b * q)
         else:
             assert lay.n_full is not None
             meta = lay.n_full * per_page
-        self._account(layer, store, query, qpos, mask, meta)
+        self._account(layer, store, query, qpos, mask if groups == 1 else mask[:, ::groups], meta)
         return mask
 
     def read_pages(
