@@ -110,6 +110,25 @@ def additive(mask: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) 
     return torch.where(mask, base, torch.full((), neg, dtype=dtype, device=mask.device))
 
 
+def group_index(index: torch.Tensor, groups: int, q: int) -> torch.Tensor:
+    """``index`` ``(B, H, 1, T)`` seen by each of ``groups`` query heads and ``q`` queries: ``(B, H,
+    groups, q, T)``, a view (:func:`gather_per_head`'s index; its callers keep it for the layers of
+    a step)."""
+    b, h, _, t = index.shape
+    return index[:, :, None].expand(b, h, groups, q, t)
+
+
+def gather_per_head(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows.gather(-1, ...)`` per query head: ``rows`` ``(B, H, q, W)`` per KV head, ``index``
+    ``(B, H, g, q, T)`` (:func:`group_index`) gives ``(B, H · g, q, T)``, each KV head's row seen by
+    its ``g`` query heads: what the gather per KV head repeated over the groups gives, in one
+    operation (the rows seen ``g`` times are a view)."""
+    b, h, g, q, t = index.shape
+    s = rows.stride()
+    seen = rows.as_strided((b, h, g, q, rows.shape[-1]), (s[0], s[1], 0, s[2], s[3]))
+    return seen.gather(-1, index).view(b, h * g, q, t)
+
+
 def attend(
     query: torch.Tensor,
     key: torch.Tensor,

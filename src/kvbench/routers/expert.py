@@ -278,6 +278,7 @@ class Experts:
     ):
         self.count, self.none_empty, self.routed_host = count, none_empty, routed_host
         self._eid, self._column = eid, column  # either given; the other made from it when asked
+        self._seen: torch.Tensor | None = None  # :meth:`column_seen`
 
     @classmethod
     def of(cls, eid: torch.Tensor, experts: int) -> Experts:
@@ -298,6 +299,15 @@ class Experts:
             eid = self.eid
             self._column = torch.where(eid < 0, self.count.shape[-1], eid)[:, :, None, :]
         return self._column
+
+    def column_seen(self, groups: int, q: int) -> torch.Tensor:
+        """:attr:`column` seen by ``groups`` query heads a KV head and ``q`` queries (a view,
+        :func:`kvbench.cache.attention.group_index`), kept: the layers of a step that share these
+        experts share it."""
+        seen = self._seen
+        if seen is None or seen.shape[2:4] != (groups, q):
+            seen = self._seen = att.group_index(self.column, groups, q)
+        return seen
 
     @cached_property
     def empty(self) -> torch.Tensor | None:
@@ -367,11 +377,8 @@ class Routing:
         mask made and then repeated. Not kept: a read asks once."""
         if groups == 1:
             return self.mask
-        padded, column = self._padded(), self.experts.column
-        b, h, q, width = padded.shape
-        t = column.shape[-1]
-        rows = padded[:, :, None].expand(b, h, groups, q, width)
-        return rows.gather(-1, column[:, :, None].expand(b, h, groups, q, t)).view(b, h * groups, q, t)
+        padded = self._padded()
+        return att.gather_per_head(padded, self.experts.column_seen(groups, padded.shape[2]))
 
     def _padded(self) -> torch.Tensor:
         """The choice with column ``E`` (always read) True: ``(B, H, q, E + 1)``."""

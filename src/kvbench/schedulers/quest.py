@@ -101,6 +101,7 @@ class _Pages:
     lo: int = -1
     hi: int = -1
     span: tuple[int, int] | None = None
+    seen: torch.Tensor | None = None  # ``index`` seen per query head (:meth:`take`)
 
     def choose(self, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The selectable pages by ``bound`` ``(B, H, q, P)``, best first (``order``: from ``j0``
@@ -127,12 +128,12 @@ class _Pages:
         b, h, q, _ = bound.shape
         pages = self.base.expand(b, h, q, self.width + 2).clone(memory_format=torch.contiguous_format)
         (pages if self.span is None else pages[..., self.span[0] : self.span[1]]).scatter_(-1, order, fits)
-        t = self.index.shape[-1]
         if groups == 1:
-            return torch.gather(pages, -1, self.index.expand(b, h, q, t))
-        rows = pages[:, :, None].expand(b, h, groups, q, self.width + 2)
-        index = self.index[:, :, None].expand(b, h, groups, q, t)
-        return torch.gather(rows, -1, index).view(b, h * groups, q, t)
+            return torch.gather(pages, -1, self.index.expand(b, h, q, self.index.shape[-1]))
+        seen = self.seen
+        if seen is None or seen.shape[2:4] != (groups, q):  # kept for the layers of the step
+            seen = self.seen = att.group_index(self.index, groups, q)
+        return att.gather_per_head(pages, seen)
 
 
 # the page of each slot ``t``, ``t // page_size``, per (page size, dtype, device): read-only
