@@ -511,10 +511,15 @@ class LayerStore:
     def columns(self) -> int:
         """The columns of :meth:`view` (its ``T``: every segment's slots side by side), from host
         figures, without making the view."""
+        if not self._compressed:  # the full-precision rows alone (every decode step of most stacks)
+            return self._fp.rows.width
         return sum(s.rows.width for s in self.segments)
 
     def uniform_tokens(self) -> int | None:
         """Stored tokens of every head-row when all hold the same number (known on the host), else None."""
+        if not self._compressed:
+            rows = self._fp.rows
+            return rows.width if rows.uniform else None
         segs = self.segments
         return sum(s.rows.width for s in segs) if all(s.rows.uniform for s in segs) else None
 
