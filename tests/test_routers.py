@@ -847,3 +847,30 @@ def test_a_routed_decode_step_reads_its_mask_per_query_head_and_repeats_none(tin
         out[per_head] = (logits, ops.count("repeat_interleave.self_int"))
     assert torch.equal(out[True][0], out[False][0])
     assert out[True][1] == 0 < out[False][1]
+
+
+def test_a_position_block_mean_is_its_keys_weighted_by_one_over_its_size():
+    """Position routers (version 2) take each block's mean key as its keys weighted by one over
+    its size, one product, with the weights kept for the step's layers: the sum divided by the
+    size within float32 rounding, zero for an empty block."""
+    from types import SimpleNamespace
+
+    from kvbench.routers.expert import _Blocks, expert_onehot
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        e, t = 8, int(torch.randint(4, 60, (1,), generator=gen))
+        eid = torch.randint(-1, e - 2, (2, 3, t), generator=gen)  # the last experts empty
+        keys = torch.randn(2, 3, t, 16, generator=gen)
+        store = SimpleNamespace(keys=lambda keys=keys: keys)
+        onehot = expert_onehot(eid, None, e)
+        experts = Experts(onehot.sum(2), eid=eid)
+        want = (onehot.transpose(-1, -2) @ keys) / onehot.sum(2).clamp(min=1)[..., None]
+        router = BaseRouter(num_experts=e, top_k=2)
+        for shared in (False, True):
+            router._blocks = _Blocks(None, experts, onehot) if shared else None
+            got = router.summarize(0, store, experts)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            assert torch.equal(got[..., e - 2 :, :], torch.zeros_like(got[..., e - 2 :, :]))
+        assert router._blocks.weights is not None  # kept for the other layers
+    assert BaseRouter.version == AdaptiveRouter.version == HierarchicalRouter.version == 2

@@ -270,8 +270,8 @@ def dequantize_keys(
         assert group_ids is not None, "dequantize_keys: give per_group or group_ids"
         shape: tuple[int, ...] = (-1, d) if out is None else tuple(out.shape)
         zero, step, dest = zero[group_ids].view(shape), step[group_ids].view(shape), out
-    else:
-        dest = None if out is None else out.unflatten(-2, (-1, per_group))  # (..., groups, per_group, D)
+    else:  # the tokens as (..., groups, per_group, D)
+        dest = None if out is None else out.view(*out.shape[:-2], -1, per_group, d)
         shape = (-1, per_group, d) if dest is None else tuple(dest.shape)
         params = (*shape[:-2], 1, d)
         zero, step = zero.view(params), step.view(params)

@@ -205,7 +205,7 @@ def _buffers(
     width = sum(seg.rows.width for seg in segs)
     make = torch.zeros if zeroed else torch.empty
     block = make(sum(wanted), n, width, fp.get("k").shape[-1], dtype=dtype, device=fp.device)
-    rects = iter(block)
+    rects = iter(block.unbind(0))  # (a tensor's own iterator is Python around the same unbind)
     return block, [next(rects) if w else None for w in wanted]
 
 

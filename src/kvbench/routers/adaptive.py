@@ -68,6 +68,7 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     """Position blocks; each query reads a top-p set of them (between ``k_min`` and ``k_max``)."""
 
     name: str = "adaptive"
+    version = 2  # 2: a block's mean key as its keys weighted by 1 / its size (issue 29, CHANGELOG.md)
     num_experts: int = 8
     top_p: float = 0.9
     temperature: float = 1.0

@@ -754,6 +754,7 @@ class _Blocks:
     key: tuple[Any, ...] | None  # None: the blocks of one call
     experts: Experts
     onehot: torch.Tensor
+    weights: torch.Tensor | None = None  # :meth:`PositionExperts.mean_weights`, made when first asked
 
 
 class PositionExperts:
@@ -833,6 +834,23 @@ class PositionExperts:
         chosen = self.route(layer, store, query, qpos).chosen  # type: ignore[attr-defined]
         lo, hi = cols
         return att.Pages(first_chosen(chosen, k), hi - lo, lo, hi, start=lo, parts=experts)
+
+    def summarize(self, layer: int, store: TechniqueStore, experts: Experts) -> torch.Tensor:
+        """Each block's mean key (zero for an empty block), as its tokens' keys weighted by one over
+        its size: one product a layer, the weights made once for the step's layers that share
+        the blocks (version 2; version 1 summed each block's keys and divided the sums, one
+        operation more a layer)."""
+        return expert_sums(self.mean_weights(experts), store.keys())
+
+    def mean_weights(self, experts: Experts) -> torch.Tensor:
+        """``(B, H, T, E)`` float: each routed token's one-hot over its block's size (1 for an empty
+        block), kept with the step's shared blocks."""
+        cached = self._blocks
+        if cached is not None and cached.experts is experts:
+            if cached.weights is None:
+                cached.weights = cached.onehot / experts.size.transpose(-1, -2)
+            return cached.weights
+        return self.membership(experts) / experts.size.transpose(-1, -2)
 
     def none_empty(self, count: torch.Tensor) -> bool:
         """Every expert of every head-row holds a token, known on the host: ``count`` is that of

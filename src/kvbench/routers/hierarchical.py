@@ -84,6 +84,7 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
     """Position-block experts in groups; top groups first, then top experts inside them."""
 
     name: str = "hierarchical"
+    version = 2  # 2: a block's mean key as its keys weighted by 1 / its size (issue 29, CHANGELOG.md)
     num_experts: int = 16
     num_groups: int = 4
     top_groups: int = 2

@@ -19,6 +19,7 @@ class BaseRouter(PositionExperts, ExpertRouter):
     """Splits each layer's stored tokens into ``num_experts`` position blocks; reads ``top_k``."""
 
     name: str = "base"
+    version = 2  # 2: a block's mean key as its keys weighted by 1 / its size (issue 29, CHANGELOG.md)
     num_experts: int = 8
     top_k: int = 2
 
