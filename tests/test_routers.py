@@ -874,3 +874,21 @@ def test_a_position_block_mean_is_its_keys_weighted_by_one_over_its_size():
             assert torch.equal(got[..., e - 2 :, :], torch.zeros_like(got[..., e - 2 :, :]))
         assert router._blocks.weights is not None  # kept for the other layers
     assert BaseRouter.version == AdaptiveRouter.version == HierarchicalRouter.version == 2
+
+
+def test_a_top_p_choice_of_finite_scores_takes_the_first_of_its_order():
+    """Where every score is finite (known on the host), the top-p choice scatters the first ``k``
+    of the order into an empty choice: the experts whose rank in the order is below ``k``, ties
+    (whole scores) included, padded or not."""
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        e = int(torch.randint(1, 9, (1,), generator=gen))
+        k_min = int(torch.randint(1, e + 1, (1,), generator=gen))
+        k_max = int(torch.randint(k_min, e + 1, (1,), generator=gen))
+        p = float(torch.rand(1, generator=gen)) if bool(torch.rand(1, generator=gen) < 0.8) else 1.0
+        score = torch.randint(-3, 4, (2, 3, 2, e), generator=gen).float()
+        want = top_p_choice(score, p, 1.0, k_min, k_max)
+        assert torch.equal(top_p_choice(score, p, 1.0, k_min, k_max, True), want)
+        padded = top_p_choice(score, p, 1.0, k_min, k_max, True, pad=True)
+        assert torch.equal(padded[..., :e], want) and bool(padded[..., e].all())
+        assert torch.equal(top_p_choice(score, p, 1.0, k_min, k_max, pad=True)[..., :e], want)

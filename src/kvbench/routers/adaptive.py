@@ -12,20 +12,30 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 
+from kvbench.cache import devices
 from kvbench.cache.reads import read_all
 from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
-from kvbench.routers.expert import ExpertRouter, PositionExperts
+from kvbench.routers.expert import ExpertRouter, PositionExperts, choice_at
 
 
 def top_p_choice(
-    score: torch.Tensor, top_p: float, temperature: float, k_min: int, k_max: int, finite: bool = False
+    score: torch.Tensor,
+    top_p: float,
+    temperature: float,
+    k_min: int,
+    k_max: int,
+    finite: bool = False,
+    pad: bool = False,
 ) -> torch.Tensor:
     """``(..., E)`` bool: the smallest prefix (by score) whose softmax(score/τ) mass is ≥ ``top_p``.
 
     The count is clamped to ``[k_min, k_max]`` and to the non-empty (finite) experts; ``finite``:
-    known on the host that every score is (every expert holds a token), so none is looked at.
+    known on the host that every score is (every expert holds a token), so none is looked at, and
+    the first ``k`` of the order are scattered into an empty choice (no inverse permutation).
+    ``pad``: as :func:`~kvbench.routers.expert.no_choice`'s.
     """
     every = None if finite else torch.isfinite(score)
     # A row without a finite score chooses nothing (k <= n = 0), whatever its probabilities.
@@ -38,10 +48,14 @@ def top_p_choice(
         k = (before < top_p).sum(-1, keepdim=True).clamp(k_min, k_max)
     else:
         k = min(score.shape[-1], k_max) if n is None else n.clamp(k_min, k_max)
-    if n is not None:
-        k = torch.minimum(cast(torch.Tensor, k), n)
+    if every is None:  # the first k experts of the order
+        if isinstance(k, int):
+            return choice_at(score, order[..., :k], None, pad)
+        return choice_at(score, order, devices.arange(score.shape[-1], k) < k, pad)
+    k = torch.minimum(cast(torch.Tensor, k), cast(torch.Tensor, n))
     rank = order.argsort(-1)  # each expert's place in ``order`` (the inverse permutation)
-    return rank < k if every is None else (rank < k) & every
+    chosen = (rank < k) & every
+    return F.pad(chosen, (0, 1), value=True) if pad else chosen
 
 
 def mean_per_query(chosen: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -98,14 +112,15 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     ) -> torch.Tensor:
         scaled = score * store.head_dim**-0.5
         full = self.none_empty(count)
-        chosen = top_p_choice(scaled, self.top_p, self.temperature, self.k_min, self.k_max, full)
+        padded = top_p_choice(scaled, self.top_p, self.temperature, self.k_min, self.k_max, full, pad=True)
+        chosen = padded[..., : self.num_experts]
         if every_query_real(store, qpos):  # every query real
             self.experts_read.append(chosen)  # averaged when read (:func:`mean_per_query`)
         else:
             real = (qpos >= 0)[:, None, :].expand(chosen.shape[:3])
             if bool(real.any()):
                 self.experts_read.append(chosen.sum(-1)[real].float().mean())
-        return chosen
+        return padded
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         out = super().metrics()
