@@ -36,7 +36,10 @@ def whole(n: int, like: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.
     """A 0-d tensor of the whole number ``n >= 0`` in ``dtype`` on ``like``'s device: an element of
     :func:`arange`'s held tensor, a view (no upload from the host, which a GPU's stream waits for,
     and no launch). Read-only. In a floating ``dtype`` exact while ``n`` is (below 2**24 in float32)."""
-    return arange(n + 1, like, dtype)[n]
+    held = _COUNTS.get((device_of(like), dtype))
+    if held is None or held.shape[0] <= n:
+        return arange(n + 1, like, dtype)[n]
+    return held[n]  # the same element, without the prefix view
 
 
 _TRUE: dict[tuple[object, torch.Size], torch.Tensor] = {}

@@ -384,7 +384,7 @@ class Routing:
         """The choice with column ``E`` (always read) True: ``(B, H, q, E + 1)``."""
         if self.padded is not None:
             return self.padded
-        return F.pad(self.chosen, (0, 1), value=True)
+        return torch.constant_pad_nd(self.chosen, (0, 1), True)  # F.pad's operation, without its checks
 
 
 def f32_quotient(a: float, b: float) -> float:
