@@ -868,9 +868,11 @@ def test_a_position_block_mean_is_its_keys_weighted_by_one_over_its_size():
         want = (onehot.transpose(-1, -2) @ keys) / onehot.sum(2).clamp(min=1)[..., None]
         router = BaseRouter(num_experts=e, top_k=2)
         for shared in (False, True):
-            router._blocks = _Blocks(None, experts, onehot) if shared else None
+            router._blocks = _Blocks(None, experts, onehot.bool()) if shared else None
             got = router.summarize(0, store, experts)
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+            # the weights are the one-hot over the sizes, bit for bit (made from the membership)
+            assert torch.equal(router.mean_weights(experts), onehot / experts.size.transpose(-1, -2))
             assert torch.equal(got[..., e - 2 :, :], torch.zeros_like(got[..., e - 2 :, :]))
         assert router._blocks.weights is not None  # kept for the other layers
     assert BaseRouter.version == AdaptiveRouter.version == HierarchicalRouter.version == 2

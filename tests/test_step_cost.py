@@ -38,13 +38,15 @@ BUDGET = 0.5
 # are counted beyond transformers' own, so that a version of transformers that launches more or less
 # in the model itself moves both sides alike.
 # Routers and Quest (2026-12-02): a routed step's mask is gathered per query head, not repeated,
-# and a router's choice is one scatter, not a copy and a scatter.
+# and a router's choice is one scatter, not a copy and a scatter; the position routers (version 2)
+# weigh a block's keys by one over its size, made once a step from the membership (no float
+# one-hot), instead of dividing each layer's sums.
 CEILINGS: dict[str | None, tuple[float, float]] = {
     None: (-0.25, 0.2),
-    "router/adaptive": (20.25, 0.38),
-    "router/base": (11.25, 0.38),
+    "router/adaptive": (18.75, 0.34),
+    "router/base": (10.75, 0.34),
     "router/eplb": (21.75, 1.25),
-    "router/hierarchical": (17.75, 0.53),
+    "router/hierarchical": (17.25, 0.46),
     "router/pikv": (16.75, 0.28),
     "router/topk_balanced": (16.75, 0.28),
     # version 3: a chunk leaves as drops, O(chunk) writes, which sort its holes (1.6 launches more)

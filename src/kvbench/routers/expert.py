@@ -753,7 +753,7 @@ class _Blocks:
 
     key: tuple[Any, ...] | None  # None: the blocks of one call
     experts: Experts
-    onehot: torch.Tensor
+    member: torch.Tensor  # (B, H, T, E) bool: each routed token's block
     weights: torch.Tensor | None = None  # :meth:`PositionExperts.mean_weights`, made when first asked
 
 
@@ -763,7 +763,7 @@ class PositionExperts:
 
     Where every stored slot holds its own position
     (:func:`kvbench.cache.surface.every_position`), the blocks depend on the positions alone, so
-    they are the same in every layer of a step: the first layer derives them (and their one-hot
+    they are the same in every layer of a step: the first layer derives them (and their membership
     and sizes) and the others reuse those very tensors.
     The routed tokens are then a range of columns known on the host (:func:`routable_columns`),
     and so is the block of each.
@@ -786,16 +786,19 @@ class PositionExperts:
         cols = None if key is None else routable_columns(self.budget, store, qpos)
         if cols is None:
             eid = self.experts(layer, store, routable_tokens(self.budget, store, qpos))
-            onehot = expert_onehot(eid, None, self.num_experts)
-            experts = Experts(onehot.sum(2), eid=eid)
+            member = eid[..., None] == expert_ids(self.num_experts, eid)
+            experts = Experts(member.sum(2, dtype=torch.float32), eid=eid)
         else:
             column, none_empty = self.column_blocks(store, *cols)
-            onehot = expert_onehot(column[:, :, 0], None, self.num_experts)
+            member = column[:, :, 0, :, None] == expert_ids(self.num_experts, column)
             experts = Experts(
-                onehot.sum(2), column=column, none_empty=none_empty, routed_host=cols[1] - cols[0]
+                member.sum(2, dtype=torch.float32),
+                column=column,
+                none_empty=none_empty,
+                routed_host=cols[1] - cols[0],
             )
-        # kept for :meth:`membership` (and, with a key, for the other layers of the step)
-        self._blocks = _Blocks(key, experts, onehot)
+        # kept for :meth:`mean_weights` (and, with a key, for the other layers of the step)
+        self._blocks = _Blocks(key, experts, member)
         return experts
 
     def column_blocks(self, store: TechniqueStore, lo: int, hi: int) -> tuple[torch.Tensor, bool]:
@@ -844,23 +847,18 @@ class PositionExperts:
 
     def mean_weights(self, experts: Experts) -> torch.Tensor:
         """``(B, H, T, E)`` float: each routed token's one-hot over its block's size (1 for an empty
-        block), kept with the step's shared blocks."""
+        block): one over the size where the token is a member, made from the membership (no float
+        one-hot) and kept with the step's shared blocks."""
         cached = self._blocks
         if cached is not None and cached.experts is experts:
             if cached.weights is None:
-                cached.weights = cached.onehot / experts.size.transpose(-1, -2)
+                cached.weights = torch.where(cached.member, experts.size.transpose(-1, -2).reciprocal(), 0.0)
             return cached.weights
-        return self.membership(experts) / experts.size.transpose(-1, -2)
+        member = experts.eid[..., None] == expert_ids(self.num_experts, experts.eid)
+        return torch.where(member, experts.size.transpose(-1, -2).reciprocal(), 0.0)
 
     def none_empty(self, count: torch.Tensor) -> bool:
         """Every expert of every head-row holds a token, known on the host: ``count`` is that of
         blocks over routed columns known on the host, with at least one token a block."""
         cached = self._blocks
         return cached is not None and cached.experts.count is count and cached.experts.none_empty
-
-    def membership(self, experts: Experts) -> torch.Tensor:
-        """The step's shared one-hot when ``experts`` are the step's shared blocks."""
-        cached = self._blocks
-        if cached is not None and cached.experts is experts:
-            return cached.onehot
-        return expert_onehot(experts.eid, None, self.num_experts)
