@@ -516,9 +516,14 @@ def _attend_parts(store: LayerStore, query: torch.Tensor, scaling: float) -> tor
     columns = store.columns()
     kernel = dispatch.kernels("attention", store.batch, columns)
     if kernel is None:
+        segs = store.segments
+        # a segment of a kind with no torch state (KIVI's codes, pruned keys, merged units: their
+        # fused decodes run only beside the attention kernel, dispatch.step) is not asked
+        if not all(seg.TORCH_PARTIALS for seg in segs):
+            return None
         whole = store.batch * store.kv_heads * columns * store.head_dim <= DECODE_ELEMS
         # a bias (merged units' log(count)): only the kernels' states carry it
-        if not whole or any("bias" in seg.rows for seg in store.segments):
+        if not whole or any("bias" in seg.rows for seg in segs):
             return None
     with dispatch.step(kernel):  # under auto, every segment's states of the kind merged here
         parts = partials.gather(store.segments, query, scaling, store.batch)

@@ -68,6 +68,9 @@ class Segment:
         raise NotImplementedError
 
     ZEROED = False  # whether read_into's slots must hold zeros (it writes some of their channels)
+    # whether :meth:`attend_partials` may give a state on the torch path (a step whose attention is
+    # torch's asks no segment of a class without one: :func:`kvbench.cache.engine._attend_parts`)
+    TORCH_PARTIALS = False
 
     def writes_into(self) -> tuple[bool, bool]:
         """Whether :meth:`read_into` decodes the keys, the values straight into slots it is given,
@@ -185,6 +188,8 @@ def _join(seg: Any, other: Any, names: list[str], lens: str, counts: tuple[int |
 
 class FPSegment:
     """Tokens at the model's precision: the ``k``, ``v`` rows are the stored data."""
+
+    TORCH_PARTIALS = True  # :func:`kvbench.cache.partials.partial` over its rows
 
     def __init__(self, bh: int, device: torch.device):
         self.rows = Rows(bh, device)

@@ -108,6 +108,7 @@ class LatentSegment(RowCounts, Segment):
     ``(N, 1)``. The bases ``(H_kv, D, r)`` live in the layer's :class:`LayerBases` (counted once there).
     """
 
+    TORCH_PARTIALS = True  # keys rebuilt, values kept latent (:meth:`attend_partials`)
     rotary: Any = None
     kbasis: torch.Tensor = None  # type: ignore[assignment]
     vbasis: torch.Tensor = None  # type: ignore[assignment]

@@ -37,6 +37,7 @@ class SVDSegment(GroupedSegment):
     """Factored blocks. Per token: ``ka`` ``(N, rk)``, ``va`` ``(N, rv)`` (or full values ``(N, D)``
     when ``vb`` is None). Per block: ``kb`` ``(M, D, rk)``, ``vb`` ``(M, D, rv)``, ``gcount`` ``(M,)``."""
 
+    TORCH_PARTIALS = True  # in full blocks (:meth:`attend_partials`)
     rotary: Any = None
     ka: torch.Tensor = None  # type: ignore[assignment]
     va: torch.Tensor = None  # type: ignore[assignment]
