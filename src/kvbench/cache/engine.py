@@ -517,9 +517,10 @@ def _attend_parts(store: LayerStore, query: torch.Tensor, scaling: float) -> tor
     kernel = dispatch.kernels("attention", store.batch, columns)
     if kernel is None:
         segs = store.segments
-        # a segment of a kind with no torch state (KIVI's codes, pruned keys, merged units: their
-        # fused decodes run only beside the attention kernel, dispatch.step) is not asked
-        if not all(seg.TORCH_PARTIALS for seg in segs):
+        # no segment is asked where one gives no torch state (KIVI's codes, pruned keys, merged
+        # units: their fused decodes run only beside the attention kernel, dispatch.step; latents
+        # and factors below PARTIAL_MIN_SLOTS a head-row)
+        if not all(seg.torch_partials() for seg in segs):
             return None
         whole = store.batch * store.kv_heads * columns * store.head_dim <= DECODE_ELEMS
         # a bias (merged units' log(count)): only the kernels' states carry it

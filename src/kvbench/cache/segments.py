@@ -68,9 +68,6 @@ class Segment:
         raise NotImplementedError
 
     ZEROED = False  # whether read_into's slots must hold zeros (it writes some of their channels)
-    # whether :meth:`attend_partials` may give a state on the torch path (a step whose attention is
-    # torch's asks no segment of a class without one: :func:`kvbench.cache.engine._attend_parts`)
-    TORCH_PARTIALS = False
 
     def writes_into(self) -> tuple[bool, bool]:
         """Whether :meth:`read_into` decodes the keys, the values straight into slots it is given,
@@ -127,6 +124,12 @@ class Segment:
     def members(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For merged units: (member positions ``(M,)``, owning flat row ``(M,)``); None if 1:1."""
         return None
+
+    def torch_partials(self) -> bool:
+        """Whether :meth:`attend_partials` may give a state on the torch path, known on the host:
+        False where it gives None there (a step whose attention is torch's then asks no segment,
+        :func:`kvbench.cache.engine._attend_parts`). Default: never."""
+        return False
 
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
         """One decode step's softmax state over this segment's tokens, from its encoded form, to
@@ -189,8 +192,6 @@ def _join(seg: Any, other: Any, names: list[str], lens: str, counts: tuple[int |
 class FPSegment:
     """Tokens at the model's precision: the ``k``, ``v`` rows are the stored data."""
 
-    TORCH_PARTIALS = True  # :func:`kvbench.cache.partials.partial` over its rows
-
     def __init__(self, bh: int, device: torch.device):
         self.rows = Rows(bh, device)
 
@@ -218,6 +219,9 @@ class FPSegment:
 
     def members(self) -> None:
         return None
+
+    def torch_partials(self) -> bool:
+        return True  # :func:`kvbench.cache.partials.partial` over the rows
 
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
         """A decode step's softmax state over these rows (:meth:`Segment.attend_partials`): each

@@ -108,7 +108,6 @@ class LatentSegment(RowCounts, Segment):
     ``(N, 1)``. The bases ``(H_kv, D, r)`` live in the layer's :class:`LayerBases` (counted once there).
     """
 
-    TORCH_PARTIALS = True  # keys rebuilt, values kept latent (:meth:`attend_partials`)
     rotary: Any = None
     kbasis: torch.Tensor = None  # type: ignore[assignment]
     vbasis: torch.Tensor = None  # type: ignore[assignment]
@@ -189,6 +188,9 @@ class LatentSegment(RowCounts, Segment):
             part.kbasis = self.kbasis[first : first + hi - lo]
             part.vbasis = self.vbasis[first : first + hi - lo]
         return part
+
+    def torch_partials(self) -> bool:
+        return self.rows.width >= partials.PARTIAL_MIN_SLOTS  # (a head-row holds at most width)
 
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
         """Attention over the latents, for bases shared by the batch's sequences (not a part of one

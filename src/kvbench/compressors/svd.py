@@ -37,7 +37,6 @@ class SVDSegment(GroupedSegment):
     """Factored blocks. Per token: ``ka`` ``(N, rk)``, ``va`` ``(N, rv)`` (or full values ``(N, D)``
     when ``vb`` is None). Per block: ``kb`` ``(M, D, rk)``, ``vb`` ``(M, D, rv)``, ``gcount`` ``(M,)``."""
 
-    TORCH_PARTIALS = True  # in full blocks (:meth:`attend_partials`)
     rotary: Any = None
     ka: torch.Tensor = None  # type: ignore[assignment]
     va: torch.Tensor = None  # type: ignore[assignment]
@@ -64,6 +63,9 @@ class SVDSegment(GroupedSegment):
             )
         p, valid = ragged.to_padded(as_float(a), self.gcount.long())  # (M, n, r)
         return ragged.from_padded(torch.bmm(p, as_float(b).transpose(1, 2)), valid)
+
+    def torch_partials(self) -> bool:
+        return self.rows.width >= partials.PARTIAL_MIN_SLOTS  # (a head-row holds at most width)
 
     def attend_partials(self, query: torch.Tensor, scaling: float, batch: int) -> Any:
         """For head-rows of the same length in full blocks. On the Triton path, the fused kernel
