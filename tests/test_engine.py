@@ -393,8 +393,11 @@ def test_partials_stay_within_the_decoded_blocks_bound(tiny_93, monkeypatch):
 
 def test_short_segments_are_decoded_on_the_torch_path(tiny_93, monkeypatch):
     """Below :data:`partials.PARTIAL_MIN_SLOTS` tokens per head-row a latent segment has no partial on the
-    torch path (SDPA over the decoded rows is quicker there): the step is decoded, bitwise as
-    before."""
+    torch path (SDPA over the decoded rows is quicker there): it is not asked for one
+    (:meth:`Segment.torch_partials`), asked anyway it gives none, and the step is decoded, bitwise
+    as before."""
+    assert not _lora_partials(tiny_93, monkeypatch)
+    monkeypatch.setattr(LatentSegment, "torch_partials", lambda self: True)
     given = _lora_partials(tiny_93, monkeypatch)
     assert given and all(part is None for part in given)
 

@@ -110,14 +110,18 @@ def test_the_engine_gives_the_same_logits_on_either_path(tiny, monkeypatch):
 
 
 def test_the_torch_path_decodes_a_pruned_segment(tiny, monkeypatch):
-    """On the torch path a pruned segment has no partials (the step is decoded as before)."""
+    """On the torch path a pruned segment has no partials (the step is decoded as before): it is
+    not asked for them (:meth:`Segment.torch_partials`), and asked anyway it gives none."""
     given = []
     original = PrunedSegment.attend_partials
     monkeypatch.setattr(PrunedSegment, "attend_partials", lambda self, *a: given.append(original(self, *a)))
-    with dispatch.using("torch"):
-        stack = make_stack(tiny, compressor=PruningCompressor(keep_ratio=0.5), window=8, sinks=2)
-        run_chunks(tiny, stack, tokens(40), [30] + [1] * 5)
-    assert given and all(part is None for part in given)
+    for asked in (False, True):
+        if asked:
+            monkeypatch.setattr(PrunedSegment, "torch_partials", lambda self: True)
+        with dispatch.using("torch"):
+            stack = make_stack(tiny, compressor=PruningCompressor(keep_ratio=0.5), window=8, sinks=2)
+            run_chunks(tiny, stack, tokens(40), [30] + [1] * 5)
+        assert bool(given) == asked and all(part is None for part in given)
 
 
 def test_a_layers_decode_attention_is_the_pruned_kernel_the_window_and_one_merge(lm):  # noqa: F811
