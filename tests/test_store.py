@@ -756,3 +756,31 @@ def test_a_decode_append_through_the_views_writes_what_the_general_append_writes
     before = (rows.width, {n: f.clone() for n, f in rows.fields.items()})
     assert not rows.append_kv(k, v, torch.tensor([[fast.seen_host[0]]]), fast.seen_host[0])
     assert rows.width == before[0] and all(torch.equal(f, before[1][n]) for n, f in rows.fields.items())
+
+
+def test_a_layer_decoded_in_one_buffer_is_the_general_decode(tiny, monkeypatch):
+    """Where every representation decodes both fields into its slots (KIVI on the torch path), a
+    layer is decoded into one buffer without the general case's bookkeeping
+    (:func:`kvbench.cache.view._decoded_in_one`): the same keys and values, bit for bit, for the
+    whole layer and a block of its head-rows, as the general decode gives them."""
+    from helpers import make_stack, run_chunks, tokens
+    from kvbench.compressors.quantized import QuantizedCompressor, QuantSegment
+
+    stack = make_stack(tiny, compressor=QuantizedCompressor(bits=2, group_size=8), window=8, sinks=2)
+    _, cache = run_chunks(tiny, stack, tokens(60), [40, 8, 1, 1])
+    from kvbench.cache import view
+
+    taken = []
+    in_one = view._decoded_in_one
+    rows = cache.stores[0].batch * cache.stores[0].kv_heads
+    for store in cache.stores:
+        assert len(store.segments) == 2
+        monkeypatch.setattr(view, "_decoded_in_one", lambda *a: taken.append(1) or in_one(*a))
+        fast = [store.decoded(), store.decoded(1, rows)]
+        monkeypatch.undo()
+        monkeypatch.setattr(QuantSegment, "ZEROED", True)  # the general path (its buffer zeroed first)
+        general = [store.decoded(), store.decoded(1, rows)]
+        monkeypatch.undo()
+        for (k, v), (k2, v2) in zip(fast, general):
+            assert torch.equal(k, k2) and torch.equal(v, v2)
+    assert len(taken) == 2 * len(cache.stores)

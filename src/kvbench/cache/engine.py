@@ -233,7 +233,9 @@ class KVCache(Cache):
                 return out
             kv = _decoded_whole(store)
             if kv is not None:  # every head-row full in one block: decoded and read, no view made
-                return att.attend(query, kv[0].to(query.dtype), kv[1].to(query.dtype), None, scaling)
+                if kv[0].dtype != query.dtype:
+                    kv = kv[0].to(query.dtype), kv[1].to(query.dtype)
+                return att.attend(query, *kv, None, scaling)
             return self._attend_masked(layer, store, query, scaling, plan, parts_asked=True)
         if plan.routed:
             kv = store.dense_kv()

@@ -165,6 +165,8 @@ def decode_rows(segs: list[Any], lo: int, hi: int, dtype: torch.dtype) -> tuple[
         part.writes_into() if sized and part is not None and seg.rows.uniform else (False, False)
         for seg, part in zip(segs, parts)
     ]
+    if sized and all(part is None or (w == (True, True) and not part.ZEROED) for part, w in zip(parts, into)):
+        return _decoded_in_one(segs, parts, lo, hi, dtype)
     zeroed = any(part is not None and any(w) and part.ZEROED for part, w in zip(parts, into))
     block, bufs = _buffers(segs, hi - lo, dtype, [any(w[i] for w in into) for i in range(len(KV))], zeroed)
     pieces: list[list[torch.Tensor]] = [[] for _ in KV]  # a field's parts to join, without a buffer
@@ -189,6 +191,32 @@ def decode_rows(segs: list[Any], lo: int, hi: int, dtype: torch.dtype) -> tuple[
     keys, values = (
         b if b is not None else p[0] if len(p) == 1 else torch.cat(p, dim=1) for b, p in zip(bufs, pieces)
     )
+    return keys, values
+
+
+def _decoded_in_one(
+    segs: list[Any], parts: list[Any], lo: int, hi: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decode_rows` where every representation decodes both fields straight into slots of
+    uninitialized memory (every decode step of a quantized cache on the torch path): one buffer
+    ``(2, hi - lo, T, D)``, the full-precision rows copied in by one ``stack``, each part decoded
+    into its slots, without the general case's bookkeeping."""
+    fp = segs[-1].rows
+    width = sum(seg.rows.width for seg in segs)
+    block = torch.empty(2, hi - lo, width, fp.get("k").shape[-1], dtype=dtype, device=fp.device)
+    keys, values = block.unbind(0)
+    start = 0
+    for seg, part in zip(segs, parts):
+        rows = seg.rows
+        end = start + rows.width
+        if part is None:
+            torch.stack((rows.get("k")[lo:hi], rows.get("v")[lo:hi]), out=block[:, :, start:end])
+        else:
+            dest = keys[:, start:end], values[:, start:end]
+            for x, d in zip(part.read_into(*dest, dtype), dest):
+                if x is not d:
+                    _laid_out(x, rows, lo, hi, d)
+        start = end
     return keys, values
 
 
