@@ -784,3 +784,39 @@ def test_a_layer_decoded_in_one_buffer_is_the_general_decode(tiny, monkeypatch):
         for (k, v), (k2, v2) in zip(fast, general):
             assert torch.equal(k, k2) and torch.equal(v, v2)
     assert len(taken) == 2 * len(cache.stores)
+
+
+@pytest.mark.parametrize("scheduler", ["streaming_llm", "h2o", "lru"])
+def test_one_sequence_of_one_kv_head_evicts_at_its_decode_steps(scheduler):
+    """A model with one KV head (multi-query attention, as Gemma-2B's) and one sequence: a decode
+    step's one-token eviction moves its last slot into the freed one though the two are slices
+    of one row (index_copy_ refuses a source that overlaps the field). The step keeps the budget
+    and gives the logits of the same sequence twice in a batch (two rows, where no row overlaps)."""
+    from conftest import tiny_cfg
+    from helpers import make_stack, tokens
+    from kvbench import models
+    from kvbench.eval import loop
+    from kvbench.schedulers.h2o import H2OScheduler
+    from kvbench.schedulers.lru import LRUScheduler
+    from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
+
+    make = {"streaming_llm": StreamingLLMScheduler, "h2o": H2OScheduler, "lru": LRUScheduler}[scheduler]
+    lm = models.load(tiny_cfg("llama", heads=6, num_key_value_heads=1), "cpu")
+    ids = tokens(80)
+    stack = make_stack(lm, scheduler=make(), budget=0.5, sinks=2, window=4)
+    cache = loop.new_cache(lm, stack)
+    solo = [loop.step(lm, cache, ids, keep=1)[-1]]
+    for _ in range(4):
+        solo.append(loop.step(lm, cache, [int(solo[-1].argmax())])[-1])
+        seen = cache.stores[0].seen_host[0]
+        assert all(s.stored_tokens() == (seen + 1) // 2 for s in cache.stores)  # the budget: one out
+    stack = make_stack(lm, scheduler=make(), budget=0.5, sinks=2, window=4)
+    cache = loop.new_cache(lm, stack, batch=2)
+    chunk = torch.tensor([ids, ids])
+    twice = []
+    for _ in range(5):
+        twice.append(loop.forward_batch(lm, cache, chunk, torch.ones_like(chunk, dtype=torch.bool))[:, -1])
+        cache.after_forward()
+        chunk = twice[-1].argmax(-1, keepdim=True)
+    for row in range(2):
+        torch.testing.assert_close(torch.stack(twice)[:, row], torch.stack(solo), rtol=0, atol=1e-5)

@@ -14,6 +14,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from kvbench.cache import devices
+
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 
@@ -22,17 +24,25 @@ def _layout(bits: int) -> tuple[int, int]:
     return (8, 3) if bits == 3 else (8 // bits, 1)
 
 
+def _at(t: torch.Tensor) -> tuple[torch.device, object]:
+    """``t``'s device and the key of a memo shared between its layers
+    (:func:`kvbench.cache.devices.device_of`): the constants below are held per key."""
+    return t.device, devices.device_of(t)
+
+
 @functools.lru_cache(maxsize=64)
-def _multiples(count: int, step: int, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-    """``arange(count) * step`` (bit shifts), built once per device and dtype: a decode step packs
-    and unpacks per layer."""
-    return (torch.arange(count, device=device, dtype=torch.int32) * step).to(dtype)
+def _multiples(
+    count: int, step: int, at: tuple[torch.device, object], dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """``arange(count) * step`` (bit shifts), built once per device (:func:`_at`) and dtype: a
+    decode step packs and unpacks per layer."""
+    return (torch.arange(count, device=at[0], dtype=torch.int32) * step).to(dtype)
 
 
 @functools.lru_cache(maxsize=16)
-def _scalar(value: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A 0-d constant, built once per device and dtype (``nextafter`` broadcasts it)."""
-    return torch.tensor(value, device=device, dtype=dtype)
+def _scalar(value: float, at: tuple[torch.device, object], dtype: torch.dtype) -> torch.Tensor:
+    """A 0-d constant, built once per device (:func:`_at`) and dtype (``nextafter`` broadcasts it)."""
+    return torch.tensor(value, device=at[0], dtype=dtype)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -44,10 +54,10 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8 and codes.dtype == torch.uint8:  # one code per byte: packing changes nothing
         return codes.contiguous()
     grouped = codes.view(*codes.shape[:-1], d // per, per).to(torch.int32)
-    word = (grouped << _multiples(per, bits, codes.device)).sum(-1)  # at most 24 bits
+    word = (grouped << _multiples(per, bits, _at(codes))).sum(-1)  # at most 24 bits
     if nbytes == 1:
         return word.to(torch.uint8)
-    out = (word[..., None] >> _multiples(nbytes, 8, codes.device)) & 0xFF
+    out = (word[..., None] >> _multiples(nbytes, 8, _at(codes))) & 0xFF
     return out.reshape(*codes.shape[:-1], d // per * nbytes).to(torch.uint8)
 
 
@@ -68,16 +78,16 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     if nbytes == 1 and packed.shape[-1] % 4 == 0 and sys.byteorder == "little":
         word = packed.contiguous()
         if word.storage_offset() % 4 == 0:
-            shifts = _multiples(32 // bits, bits, packed.device)
+            shifts = _multiples(32 // bits, bits, _at(packed))
             codes = (word.view(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)
             return codes.view(*packed.shape[:-1], packed.shape[-1] * per)
     if nbytes == 1:
-        shifts = _multiples(per, bits, packed.device, torch.uint8)
+        shifts = _multiples(per, bits, _at(packed), torch.uint8)
         codes = (packed[..., None] >> shifts) & ((1 << bits) - 1)
         return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per)
     words = packed.to(torch.int32).view(*packed.shape[:-1], packed.shape[-1] // nbytes, nbytes)
-    word = (words << _multiples(nbytes, 8, packed.device)).sum(-1)
-    codes = (word[..., None] >> _multiples(per, bits, packed.device)) & ((1 << bits) - 1)
+    word = (words << _multiples(nbytes, 8, _at(packed))).sum(-1)
+    codes = (word[..., None] >> _multiples(per, bits, _at(packed))) & ((1 << bits) - 1)
     return codes.reshape(*packed.shape[:-1], word.shape[-1] * per)
 
 
@@ -87,12 +97,12 @@ def _params(
     """float16 minimum (rounded down) and step (rounded up) covering ``[lo, hi]``, and the two as
     float32 (what quantizing and dequantizing compute with)."""
     zero = lo.half()
-    low = _scalar(-65504.0, zero.device, zero.dtype)
+    low = _scalar(-65504.0, _at(zero), zero.dtype)
     zero = torch.where(zero.float() > lo, torch.nextafter(zero, low), zero)
     zero32 = zero.float()
     step = ((hi - zero32) / ((1 << bits) - 1)).clamp(min=1e-8)
     step16 = step.half()
-    high = _scalar(65504.0, zero.device, zero.dtype)
+    high = _scalar(65504.0, _at(zero), zero.dtype)
     step16 = torch.where(step16.float() < step, torch.nextafter(step16, high), step16)
     return zero, step16, zero32, step16.float()
 
@@ -158,13 +168,13 @@ def _dequantized(
 
 
 @functools.lru_cache(maxsize=16)
-def _places(bits: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _places(bits: int, at: tuple[torch.device, object]) -> tuple[torch.Tensor, torch.Tensor]:
     """For the ``8 // bits`` codes of a byte (2 and 4 bits): masks ``(2**bits - 1) << bits * i``
     (uint8) keeping each where it sits, and weights ``2**-(bits * i)`` (float32) turning what a mask
     keeps back into its code."""
     i = torch.arange(8 // bits, dtype=torch.int32)
     masks = (((1 << bits) - 1) << (bits * i)).to(torch.uint8)
-    return masks.to(device), torch.exp2(-(bits * i).float()).to(device)
+    return masks.to(at[0]), torch.exp2(-(bits * i).float()).to(at[0])
 
 
 def _placed_per_byte(bits: int) -> int:
@@ -186,7 +196,7 @@ def placed_codes(packed: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.T
         return packed, None
     if bits == 3:
         return unpack_codes(packed, bits), None
-    masks, weights = _places(bits, packed.device)
+    masks, weights = _places(bits, _at(packed))
     codes = packed[..., None] & masks
     return codes.view(*packed.shape[:-1], packed.shape[-1] * masks.numel()), weights
 

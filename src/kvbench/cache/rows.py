@@ -697,8 +697,11 @@ class Rows:
             for field in self.fields.values():
                 flat = field.view(bh * self.capacity, *field.shape[2:])
                 # one token leaving: the last slot of each row is its column ``width``, read as a
-                # view (no gather); the slot it fills lies below it, or is it
-                flat.index_copy_(0, dst, field[:, width] if src is None else flat.index_select(0, src))
+                # view (no gather); the slot it fills lies below it, or is it. One row (one
+                # sequence of one KV head): that view is a contiguous slice of the field itself,
+                # which index_copy_ refuses as overlapping, so it is copied first
+                moved = field[:, width] if src is None else flat.index_select(0, src)
+                flat.index_copy_(0, dst, moved.clone() if src is None and bh == 1 else moved)
         self.width, self._lens = width, None  # every row still full: lengths made when read
         self._zeroed = width  # the slots past it held the tokens that moved
         self.ordered = False

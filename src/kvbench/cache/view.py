@@ -198,7 +198,8 @@ def _decoded_in_one(
     segs: list[Any], parts: list[Any], lo: int, hi: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decode_rows` where every representation decodes both fields straight into slots of
-    uninitialized memory (every decode step of a quantized cache on the torch path): one buffer
+    uninitialized memory (a quantized cache on the torch path whose head-rows each hold the same
+    number of tokens, as every decode step of one sequence does): one buffer
     ``(2, hi - lo, T, D)``, the full-precision rows copied in by one ``stack``, each part decoded
     into its slots, without the general case's bookkeeping."""
     fp = segs[-1].rows

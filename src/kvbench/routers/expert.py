@@ -846,9 +846,9 @@ class PositionExperts:
         return expert_sums(self.mean_weights(experts), store.keys())
 
     def mean_weights(self, experts: Experts) -> torch.Tensor:
-        """``(B, H, T, E)`` float: each routed token's one-hot over its block's size (1 for an empty
-        block): one over the size where the token is a member, made from the membership (no float
-        one-hot) and kept with the step's shared blocks."""
+        """``(B, H, T, E)`` float: each routed token's one-hot over its block's size (an empty
+        block's weights are zeros): one over the size where the token is a member, made from the
+        membership (no float one-hot) and kept with the step's shared blocks."""
         cached = self._blocks
         if cached is not None and cached.experts is experts:
             if cached.weights is None:

@@ -84,6 +84,8 @@ class _Pages:
         base: ``(B, H, 1, P + 2)`` bool, only column ``P + 1`` set.
         span: the selectable pages ``[j0, j1)``, where every head-row has the same (none outside
             them is, so nothing is blocked inside); None: ``blocked`` says which are not.
+        seen: ``index`` seen by each query head of a group (:meth:`take`), kept for the step's
+            layers.
     """
 
     key: tuple[Any, ...] | None
