@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -202,10 +202,8 @@ def _decoded_in_one(
     number of tokens, as every decode step of one sequence does): one buffer
     ``(2, hi - lo, T, D)``, the full-precision rows copied in by one ``stack``, each part decoded
     into its slots, without the general case's bookkeeping."""
-    fp = segs[-1].rows
-    width = sum(seg.rows.width for seg in segs)
-    block = torch.empty(2, hi - lo, width, fp.get("k").shape[-1], dtype=dtype, device=fp.device)
-    keys, values = block.unbind(0)
+    held, bufs = _buffers(segs, hi - lo, dtype, [True, True], False)
+    block, keys, values = cast(tuple[torch.Tensor, torch.Tensor, torch.Tensor], (held, *bufs))  # all wanted
     start = 0
     for seg, part in zip(segs, parts):
         rows = seg.rows

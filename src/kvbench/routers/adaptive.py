@@ -12,13 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 
 from kvbench.cache import devices
 from kvbench.cache.reads import read_all
 from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
-from kvbench.routers.expert import ExpertRouter, PositionExperts, choice_at
+from kvbench.routers.expert import ExpertRouter, PositionExperts, choice_at, pad_choice
 
 
 def top_p_choice(
@@ -55,7 +54,7 @@ def top_p_choice(
     k = torch.minimum(cast(torch.Tensor, k), cast(torch.Tensor, n))
     rank = order.argsort(-1)  # each expert's place in ``order`` (the inverse permutation)
     chosen = (rank < k) & every
-    return F.pad(chosen, (0, 1), value=True) if pad else chosen
+    return pad_choice(chosen) if pad else chosen
 
 
 def mean_per_query(chosen: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -209,6 +209,12 @@ def choice_at(
     return no_choice(like, pad).scatter(-1, index, chosen)
 
 
+def pad_choice(chosen: torch.Tensor) -> torch.Tensor:
+    """``chosen`` ``(..., E)`` with column ``E`` True, as :func:`no_choice`'s ``pad`` gives it (the
+    operation ``F.pad`` calls, without its Python checks)."""
+    return torch.constant_pad_nd(chosen, (0, 1), True)
+
+
 def top_k_choice(score: torch.Tensor, k: int, finite: bool = False, pad: bool = False) -> torch.Tensor:
     """``(..., E)`` bool: the ``k`` best-scored experts; non-finite (empty) experts never chosen.
 
@@ -384,7 +390,7 @@ class Routing:
         """The choice with column ``E`` (always read) True: ``(B, H, q, E + 1)``."""
         if self.padded is not None:
             return self.padded
-        return torch.constant_pad_nd(self.chosen, (0, 1), True)  # F.pad's operation, without its checks
+        return pad_choice(self.chosen)
 
 
 def f32_quotient(a: float, b: float) -> float:
