@@ -106,11 +106,11 @@ def test_a_technique_version_past_one_is_part_of_the_cell_identity(monkeypatch):
 
     from kvbench import config, run
     from kvbench.compressors.svd import SVDCompressor
-    from kvbench.schedulers.quest import QuestScheduler
+    from kvbench.schedulers.flexgen import FlexGenScheduler
 
     config.register()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        one = compose("config", overrides=[*TINY, "scheduler=quest"])
+        one = compose("config", overrides=[*TINY, "scheduler=flexgen"])
         chain = compose("config", overrides=[*TINY, "compressor=chain", "compressor.stages=[chunkkv,svd]"])
 
     def ids() -> tuple[dict, dict]:
@@ -118,7 +118,7 @@ def test_a_technique_version_past_one_is_part_of_the_cell_identity(monkeypatch):
 
     before = ids()
     assert "version" not in before[0]["stack"]["scheduler"]
-    monkeypatch.setattr(QuestScheduler, "version", 2)
+    monkeypatch.setattr(FlexGenScheduler, "version", 2)
     monkeypatch.setattr(SVDCompressor, "version", 3)
     after = ids()
     assert after[0]["stack"]["scheduler"] == {**before[0]["stack"]["scheduler"], "version": 2}

@@ -152,6 +152,29 @@ def test_quest_bound_is_an_upper_bound():
     assert torch.allclose(single, logits, atol=1e-5)
 
 
+def test_a_page_bound_is_one_product_of_the_query_parts_with_the_paired_keys():
+    """Quest version 2: a page's bound is one product of ``[q⁺, q⁻]`` with its maximum and minimum
+    keys side by side, ``Σ_i max(q_i·min_i, q_i·max_i)`` at float tolerance; the pages' bounds are
+    kept as that one tensor, ``kmin`` and ``kmax`` views of it."""
+    g = torch.Generator().manual_seed(5)
+    for b, h, grp, q, d in [(1, 2, 3, 1, 16), (2, 1, 4, 3, 8), (1, 4, 1, 2, 32)]:
+        t, p = 48, 8
+        pages = torch.randn(b, h, t // p, p, d, generator=g)
+        query = torch.randn(b, h * grp, q, d, generator=g)
+        low, high = pages.amin(3), pages.amax(3)
+        q5 = query.view(b, h, grp, q, 1, d)
+        want = torch.maximum(q5 * low[:, :, None, None], q5 * high[:, :, None, None]).sum(-1)
+        paired = torch.stack((high, low), 3).view(b, h, t // p, 2 * d)
+        torch.testing.assert_close(att.paired_page_bounds(query, paired), want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(att.page_bounds(query, low, high), att.paired_page_bounds(query, paired))
+        grouped = att.paired_page_bounds(query, paired).amax(2)
+        assert torch.equal(att.paired_group_bounds(query, paired), grouped)
+    kept = PageBounds(torch.stack((high, low), 3).view(-1, 2, d))
+    assert torch.equal(kept.kmax, high.reshape(-1, d)) and torch.equal(kept.kmin, low.reshape(-1, d))
+    assert kept.kmax.data_ptr() == kept.paired.data_ptr() and len(kept.tensors()) == 1
+    assert QuestScheduler.version == 2
+
+
 class _Recorder(QuestScheduler):
     """Quest that keeps what each read selection saw and chose."""
 

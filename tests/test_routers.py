@@ -38,7 +38,7 @@ from kvbench.routers.expert import (
     position_blocks,
     top_k_choice,
 )
-from kvbench.routers.hierarchical import HierarchicalRouter, group_choice
+from kvbench.routers.hierarchical import GroupMass, HierarchicalRouter, group_choice
 from kvbench.routers.moba import BaseRouter
 from kvbench.routers.pikv import PikvRouter, PreviousChoice
 from kvbench.routers.topk_balanced import TopKBalancedRouter, first_finite
@@ -602,6 +602,48 @@ def test_hierarchical_group_choice_by_hand():
     assert torch.nonzero(chosen[0, 0, 0]).flatten().tolist() == [0, 4]
 
 
+def test_a_group_score_is_one_product_of_the_experts_scores_with_their_shares():
+    """Hierarchical version 3: a group's score is its experts' scores weighted by their shares of
+    its tokens, one product with :attr:`GroupMass.weights` (zero outside an expert's group): the
+    token-weighted mean of its experts' scores at float tolerance, empty groups never chosen."""
+    gen = torch.Generator().manual_seed(6)
+    for groups, per in [(4, 2), (2, 4), (3, 3)]:
+        e = groups * per
+        count = torch.randint(0, 5, (2, 3, e), generator=gen).float()
+        count[0, 0, :per] = 0  # an empty group
+        score = torch.randn(2, 3, 4, e, generator=gen).masked_fill(count[:, :, None, :] == 0, float("-inf"))
+        mass = GroupMass.of(count, groups)
+        finite = torch.where(count[:, :, None, :] > 0, score, 0.0)
+        got = finite @ mass.weights
+        want = (finite * count[:, :, None, :]).view(2, 3, 4, groups, per).sum(-1) / mass.divisor
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        assert torch.equal(mass.weights.ne(0).any(-1), count > 0)  # an expert weighs in one group
+        chosen = group_choice(score, count, groups, top_groups=1, k=1, mass=mass)
+        assert not chosen[0, 0, :, :per].any()  # the empty group is never read
+    assert HierarchicalRouter.version == 3
+
+
+def test_adaptive_centroids_carry_the_score_scale():
+    """Adaptive version 3: its centroids are the blocks' mean keys times ``1 / (√D · τ)`` (the
+    scale folded into the step's mean weights), so their scores are the logits over τ."""
+    from types import SimpleNamespace
+
+    from kvbench.routers.expert import expert_onehot
+
+    gen = torch.Generator().manual_seed(7)
+    e, t, d = 8, 40, 16
+    eid = torch.randint(-1, e, (1, 2, t), generator=gen)
+    keys = torch.randn(1, 2, t, d, generator=gen)
+    store = SimpleNamespace(keys=lambda: keys, head_dim=d)
+    onehot = expert_onehot(eid, None, e)
+    experts = Experts(onehot.sum(2), eid=eid)
+    mean = BaseRouter(num_experts=e).summarize(0, store, experts)
+    for tau in (1.0, 0.5):
+        router = AdaptiveRouter(num_experts=e, temperature=tau)
+        got = router.summarize(0, store, experts)
+        torch.testing.assert_close(got, mean / (d**0.5 * tau), rtol=1e-6, atol=1e-7)
+
+
 def test_hierarchical_reads_only_inside_chosen_groups(tiny_93):
     router = HierarchicalRouter(num_experts=8, num_groups=4, top_groups=2, top_k=3)
     _, cache = run(tiny_93, router, sizes=SIZES[:3])
@@ -875,7 +917,7 @@ def test_a_position_block_mean_is_its_keys_weighted_by_one_over_its_size():
             assert torch.equal(router.mean_weights(experts), onehot / experts.size.transpose(-1, -2))
             assert torch.equal(got[..., e - 2 :, :], torch.zeros_like(got[..., e - 2 :, :]))
         assert router._blocks.weights is not None  # kept for the other layers
-    assert BaseRouter.version == AdaptiveRouter.version == HierarchicalRouter.version == 2
+    assert BaseRouter.version == 2 and AdaptiveRouter.version == HierarchicalRouter.version == 3
 
 
 def test_a_top_p_choice_of_finite_scores_takes_the_first_of_its_order():

@@ -511,6 +511,35 @@ def test_an_eviction_breaks_ties_by_position_whatever_the_layout():
     assert sorted(spos[0, 0, left].tolist()) == [2, 4]
 
 
+def test_a_kept_selection_breaks_ties_by_position_whatever_the_layout():
+    """:func:`keep_top` with the columns in position order keeps, among tied scores, the earlier
+    positions: in any layout of the same tokens, the same tokens (as :func:`lowest` leaves them)."""
+    scores = torch.tensor([[[3.0, 1.0, 1.0, 2.0, 1.0, float("inf")]]])
+    pos = torch.tensor([[[0, 1, 2, 3, 4, 5]]])
+    want = keep_top(scores, None, 4)  # in position order: ties keep the earlier slot, position 1
+    assert want[0, 0].tolist() == [True, True, False, True, False, True]
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(20):
+        perm = torch.randperm(6, generator=gen)
+        shuffled, spos = scores[..., perm], pos[..., perm]
+        valid = torch.ones_like(shuffled, dtype=torch.bool)
+        for v in (None, valid):
+            kept = keep_top(shuffled, v, 4, by_pos=spos.argsort(-1))
+            assert torch.equal(kept, want[..., perm])
+
+
+@pytest.mark.parametrize("name", ["snapkv", "pyramidkv"])
+def test_a_chunk_after_decode_steps_keeps_what_a_padded_batch_keeps(name):
+    """One sequence's one-token evictions move its last tokens into the freed slots (rows out of
+    position order); a chunk after them keeps, among pooled scores that tie, the earlier positions,
+    as a padded batch (which compacts in order) does: the same logits one by one and in a batch."""
+    from helpers import padded_batch_vs_solo
+
+    lm = models.load(tiny_cfg("llama", heads=8, num_key_value_heads=2), "cpu")
+    make = lambda: make_stack(lm, compressor=SELECTIONS[name](), budget=0.15, sinks=2, window=8)  # noqa: E731
+    padded_batch_vs_solo(lm, make, tokens(68, 1), tokens(49, 2), prefills=(54, 35), chunks=(1, 12, 1))
+
+
 def test_distinct_scores_leave_in_the_same_order_without_the_position_order():
     """Scores distinct in each row (``distinct_scores``: `lru`'s and `lru_plus`'s keys,
     `streaming_llm`'s positions) leave the same tokens, in the same order, whether or not the rows'
@@ -631,10 +660,10 @@ def test_an_eviction_keeps_exactly_its_capacity_uncounted_where_the_protected_fi
 
     fitted, original = [], select.keep_top
 
-    def checked(scores, valid, k, protected_fit=False, finite=False):
-        kept = original(scores, valid, k, protected_fit=protected_fit, finite=finite)
+    def checked(scores, valid, k, protected_fit=False, finite=False, by_pos=None):
+        kept = original(scores, valid, k, protected_fit=protected_fit, finite=finite, by_pos=by_pos)
         if protected_fit:
-            assert torch.equal(kept, original(scores, valid, k))
+            assert torch.equal(kept, original(scores, valid, k, by_pos=by_pos))
             fitted.append(k)
         return kept
 

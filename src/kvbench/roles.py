@@ -313,8 +313,10 @@ def keep_top(
     k: int | torch.Tensor,
     protected_fit: bool = False,
     finite: bool = False,
+    by_pos: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Boolean mask of the ``k`` highest valid scores per head-row (ties: the earlier slot).
+    """Boolean mask of the ``k`` highest valid scores per head-row (ties: the earlier slot, or with
+    ``by_pos`` the earlier position).
 
     Args:
         scores: ``(B, H, T)``; protected tokens should carry ``+inf`` and are never dropped.
@@ -324,6 +326,9 @@ def keep_top(
             tokens, so ``k`` is kept exactly, without counting them.
         finite: the caller knows that no valid score is ``+inf`` (nothing protected by its score),
             so ``k`` (an int or a tensor) is kept exactly, without counting them.
+        by_pos: ``(B, H, T)`` the columns in position order, valid ones first
+            (:meth:`LayerStore.by_position`), where the slots are not: ties then keep the earlier
+            position, so the choice does not depend on where the cache put its tokens.
 
     Returns:
         ``(B, H, T)`` bool.
@@ -343,7 +348,10 @@ def keep_top(
             kk = torch.maximum(kk, (protected if valid is None else protected & valid).sum(-1))
         kk = kk[..., None]
     masked = scores if valid is None else torch.where(valid, scores, float("-inf"))
-    order = masked.argsort(dim=-1, descending=True, stable=True)
+    if by_pos is None:
+        order = masked.argsort(dim=-1, descending=True, stable=True)
+    else:  # sorted in position order, then back to the slots
+        order = by_pos.gather(-1, masked.gather(-1, by_pos).argsort(dim=-1, descending=True, stable=True))
     # The first kk of each row in sorted order, put back in place.
     kept = (devices.arange(t, scores) < kk).expand(b, h, t)
     kept = torch.empty(b, h, t, dtype=torch.bool, device=scores.device).scatter_(-1, order, kept)

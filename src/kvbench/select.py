@@ -170,8 +170,11 @@ def evict_by_score(
         store.drop(cols)
         return
     scores = score().masked_fill(budget.protected_view(store), float("inf"))
+    # ties keep the earlier position (as :func:`lowest`'s), also where the slots are out of
+    # position order (after a step's drops, or a merge's units)
+    by_pos = None if store.unprotected_in_position_order() else store.by_position()
     if kept is not None:  # exactly ``kept`` per head-row, known on the host: no count to take
-        store.keep(keep_top(scores, None, kept[0], protected_fit=True), kept)
+        store.keep(keep_top(scores, None, kept[0], protected_fit=True, by_pos=by_pos), kept)
         return
     caps = [capacity(seen) for seen in store.seen_host]
     held = None if view.dense else store.row_tokens_host()
@@ -186,7 +189,7 @@ def evict_by_score(
     # no head-row holds more protected tokens than one capacity for all, known on the host: exactly
     # that many kept, the protected ones not counted
     fit = isinstance(cap, int) and protected_most(store, budget) <= cap
-    store.keep(keep_top(scores, None if view.dense else view.valid, cap, protected_fit=fit))
+    store.keep(keep_top(scores, None if view.dense else view.valid, cap, protected_fit=fit, by_pos=by_pos))
 
 
 class ScoredSelection(Technique):

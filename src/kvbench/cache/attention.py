@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvbench.cache import devices
+
 # Upper bound on elements of one block of attention probabilities (fp32): 2**26 = 256 MiB.
 _BLOCK_ELEMS = 1 << 26
 
@@ -367,25 +369,57 @@ def kv_hit(
     return hit, overlap / mass
 
 
-def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+_PARTS: dict[tuple[object, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _parts_clamps(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lower and upper clamps ``(2, 1)`` that split a row of channels into its positive part
+    (row 0: at least 0) and its negative part (row 1: at most 0) in one ``clamp``, kept per device
+    and dtype (read-only)."""
+    key = (devices.device_of(like), like.dtype)
+    held = _PARTS.get(key)
+    if held is None:
+        inf = float("inf")
+        with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
+            lo = torch.tensor([[0.0], [-inf]], dtype=like.dtype, device=like.device)
+            hi = torch.tensor([[inf], [0.0]], dtype=like.dtype, device=like.device)
+        held = _PARTS[key] = (lo, hi)
+    return held
+
+
+def paired_page_bounds(query: torch.Tensor, paired: torch.Tensor) -> torch.Tensor:
     """Quest's upper bound of ``q·k`` over each page, per query head.
 
     ``Σ_i max(q_i·min_i, q_i·max_i) = q⁺·max + q⁻·min`` (``q⁺``, ``q⁻`` the positive and negative
-    parts), two matmuls instead of a ``(q, pages, D)`` product.
+    parts): one product of ``[q⁺, q⁻]`` (one ``clamp`` against two rows of bounds) with each page's
+    maximum and minimum keys side by side, instead of a ``(q, pages, D)`` product (version 2 of
+    ``quest``; version 1 took two products and their sum, which round differently).
 
     Args:
         query: ``(B, Hq, q, D)``.
-        kmin, kmax: ``(B, H, P, D)`` per-channel key minimum and maximum of each page.
+        paired: ``(B, H, P, 2 D)`` each page's per-channel key maximum, then minimum.
 
     Returns:
         ``(B, H, g, q, P)`` fp32, ``g = Hq / H`` query heads per KV head.
     """
     b, hq, q, d = query.shape
-    h = kmin.shape[1]
-    grouped = query.float().reshape(b, h, hq // h * q, d)  # the group's queries as rows
-    pos, neg = grouped.clamp(min=0), grouped.clamp(max=0)
-    bound = pos @ kmax.float().transpose(-1, -2) + neg @ kmin.float().transpose(-1, -2)
-    return bound.view(b, h, hq // h, q, kmin.shape[2])
+    h = paired.shape[1]
+    grouped = query.float().reshape(b, h, hq // h * q, 1, d)  # the group's queries as rows
+    lo, hi = _parts_clamps(grouped)
+    parts = torch.clamp(grouped, lo, hi).view(b, h, hq // h * q, 2 * d)  # [q⁺, q⁻]
+    bound = parts @ paired.float().transpose(-1, -2)
+    return bound.view(b, h, hq // h, q, paired.shape[2])
+
+
+def page_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """:func:`paired_page_bounds` of the per-channel minimum and maximum keys ``kmin``, ``kmax``
+    ``(B, H, P, D)`` of each page, given apart."""
+    return paired_page_bounds(query, torch.cat((kmax, kmin), -1))
+
+
+def paired_group_bounds(query: torch.Tensor, paired: torch.Tensor) -> torch.Tensor:
+    """:func:`paired_page_bounds`' maximum over each KV head's query group: ``(B, H, q, P)`` fp32."""
+    return paired_page_bounds(query, paired).amax(2)
 
 
 def group_bounds(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:

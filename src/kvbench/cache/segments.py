@@ -68,6 +68,10 @@ class Segment:
         raise NotImplementedError
 
     ZEROED = False  # whether read_into's slots must hold zeros (it writes some of their channels)
+    # Whether its tokens lie in position order along each head-row, after the segments before it:
+    # built from the oldest full-precision tokens of rows in position order (``move_out``), grown
+    # by newer ones, compacted in order. A merge's units (distillation) are not.
+    IN_MOVE_ORDER = True
 
     def writes_into(self) -> tuple[bool, bool]:
         """Whether :meth:`read_into` decodes the keys, the values straight into slots it is given,

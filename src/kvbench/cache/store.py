@@ -497,6 +497,14 @@ class LayerStore:
         order (no :meth:`drop` since they were last put in order)."""
         return not self._compressed and self._fp.rows.ordered
 
+    def unprotected_in_position_order(self) -> bool:
+        """The tokens that no budget protects lie in position order along each row of ``view()``:
+        the full-precision rows in arrival order, and every compressed segment built from their
+        oldest tokens (:attr:`Segment.IN_MOVE_ORDER`; only the sinks, kept in the full-precision
+        rows and always kept, then lie out of place). Ties broken by slot are then broken by
+        position (:func:`kvbench.select.evict_by_score`)."""
+        return self._fp.rows.ordered and all(seg.IN_MOVE_ORDER for seg in self._compressed)
+
     # --- accounting -----------------------------------------------------------------------
     def nbytes(self) -> int:
         side = [t for data in self._side.values() for t in data.tensors()]

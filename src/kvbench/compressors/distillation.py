@@ -45,6 +45,8 @@ class MergedSegment(Segment):
     KV-hit probe, reported in ``aux_nbytes``, not in ``nbytes``.
     """
 
+    IN_MOVE_ORDER = False  # its units are k-means slots, each at its latest member's position
+
     k: torch.Tensor = None  # type: ignore[assignment]
     v: torch.Tensor = None  # type: ignore[assignment]
     count: torch.Tensor = None  # type: ignore[assignment]

@@ -54,7 +54,9 @@ class PiKVCompressor(Allocated, Compressor):
     """
 
     name: str = "pikv"
-    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    # 2: the decode step of issue 29; 3: a selection kept where the slots are out of position order
+    # breaks ties by position, as its evictions do (CHANGELOG.md)
+    version = 3
     key_bits: int = 2
     value_bits: int = 2
     guard: float = 0.5

@@ -19,7 +19,9 @@ class PyramidKVCompressor(SnapKVCompressor):
     """SnapKV with PyramidKV's arithmetic layer schedule; any other allocation is refused."""
 
     name: str = "pyramidkv"
-    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    # 2: the decode step of issue 29; 3: a selection kept where the slots are out of position order
+    # breaks ties by position, as its evictions do (CHANGELOG.md)
+    version = 3
     allocation: str = "pyramid"
 
     def check_knobs(self) -> None:

@@ -29,7 +29,9 @@ class RandomCompressor(ScoredSelection, Compressor):
     """
 
     name: str = "random"
-    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    # 2: the decode step of issue 29; 3: a selection kept where the slots are out of position order
+    # breaks ties by position, as its evictions do (CHANGELOG.md)
+    version = 3
     seed: int = 0
     flags = Flags(evicts_tokens=True)
     _tables: dict[int, torch.Tensor] = field(default_factory=dict, init=False, repr=False)  # per layer

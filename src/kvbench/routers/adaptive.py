@@ -9,15 +9,14 @@ a peaked one fewer; ``top_p = 1`` (with ``k_max = num_experts``) reads every exp
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from kvbench.cache import devices
 from kvbench.cache.reads import read_all
 from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
-from kvbench.routers.expert import ExpertRouter, PositionExperts, choice_at, pad_choice
+from kvbench.routers.expert import ExpertRouter, Experts, PositionExperts, choice_at, expert_sums, pad_choice
 
 
 def top_p_choice(
@@ -31,27 +30,36 @@ def top_p_choice(
 ) -> torch.Tensor:
     """``(..., E)`` bool: the smallest prefix (by score) whose softmax(score/τ) mass is ≥ ``top_p``.
 
-    The count is clamped to ``[k_min, k_max]`` and to the non-empty (finite) experts; ``finite``:
-    known on the host that every score is (every expert holds a token), so none is looked at, and
-    the first ``k`` of the order are scattered into an empty choice (no inverse permutation).
-    ``pad``: as :func:`~kvbench.routers.expert.no_choice`'s.
+    The count is clamped to ``[k_min, k_max]`` and to the non-empty (finite) experts. The expert at
+    place ``i`` of the order is read while the mass before it, the running sum of the places
+    before (version 3: a running sum of probabilities never decreases, so the places read are a
+    prefix), is under ``top_p``. ``finite``: known on the host that every score is (every expert
+    holds a token), so none is looked at, and the places from ``k_min`` to ``k_max`` are scattered
+    into an empty choice (no count, no inverse permutation). ``pad``: as
+    :func:`~kvbench.routers.expert.no_choice`'s.
     """
     every = None if finite else torch.isfinite(score)
     # A row without a finite score chooses nothing (k <= n = 0), whatever its probabilities.
     n = None if every is None else every.sum(-1, keepdim=True)
-    prob = torch.softmax(score if temperature == 1 else score / temperature, -1)  # x / 1 is x
+    prob = torch.softmax(score if temperature == 1 else score / temperature, -1)
     sorted_p, order = prob.sort(dim=-1, descending=True, stable=True)
-    k: torch.Tensor | int
+    e = score.shape[-1]
+    if every is None:  # the first places of the order, from the host's bounds
+        hi = min(k_max, e)
+        if top_p >= 1:
+            return choice_at(score, order[..., :hi], None, pad)
+        lo = min(k_min, hi)
+        # place i (lo <= i < hi) is read iff the mass of places 0 .. i - 1 is under top_p
+        mass = sorted_p[..., : hi - 1].cumsum(-1)[..., lo - 1 :]
+        return choice_at(score, order[..., :hi], torch.constant_pad_nd(mass < top_p, (lo, 0), True), pad)
+    assert n is not None  # some score may not be finite: counted
+    k: torch.Tensor
     if top_p < 1:
-        before = sorted_p.cumsum(-1) - sorted_p  # mass of the better experts
+        before = torch.constant_pad_nd(sorted_p[..., :-1].cumsum(-1), (1, 0), 0.0)  # mass before each place
         k = (before < top_p).sum(-1, keepdim=True).clamp(k_min, k_max)
     else:
-        k = min(score.shape[-1], k_max) if n is None else n.clamp(k_min, k_max)
-    if every is None:  # the first k experts of the order
-        if isinstance(k, int):
-            return choice_at(score, order[..., :k], None, pad)
-        return choice_at(score, order, devices.arange(score.shape[-1], k) < k, pad)
-    k = torch.minimum(cast(torch.Tensor, k), cast(torch.Tensor, n))
+        k = n.clamp(k_min, k_max)
+    k = torch.minimum(k, n)
     rank = order.argsort(-1)  # each expert's place in ``order`` (the inverse permutation)
     chosen = (rank < k) & every
     return pad_choice(chosen) if pad else chosen
@@ -81,7 +89,10 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     """Position blocks; each query reads a top-p set of them (between ``k_min`` and ``k_max``)."""
 
     name: str = "adaptive"
-    version = 2  # 2: a block's mean key as its keys weighted by 1 / its size (issue 29, CHANGELOG.md)
+    # 2: a block's mean key as its keys weighted by 1 / its size; 3: the score scale folded into
+    # those weights, the mass before a place as the running sum of the places before it (issue
+    # 29, CHANGELOG.md)
+    version = 3
     num_experts: int = 8
     top_p: float = 0.9
     temperature: float = 1.0
@@ -106,12 +117,19 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     def most_read(self) -> int:
         return self.k_max
 
+    def summarize(self, layer: int, store: TechniqueStore, experts: Experts) -> torch.Tensor:
+        """Each block's mean key times ``1 / (√D · τ)``: the scores of these centroids are the
+        logits ``q · mean(K_e) / √D`` over the temperature, which :meth:`choose` takes as they are
+        (the scale folded into the step's mean weights, made once for its layers: no product a
+        layer)."""
+        scale = store.head_dim**-0.5 / self.temperature
+        return expert_sums(self.mean_weights(experts, scale), store.keys())
+
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor
     ) -> torch.Tensor:
-        scaled = score * store.head_dim**-0.5
-        full = self.none_empty(count)
-        padded = top_p_choice(scaled, self.top_p, self.temperature, self.k_min, self.k_max, full, pad=True)
+        full = self.none_empty(count)  # ``score``: scaled and over τ already (:meth:`summarize`)
+        padded = top_p_choice(score, self.top_p, 1.0, self.k_min, self.k_max, full, pad=True)
         chosen = padded[..., : self.num_experts]
         if every_query_real(store, qpos):  # every query real
             self.experts_read.append(chosen)  # averaged when read (:func:`mean_per_query`)

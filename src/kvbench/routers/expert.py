@@ -851,17 +851,24 @@ class PositionExperts:
         operation more a layer)."""
         return expert_sums(self.mean_weights(experts), store.keys())
 
-    def mean_weights(self, experts: Experts) -> torch.Tensor:
+    def mean_weights(self, experts: Experts, scale: float | None = None) -> torch.Tensor:
         """``(B, H, T, E)`` float: each routed token's one-hot over its block's size (an empty
         block's weights are zeros): one over the size where the token is a member, made from the
-        membership (no float one-hot) and kept with the step's shared blocks."""
+        membership (no float one-hot) and kept with the step's shared blocks. ``scale``: times
+        that factor (a router's score scale, the same for every layer of the step)."""
         cached = self._blocks
         if cached is not None and cached.experts is experts:
             if cached.weights is None:
-                cached.weights = torch.where(cached.member, experts.size.transpose(-1, -2).reciprocal(), 0.0)
+                cached.weights = torch.where(cached.member, self._one_over_size(experts, scale), 0.0)
             return cached.weights
         member = experts.eid[..., None] == expert_ids(self.num_experts, experts.eid)
-        return torch.where(member, experts.size.transpose(-1, -2).reciprocal(), 0.0)
+        return torch.where(member, self._one_over_size(experts, scale), 0.0)
+
+    @staticmethod
+    def _one_over_size(experts: Experts, scale: float | None) -> torch.Tensor:
+        """``(B, H, 1, E)``: one over each block's size, times ``scale`` where given."""
+        weight = experts.size.transpose(-1, -2).reciprocal()
+        return weight if scale is None else weight * scale
 
     def none_empty(self, count: torch.Tensor) -> bool:
         """Every expert of every head-row holds a token, known on the host: ``count`` is that of

@@ -13,6 +13,7 @@ from functools import cached_property
 
 import torch
 
+from kvbench.cache import devices
 from kvbench.cache.surface import TechniqueStore
 from kvbench.errors import ConfigError
 from kvbench.routers.expert import ExpertRouter, PositionExperts, top_k_choice
@@ -24,7 +25,7 @@ class GroupMass:
 
     def __init__(self, count: torch.Tensor, groups: int):
         b, h, experts = count.shape
-        self.count = count
+        self.count, self.groups = count, groups
         self.mass = count.float().reshape(b, h, 1, groups, experts // groups).sum(-1)  # (B, H, 1, G)
 
     @classmethod
@@ -45,6 +46,32 @@ class GroupMass:
     def empty(self) -> torch.Tensor:
         """``(B, H, 1, G)`` bool, the groups without a token."""
         return self.mass == 0
+
+    @cached_property
+    def weights(self) -> torch.Tensor:
+        """``(B, H, E, G)``: an expert's share of its group's tokens in its group's column, zero in
+        the others, so that experts' scores times these weights are their groups' scores (the
+        token-weighted mean of the experts' scores) in one product."""
+        b, h, experts = self.count.shape
+        g = self.groups
+        share = self.count.float().view(b, h, g, experts // g) / self.divisor.view(b, h, g, 1)
+        share = share.view(b, h, experts)
+        return torch.where(_in_group(experts, g, share), share[..., None], 0.0)
+
+
+_IN_GROUP: dict[tuple[int, int, object], torch.Tensor] = {}
+
+
+def _in_group(experts: int, groups: int, like: torch.Tensor) -> torch.Tensor:
+    """``(E, G)`` bool: expert ``e`` lies in group ``e // (E / G)``; kept per shape and device
+    (read-only)."""
+    key = (experts, groups, devices.device_of(like))
+    held = _IN_GROUP.get(key)
+    if held is None:
+        with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
+            e = torch.arange(experts, device=like.device)[:, None]
+            held = _IN_GROUP[key] = e // (experts // groups) == torch.arange(groups, device=like.device)
+    return held
 
 
 def group_choice(
@@ -67,10 +94,9 @@ def group_choice(
     *lead, experts = score.shape
     per = experts // groups
     mass = GroupMass.of(count, groups) if mass is None else mass
-    weight = count[:, :, None, :].float()
-    scaled = (score if none_empty else torch.where(mass.held, score, 0.0)) * weight
-    divisor = mass.mass if none_empty else mass.divisor  # at least one token a group
-    gscore = scaled.view(*lead, groups, per).sum(-1) / divisor  # q · mean key of the group
+    # q · mean key of the group: the experts' scores weighted by their shares of its tokens, in one
+    # product (version 3; version 2 summed the scores times the sizes and divided by the group's)
+    gscore = (score if none_empty else torch.where(mass.held, score, 0.0)) @ mass.weights
     if not none_empty:
         gscore = gscore.masked_fill(mass.empty, float("-inf"))
     inside = top_k_choice(gscore, top_groups, none_empty)[..., None]  # (B, H, q, G, 1)
@@ -84,7 +110,9 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
     """Position-block experts in groups; top groups first, then top experts inside them."""
 
     name: str = "hierarchical"
-    version = 2  # 2: a block's mean key as its keys weighted by 1 / its size (issue 29, CHANGELOG.md)
+    # 2: a block's mean key as its keys weighted by 1 / its size; 3: a group's score as its experts'
+    # scores weighted by their shares of its tokens, one product (issue 29, CHANGELOG.md)
+    version = 3
     num_experts: int = 16
     num_groups: int = 4
     top_groups: int = 2

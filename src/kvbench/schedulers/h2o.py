@@ -25,7 +25,9 @@ class H2OScheduler(ScoredSelection, Allocated, Scheduler):
     """
 
     name: str = "h2o"
-    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    # 2: the decode step of issue 29; 3: a selection kept where the slots are out of position order
+    # breaks ties by position, as its evictions do (CHANGELOG.md)
+    version = 3
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
     def observe(self, layer: int, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:

@@ -45,10 +45,21 @@ from kvbench.roles import Flags, Scheduler
 
 @dataclass
 class PageBounds(SideData):
-    """Per-channel minimum and maximum keys ``(M, D)`` of every full page, head-major."""
+    """Per-channel maximum and minimum keys of every full page, head-major, side by side:
+    ``paired`` ``(M, 2, D)`` (one tensor, so a read takes both in one product:
+    :func:`kvbench.cache.attention.paired_page_bounds`)."""
 
-    kmin: torch.Tensor
-    kmax: torch.Tensor
+    paired: torch.Tensor
+
+    @property
+    def kmax(self) -> torch.Tensor:
+        """``(M, D)`` each page's per-channel maximum key (a view)."""
+        return self.paired[:, 0]
+
+    @property
+    def kmin(self) -> torch.Tensor:
+        """``(M, D)`` each page's per-channel minimum key (a view)."""
+        return self.paired[:, 1]
 
 
 @dataclass
@@ -128,8 +139,12 @@ class _Pages:
         ``groups`` times, not the mask made and then repeated."""
         order, _, fits = self.choose(bound)
         b, h, q, _ = bound.shape
-        pages = self.base.expand(b, h, q, self.width + 2).clone(memory_format=torch.contiguous_format)
-        (pages if self.span is None else pages[..., self.span[0] : self.span[1]]).scatter_(-1, order, fits)
+        base = self.base.expand(b, h, q, self.width + 2)
+        if self.span is None or self.span[0] == 0:  # ``order`` indexes the pages' own columns:
+            pages = base.scatter(-1, order, fits)  # one out-of-place scatter (no copy, then scatter)
+        else:
+            pages = base.clone(memory_format=torch.contiguous_format)
+            pages[..., self.span[0] : self.span[1]].scatter_(-1, order, fits)
         if groups == 1:
             return torch.gather(pages, -1, self.index.expand(b, h, q, self.index.shape[-1]))
         seen = self.seen
@@ -155,6 +170,17 @@ def page_of(slots: int, page_size: int, like: torch.Tensor) -> torch.Tensor:
     return held[:slots]
 
 
+def group_bounds(query: torch.Tensor, paired: torch.Tensor, batch: int, columns: int) -> torch.Tensor:
+    """``(B, H, q, P)``: Quest's bound of each page, its maximum over the query group, by the cell's
+    path (the Triton kernel, or :func:`kvbench.cache.attention.paired_group_bounds`), from the
+    pages' keys ``paired`` ``(B, H, P, 2 D)`` (maximum, then minimum)."""
+    kernels = dispatch.kernels("scoring", batch, columns)
+    if kernels is None:
+        return att.paired_group_bounds(query, paired)
+    d = paired.shape[-1] // 2
+    return kernels.group_bounds(query, paired[..., d:], paired[..., :d])  # kmin, kmax: views
+
+
 def page_base(width: int, like: torch.Tensor) -> torch.Tensor:
     """:attr:`_Pages.base` ``(1, 1, 1, width + 2)``, made once while ``width`` is the last asked for
     on ``like``'s device (the layers of a step, and the steps until a page fills)."""
@@ -177,6 +203,9 @@ class QuestScheduler(Scheduler):
     """
 
     name: str = "quest"
+    # 2: a page's bound in one product of the query's positive and negative parts with its maximum
+    # and minimum keys side by side (issue 29, CHANGELOG.md)
+    version = 2
     page_size: int = 16
     dense_layers: int = 2
     flags = Flags(selects_reads=True)
@@ -188,7 +217,7 @@ class QuestScheduler(Scheduler):
     _tokens: list[float] = field(default_factory=lambda: [0.0] * 4, init=False, repr=False)
     _meta_bytes: dict[int, int] = field(default_factory=dict, init=False, repr=False)  # per layer, stored
     _shared: _Pages | None = field(default=None, init=False, repr=False)  # the step's pages, for its layers
-    # per store: (its ``edits``, full pages, their minimum and maximum keys ``(B * H, P, D)``)
+    # per store: (its ``edits``, full pages, their maximum and minimum keys ``(B * H, P, 2, D)``)
     _kept_bounds: weakref.WeakKeyDictionary = field(
         default_factory=weakref.WeakKeyDictionary, init=False, repr=False
     )
@@ -216,13 +245,13 @@ class QuestScheduler(Scheduler):
         npages = -(-t // p)
         keys = torch.nn.functional.pad(keys, (0, 0, 0, npages * p - t)).view(b, h, npages, p, d)
         full = devices.arange(npages, keys) < (view.valid.sum(-1) // p)[..., None]  # (B, H, P)
-        kmin, kmax = keys.amin(3)[full].contiguous(), keys.amax(3)[full].contiguous()
-        self._set_bounds(layer, store, kmin, kmax)
+        low, high = torch.aminmax(keys, dim=3)
+        self._set_bounds(layer, store, torch.stack((high, low), 3)[full])
         self._kept_bounds.pop(store, None)
 
-    def _set_bounds(self, layer: int, store: TechniqueStore, kmin: torch.Tensor, kmax: torch.Tensor) -> None:
-        store.set_side(PageBounds(kmin, kmax))
-        self._meta_bytes[layer] = (kmin.numel() + kmax.numel()) * kmin.element_size()
+    def _set_bounds(self, layer: int, store: TechniqueStore, paired: torch.Tensor) -> None:
+        store.set_side(PageBounds(paired))
+        self._meta_bytes[layer] = paired.numel() * paired.element_size()
 
     def _grow_pages(self, layer: int, store: TechniqueStore) -> None:
         """:meth:`evict` when every slot is a token in position order: the pages are the view's
@@ -235,15 +264,15 @@ class QuestScheduler(Scheduler):
         n_full = t // p
         prev = self._kept_bounds.get(store)
         if prev is not None and prev[0] == store.edits and prev[1] <= n_full:
-            done, kmin, kmax = prev[1:]
+            done, paired = prev[1:]
         else:
-            done, kmin, kmax = 0, stored.new_empty(b * h, 0, d), stored.new_empty(b * h, 0, d)
+            done, paired = 0, stored.new_empty(b * h, 0, 2, d)
         if n_full > done:
             keys = stored[:, :, done * p : n_full * p].reshape(b * h, n_full - done, p, d)
-            kmin = torch.cat([kmin, keys.amin(2)], dim=1)
-            kmax = torch.cat([kmax, keys.amax(2)], dim=1)
-        self._kept_bounds[store] = (store.edits, n_full, kmin, kmax)
-        self._set_bounds(layer, store, kmin.view(-1, d), kmax.view(-1, d))
+            low, high = torch.aminmax(keys, dim=2)
+            paired = torch.cat([paired, torch.stack((high, low), 2)], dim=1)
+        self._kept_bounds[store] = (store.edits, n_full, paired)
+        self._set_bounds(layer, store, paired.view(-1, 2, d))
 
     def read_mask(
         self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
@@ -271,7 +300,7 @@ class QuestScheduler(Scheduler):
         key = store.position_key(qpos)
         lay = self.pages(store, qpos, None) if key is None else self._step_pages(store, qpos, key)
         bounds = store.side(PageBounds)
-        if bounds is None or lay.total != bounds.kmin.shape[0]:
+        if bounds is None or lay.total != bounds.paired.shape[0]:
             raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
         width = lay.width
         if width == 0:  # no full page yet: only the always-read tokens exist
@@ -279,15 +308,13 @@ class QuestScheduler(Scheduler):
             self._account(layer, store, query, qpos, mask, 0.0)
             return mask
         if key is not None:  # every head-row holds the same full pages
-            kmin, kmax = bounds.kmin.view(b, h, width, d), bounds.kmax.view(b, h, width, d)
+            paired = bounds.paired.view(b, h, width, 2 * d)
         else:
             assert lay.n_full is not None  # pages not derived from positions alone
-            kmin = ragged.to_padded(bounds.kmin, lay.n_full.flatten())[0].view(b, h, width, d)
-            kmax = ragged.to_padded(bounds.kmax, lay.n_full.flatten())[0].view(b, h, width, d)
-        # (B, H, q, P): the bound's maximum over the query group, by the cell's path
-        bound = (dispatch.kernels("scoring", b, t) or att).group_bounds(query, kmin, kmax)
-        mask = lay.take(bound, groups)
-        per_page = 2 * d * bounds.kmin.element_size()
+            flat = bounds.paired.view(-1, 2 * d)
+            paired = ragged.to_padded(flat, lay.n_full.flatten())[0].view(b, h, width, 2 * d)
+        mask = lay.take(group_bounds(query, paired, b, t), groups)
+        per_page = 2 * d * bounds.paired.element_size()
         if key is not None:  # every query real: the bytes of the bounds per query, from the host
             meta: torch.Tensor | float = float(lay.total * per_page * q) / float(b * q)
         else:
@@ -309,12 +336,11 @@ class QuestScheduler(Scheduler):
         lay = self._step_pages(store, qpos, key)  # read_mask reuses it where this gives None
         bounds = store.side(PageBounds)
         # ``hi`` is known where the pages are every head-row's alike (:meth:`_uniform_pages`)
-        if lay.width == 0 or lay.hi < 0 or bounds is None or lay.total != bounds.kmin.shape[0]:
+        if lay.width == 0 or lay.hi < 0 or bounds is None or lay.total != bounds.paired.shape[0]:
             return None
         b, h, t, d = store.batch, store.kv_heads, store.columns(), store.head_dim
         q = query.shape[2]
-        kmin, kmax = bounds.kmin.view(b, h, lay.width, d), bounds.kmax.view(b, h, lay.width, d)
-        bound = (dispatch.kernels("scoring", b, t) or att).group_bounds(query, kmin, kmax)
+        bound = group_bounds(query, bounds.paired.view(b, h, lay.width, 2 * d), b, t)
         order, cost, fits = lay.choose(bound)
         # at most the pages whose cost before them is under the budget left: whole pages, and the
         # two cut by the sinks and by ``hi``
@@ -326,7 +352,7 @@ class QuestScheduler(Scheduler):
             index = torch.nn.functional.pad(index, (0, k - (j1 - j0)), value=-1)
         always = b * h * q * (lay.lo + t - lay.hi)  # host figures: the slots read whatever the bounds
         n_read = torch.where(fits, cost, 0).sum() + always
-        per_page = 2 * d * bounds.kmin.element_size()
+        per_page = 2 * d * bounds.paired.element_size()
         meta = float(lay.total * per_page * q) / float(b * q)
         self._account(layer, store, query, qpos, None, meta, n_read)
         return att.Pages(index, self.page_size, lay.lo, lay.hi)
