@@ -644,6 +644,25 @@ def test_adaptive_centroids_carry_the_score_scale():
         torch.testing.assert_close(got, mean / (d**0.5 * tau), rtol=1e-6, atol=1e-7)
 
 
+def test_a_balanced_write_after_drops_offers_its_tokens_in_arrival_order():
+    """`topk_balanced`'s write places a chunk's new tokens greedily under the experts' capacity, in
+    arrival order (version 3): after an eviction's drops left one sequence's slots out of position
+    order, it places them as a padded batch (rows compacted in order) does."""
+    from conftest import tiny_cfg
+    from kvbench import models
+    from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
+
+    lm = models.load(tiny_cfg("llama", heads=8, num_key_value_heads=2), "cpu")
+
+    def make():
+        return make_stack(
+            lm, router=TopKBalancedRouter(), scheduler=StreamingLLMScheduler(), budget=0.4, sinks=2, window=8
+        )
+
+    padded_batch_vs_solo(lm, make, tokens(64, 1), tokens(45, 2), prefills=(54, 35), chunks=(1, 8, 1))
+    assert TopKBalancedRouter.version == 3
+
+
 def test_hierarchical_reads_only_inside_chosen_groups(tiny_93):
     router = HierarchicalRouter(num_experts=8, num_groups=4, top_groups=2, top_k=3)
     _, cache = run(tiny_93, router, sizes=SIZES[:3])

@@ -322,7 +322,8 @@ class CentroidExperts:
             return Assigned(self._assign_one(layer, store, new, cent, count), new)
         keys = view.k.float()
         cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
-        eid = self.place(keys, cent, defined, new, seeded, held, view.valid)
+        by_pos = None if store.in_position_order() else store.by_position()
+        eid = self.place(keys, cent, defined, new, seeded, held, view.valid, by_pos)
         cent, count = self.update(cent, count, keys, eid, new, view.pos)
         self._set_centroids(store, cent, count)
         held = torch.where(new, eid, held)
@@ -395,8 +396,11 @@ class CentroidExperts:
         seeded: torch.Tensor,
         held: torch.Tensor,
         valid: torch.Tensor,
+        by_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Expert of each new token ``(B, H, T)``: its seed, else the nearest defined centroid."""
+        """Expert of each new token ``(B, H, T)``: its seed, else the nearest defined centroid.
+        ``by_pos``: the columns in position order where the slots are not in it (a placement that
+        takes the tokens one after another takes them in arrival order)."""
         dist = sq_dist(keys, cent).masked_fill(~defined[:, :, None, :], float("inf"))
         return torch.where(seeded >= 0, seeded, dist.argmin(-1))
 

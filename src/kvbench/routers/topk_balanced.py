@@ -71,7 +71,9 @@ def shortfalls(calls: list[tuple[torch.Tensor, torch.Tensor | int]]) -> list[int
 class TopKBalancedRouter(CentroidExperts, ExpertRouter):
     """Nearest-centroid write and top-k read, both under a capacity factor ``capacity_factor``."""
 
-    version = 2  # 2: the decode step's one-token distance and update (issue 29, CHANGELOG.md)
+    # 2: the decode step's one-token distance and update; 3: a write's greedy offers its new tokens
+    # in arrival order where the slots are out of it (issue 29, CHANGELOG.md)
+    version = 3
     name: str = "topk_balanced"
     num_experts: int = 8
     top_k: int = 2
@@ -99,13 +101,20 @@ class TopKBalancedRouter(CentroidExperts, ExpertRouter):
         seeded: torch.Tensor,
         held: torch.Tensor,
         valid: torch.Tensor,
+        by_pos: torch.Tensor | None = None,
     ) -> torch.Tensor:
         experts = self.num_experts
         seeds = expert_onehot(seeded, seeded >= 0, experts).sum(2)
         room = self.write_room(held, valid, new) - seeds
         dist = sq_dist(keys, cent).masked_fill(~defined[:, :, None, :], float("inf"))
         want = (new & (seeded < 0)).long()
-        return torch.where(seeded >= 0, seeded, self.take(dist, want, room))
+        if by_pos is None:
+            took = self.take(dist, want, room)
+        else:  # the greedy offers the new tokens in arrival order (version 3), then back to their slots
+            at = by_pos[..., None].expand_as(dist)
+            took = self.take(dist.gather(2, at), want.gather(-1, by_pos), room)
+            took = torch.empty_like(took).scatter_(-1, by_pos, took)
+        return torch.where(seeded >= 0, seeded, took)
 
     def place_one(
         self, layer: int, store: TechniqueStore, dist: torch.Tensor, new: torch.Tensor | None
