@@ -663,6 +663,33 @@ def test_a_balanced_write_after_drops_offers_its_tokens_in_arrival_order():
     assert TopKBalancedRouter.version == 3
 
 
+def test_a_seed_after_drops_takes_the_earliest_new_tokens():
+    """A centroid router's write seeds its undefined experts from its earliest new tokens, in
+    position order where drops left the slots out of it (`pikv` 3, `topk_balanced` 3, `eplb` 4):
+    one sequence alone seeds as in a padded batch."""
+    from conftest import tiny_cfg
+    from kvbench import models
+    from kvbench.routers.centroids import seed
+    from kvbench.schedulers.streaming_llm import StreamingLLMScheduler
+
+    gen = torch.Generator().manual_seed(9)
+    keys, pos = torch.randn(1, 1, 6, 4, generator=gen), torch.tensor([[[0, 1, 5, 2, 4, 3]]])
+    new = pos >= 2
+    cent, defined = torch.zeros(1, 1, 3, 4), torch.tensor([[[True, False, False]]])
+    _, _, seeded = seed(keys, pos, new, cent, defined, pos.argsort(-1))
+    assert seeded[0, 0].tolist() == [-1, -1, -1, 1, -1, 2]  # positions 2 and 3 seed experts 1 and 2
+    lm = models.load(tiny_cfg("llama", heads=8, num_key_value_heads=2), "cpu")
+    for router in (TopKBalancedRouter, PikvRouter, EPLBRouter):
+
+        def make(router=router):
+            return make_stack(
+                lm, router=router(), scheduler=StreamingLLMScheduler(), budget=0.4, sinks=2, window=8
+            )
+
+        padded_batch_vs_solo(lm, make, tokens(75, 1), tokens(56, 2), prefills=(54, 35), chunks=(1, 1, 16, 1))
+    assert PikvRouter.version == 3 and EPLBRouter.version == 4
+
+
 def test_hierarchical_reads_only_inside_chosen_groups(tiny_93):
     router = HierarchicalRouter(num_experts=8, num_groups=4, top_groups=2, top_k=3)
     _, cache = run(tiny_93, router, sizes=SIZES[:3])

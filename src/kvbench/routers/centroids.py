@@ -141,13 +141,19 @@ def lloyd(keys: torch.Tensor, pos: torch.Tensor, member: torch.Tensor, experts: 
 
 
 def seed(
-    keys: torch.Tensor, pos: torch.Tensor, new: torch.Tensor, cent: torch.Tensor, defined: torch.Tensor
+    keys: torch.Tensor,
+    pos: torch.Tensor,
+    new: torch.Tensor,
+    cent: torch.Tensor,
+    defined: torch.Tensor,
+    by_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Give undefined experts a centroid from the new tokens.
+    """Give undefined experts a centroid from the new tokens, the earliest new tokens first.
 
     Args:
         keys: ``(B, H, T, D)`` fp32; pos, new: ``(B, H, T)``; cent: ``(B, H, E, D)``;
             defined: ``(B, H, E)`` experts that hold a centroid.
+        by_pos: the columns in position order where the slots are not in it (after drops).
 
     Returns:
         ``cent``, ``defined`` and ``seeded`` ``(B, H, T)`` (the expert a new token seeded, or -1).
@@ -158,7 +164,11 @@ def seed(
         cent = torch.where(fresh[..., None, None], lloyd(keys, pos, new & fresh[..., None], experts), cent)
         defined = defined | fresh[..., None]
     undefined = ~defined
-    rank = new.long().cumsum(-1) - 1  # order of the new tokens within the row
+    if by_pos is None:
+        rank = new.long().cumsum(-1) - 1  # order of the new tokens within the row
+    else:  # counted in position order, then back to the slots
+        ranked = new.gather(-1, by_pos).long().cumsum(-1) - 1
+        rank = torch.empty_like(ranked).scatter_(-1, by_pos, ranked)
     seeding = new & (rank < undefined.sum(-1, keepdim=True))
     free = (~undefined).long().argsort(dim=-1, stable=True)  # undefined experts first
     seeded = torch.where(seeding, free.gather(-1, rank.clamp(0, experts - 1)), torch.full_like(rank, -1))
@@ -321,8 +331,8 @@ class CentroidExperts:
         if side is not None and flags[1] and flags[2]:
             return Assigned(self._assign_one(layer, store, new, cent, count), new)
         keys = view.k.float()
-        cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0)
         by_pos = None if store.in_position_order() else store.by_position()
+        cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0, by_pos)
         eid = self.place(keys, cent, defined, new, seeded, held, view.valid, by_pos)
         cent, count = self.update(cent, count, keys, eid, new, view.pos)
         self._set_centroids(store, cent, count)

@@ -234,8 +234,9 @@ class EPLBRouter(CentroidExperts, ExpertRouter):
     """
 
     # 2: the decode step's one-token distance and update; 3: a changed plan carries the rows of the
-    # column's copies, in its buffer (resident bytes; issue 29, CHANGELOG.md)
-    version = 3
+    # column's copies, in its buffer (resident bytes); 4: a write after drops seeds from its
+    # earliest new tokens (issue 29, CHANGELOG.md)
+    version = 4
     name: str = "eplb"
     num_experts: int = 8
     top_k: int = 2

@@ -65,7 +65,9 @@ def ema_update(
 class PikvRouter(CentroidExperts, ExpertRouter):
     """Online k-means experts; top-k read with a bonus for the experts read at the previous step."""
 
-    version = 2  # 2: the decode step's one-token distance, update and choice (issue 29, CHANGELOG.md)
+    # 2: the decode step's one-token distance, update and choice; 3: a write after drops seeds
+    # from its earliest new tokens (issue 29, CHANGELOG.md)
+    version = 3
     name: str = "pikv"
     num_experts: int = 8
     top_k: int = 2

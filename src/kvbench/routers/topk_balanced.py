@@ -71,8 +71,8 @@ def shortfalls(calls: list[tuple[torch.Tensor, torch.Tensor | int]]) -> list[int
 class TopKBalancedRouter(CentroidExperts, ExpertRouter):
     """Nearest-centroid write and top-k read, both under a capacity factor ``capacity_factor``."""
 
-    # 2: the decode step's one-token distance and update; 3: a write's greedy offers its new tokens
-    # in arrival order where the slots are out of it (issue 29, CHANGELOG.md)
+    # 2: the decode step's one-token distance and update; 3: a write's greedy offers its new tokens,
+    # and seeds from them, in arrival order where the slots are out of it (issue 29, CHANGELOG.md)
     version = 3
     name: str = "topk_balanced"
     num_experts: int = 8
