@@ -502,7 +502,8 @@ class LayerStore:
         the full-precision rows in arrival order, and every compressed segment built from their
         oldest tokens (:attr:`Segment.IN_MOVE_ORDER`; only the sinks, kept in the full-precision
         rows and always kept, then lie out of place). Ties broken by slot are then broken by
-        position (:func:`kvbench.select.evict_by_score`)."""
+        position (:func:`kvbench.select.evict_by_score`), and a router's write takes its new
+        tokens in arrival order (:meth:`kvbench.routers.centroids.CentroidExperts.assign_new`)."""
         return self._fp.rows.ordered and all(seg.IN_MOVE_ORDER for seg in self._compressed)
 
     # --- accounting -----------------------------------------------------------------------

@@ -331,7 +331,8 @@ class CentroidExperts:
         if side is not None and flags[1] and flags[2]:
             return Assigned(self._assign_one(layer, store, new, cent, count), new)
         keys = view.k.float()
-        by_pos = None if store.in_position_order() else store.by_position()
+        # the new tokens in arrival order where drops (or a merge) left the slots out of it
+        by_pos = None if store.unprotected_in_position_order() else store.by_position()
         cent, defined, seeded = seed(keys, view.pos, new, cent, count > 0, by_pos)
         eid = self.place(keys, cent, defined, new, seeded, held, view.valid, by_pos)
         cent, count = self.update(cent, count, keys, eid, new, view.pos)

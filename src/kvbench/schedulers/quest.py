@@ -170,7 +170,7 @@ def page_of(slots: int, page_size: int, like: torch.Tensor) -> torch.Tensor:
     return held[:slots]
 
 
-def group_bounds(query: torch.Tensor, paired: torch.Tensor, batch: int, columns: int) -> torch.Tensor:
+def paired_bounds(query: torch.Tensor, paired: torch.Tensor, batch: int, columns: int) -> torch.Tensor:
     """``(B, H, q, P)``: Quest's bound of each page, its maximum over the query group, by the cell's
     path (the Triton kernel, or :func:`kvbench.cache.attention.paired_group_bounds`), from the
     pages' keys ``paired`` ``(B, H, P, 2 D)`` (maximum, then minimum)."""
@@ -313,7 +313,7 @@ class QuestScheduler(Scheduler):
             assert lay.n_full is not None  # pages not derived from positions alone
             flat = bounds.paired.view(-1, 2 * d)
             paired = ragged.to_padded(flat, lay.n_full.flatten())[0].view(b, h, width, 2 * d)
-        mask = lay.take(group_bounds(query, paired, b, t), groups)
+        mask = lay.take(paired_bounds(query, paired, b, t), groups)
         per_page = 2 * d * bounds.paired.element_size()
         if key is not None:  # every query real: the bytes of the bounds per query, from the host
             meta: torch.Tensor | float = float(lay.total * per_page * q) / float(b * q)
@@ -340,7 +340,7 @@ class QuestScheduler(Scheduler):
             return None
         b, h, t, d = store.batch, store.kv_heads, store.columns(), store.head_dim
         q = query.shape[2]
-        bound = group_bounds(query, bounds.paired.view(b, h, lay.width, 2 * d), b, t)
+        bound = paired_bounds(query, bounds.paired.view(b, h, lay.width, 2 * d), b, t)
         order, cost, fits = lay.choose(bound)
         # at most the pages whose cost before them is under the budget left: whole pages, and the
         # two cut by the sinks and by ``hi``
