@@ -301,6 +301,33 @@ def test_rotation_matches_rotate_half_and_rows_share_angles(rotated, dtype):
     assert torch.equal(rotary.rotate_rows(x, pos, None), out)
 
 
+@pytest.mark.parametrize("scaling", [1.0, 1.25])
+@pytest.mark.parametrize("rows, per_row, d", [(6, 37, 64), (8, 300, 16), (2, 5, 128), (1, 1, 32)])
+def test_keys_in_pairs_order_turn_as_rotate_rows_bit_for_bit(rows, per_row, d, scaling):
+    """rotate_pairs (each rotated pair side by side, one complex product and a copy back) gives
+    rotate_rows' keys bit for bit: every head-row at the same positions (the step's shared angles),
+    rows at different positions, flat; and rebuilt on a basis with its rows in pairs_order, a
+    product gives the same keys in that order (so a segment's read is the same); a partial rotation
+    has no pairs order."""
+    torch.manual_seed(d + per_row)
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)), scaling)
+    basis, lat = torch.randn(rows, d, 8), torch.randn(1, rows, per_row, 8)
+    order = rotary.pairs_order(basis)
+    assert order is not None and order.tolist()[:4] == [0, d // 2, 1, d // 2 + 1]
+    x = torch.einsum("bhtr,hdr->bhtd", lat, basis).reshape(rows, per_row, d)
+    paired = torch.einsum("bhtr,hdr->bhtd", lat, basis.index_select(1, order)).reshape(rows, per_row, d)
+    assert torch.equal(paired, x[..., order])
+    shared = torch.randperm(4000)[:per_row].repeat(rows, 1)
+    mixed = torch.randint(0, 4000, (rows, per_row))
+    for pos, n in ((shared, per_row), (mixed, per_row), (mixed, None)):
+        assert torch.equal(rotary.rotate_pairs(paired, pos, n), rotary.rotate_rows(x, pos, n))
+        flat = pos.reshape(-1)
+        got = rotary.rotate_pairs(paired.reshape(-1, d), flat, n)
+        assert torch.equal(got, rotary.rotate_rows(x.reshape(-1, d), flat, n))
+    partial = Rotary(1.0 / (10000 ** (torch.arange(0, d // 2, 2).float() / (d // 2))))
+    assert partial.pairs_order(basis) is None
+
+
 def test_layers_of_a_step_share_the_angles_of_the_same_positions(monkeypatch):
     """rotate_rows computes one head-row's angles once for the layers of a step (each layer's
     segment holds the same positions in its own tensor), each layer's positions at one comparison;

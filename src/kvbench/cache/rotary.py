@@ -8,6 +8,7 @@ GPT-NeoX with partial rotary) is supported; other models are refused by name.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +16,10 @@ import torch
 from kvbench.cache import devices
 from kvbench.errors import ConfigError
 
-# The last positions whose head-rows all held the same, with that row's angles, on the CPU
-# (:meth:`Rotary._row_angles`): at most one entry, outside the cache.
-_ROW_ANGLES: list[tuple[Rotary, object, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+# The last positions whose head-rows all held the same, with that row's angles (cos, sin, and the
+# two as one complex turn once asked for), on the CPU (:meth:`Rotary._row_angles`): at most one
+# entry, outside the cache.
+_ROW_ANGLES: list[tuple[Rotary, object, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
 
 ROTATE_HALF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gemma", "gemma2", "phi3", "olmo2")
 
@@ -80,15 +82,57 @@ class Rotary:
         the same ones is answered by one comparison. The same values; the memo sits in this module,
         not in the cache, so what a cache holds is measured as before (it is one layer's positions
         and one row's angles)."""
+        found = self._row_entry(pos)
+        return None if found is None else found[3:5]
+
+    def _row_entry(self, pos: torch.Tensor) -> tuple | None:
+        """:data:`_ROW_ANGLES`' entry for ``pos`` (made if every head-row holds the same positions),
+        or None (:meth:`_row_angles`)."""
         device = devices.device_of(pos)
-        for rotary, where, seen, cos, sin in _ROW_ANGLES:
+        for entry in _ROW_ANGLES:
+            rotary, where, seen = entry[:3]
             if rotary is self and where == device and seen.shape == pos.shape and torch.equal(seen, pos):
-                return cos, sin
+                return entry
         if not torch.equal(pos, pos[:1].expand_as(pos)):
             return None
         cos, sin = self._cos_sin(pos[0], pos.device)
-        _ROW_ANGLES[:] = [(self, device, pos.clone(), cos, sin)]
-        return cos, sin
+        _ROW_ANGLES[:] = [(self, device, pos.clone(), cos, sin, [])]
+        return _ROW_ANGLES[0]
+
+    def pairs_order(self, like: torch.Tensor) -> torch.Tensor | None:
+        """The channel order ``[0, D/2, 1, D/2 + 1, ...]`` that puts each pair a rotation turns
+        together (channels ``i`` and ``i + D/2``) side by side, for :meth:`rotate_pairs`, on the device
+        of ``like`` (a basis ``(H, D, r)``, ``D`` its head size); None where the rotation is partial
+        (``rot_dim < D``: the general :meth:`rotate_rows`)."""
+        if self.rot_dim != like.shape[1]:
+            return None
+        return _pairs_order(self.rot_dim, like.device, devices.device_of(like))
+
+    def rotate_pairs(self, x: torch.Tensor, pos: torch.Tensor, per_row: int | None) -> torch.Tensor:
+        """:meth:`rotate_rows` of float32 keys whose channels come in :meth:`pairs_order` (each pair
+        that turns together side by side, as a key rebuilt on a basis whose rows are in that order
+        comes out), returned in the usual order: each pair read as one complex number, turned by one
+        complex product with ``cos + i·sin`` and written back in order by one copy, where
+        :meth:`_turn` takes six operations. Bitwise its values: a complex product of
+        ``(x1 + i·x2)(cos + i·sin)`` is ``x1·cos - x2·sin`` and ``x1·sin + x2·cos``, each product
+        rounded, then the difference and the sum, as :meth:`_turn` computes them, on the CPU
+        (``tests/test_lowrank.py``, shared, per-row and flat positions). A GPU's complex product may
+        fuse a product into its sum (one rounding less): there, on ``kernels=torch``, a key may
+        differ in its last bit; the fused kernels, a GPU's default, do not take this path."""
+        h = self.rot_dim // 2
+        assert x.dtype == torch.float32 and x.shape[-1] == 2 * h, "rotate_pairs: float32 keys, whole rotation"
+        turn = None
+        if per_row and pos.device.type == "cpu":
+            p = pos.view(-1, per_row)
+            entry = self._row_entry(p) if p.shape[0] > 1 else None
+            if entry is not None:  # one row's turn for every head-row, made once for the step's layers
+                if not entry[5]:
+                    entry[5].append(torch.complex(entry[3], entry[4]))
+                turn, shape = entry[5][0], (p.shape[0], per_row, h, 2)
+        if turn is None:
+            turn, shape = torch.complex(*self._cos_sin(pos, x.device)), (*x.shape[:-1], h, 2)
+        z = torch.view_as_complex(x.view(shape)) * turn
+        return torch.view_as_real(z).transpose(-1, -2).reshape(x.shape)
 
     def unrotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Undo :meth:`rotate` (exact up to rounding; divides out the attention scaling)."""
@@ -125,3 +169,12 @@ class Rotary:
         full[..., :r] = out
         full[..., r:] = x[..., r:]
         return full
+
+
+@functools.lru_cache(maxsize=16)
+def _pairs_order(head_dim: int, device: torch.device, key: object) -> torch.Tensor:
+    """:meth:`Rotary.pairs_order` of a whole rotation on ``device`` (``key``: its memo key,
+    :func:`kvbench.cache.devices.device_of`), read-only."""
+    h = head_dim // 2
+    with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
+        return torch.tensor([c for i in range(h) for c in (i, i + h)], device=device)

@@ -88,16 +88,29 @@ class SVDSegment(GroupedSegment):
             return None
         if dispatch.kernels("attention", batch, n) is not None:
             return None
-        k = self.rotary.rotate_rows(self.expand(self.ka, self.kb, block), self.pos, n)
+        k = self._keys(block, n)
         shape = (batch, self.lens.numel() // batch, n, -1)
         basis = None if self.vb is None else self.vb.view(*shape[:2], n // block, *self.vb.shape[1:])
         return partials.partial(query, k.view(shape), self.va.view(shape), scaling, basis=basis)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         block = self.full_groups()
-        k = self.rotary.rotate_rows(self.expand(self.ka, self.kb, block), self.pos, self.row_count())
+        k = self._keys(block, self.row_count())
         v = self.va if self.vb is None else self.expand(self.va, self.vb, block)
         return k.to(dtype), v.to(dtype)
+
+    def _keys(self, block: int | None, per_row: int | None) -> torch.Tensor:
+        """Keys ``(N, D)`` float32 rebuilt from the factors and rotated at the stored positions
+        (``block``, ``per_row``: as :meth:`expand` and :meth:`Rotary.rotate_rows` take them). Under a
+        whole rotation, rebuilt on the blocks' factors with their rows in
+        :meth:`Rotary.pairs_order` (a gather of ``M·D·r`` values, a quarter of a key a token at the
+        default block and rank) and turned by :meth:`Rotary.rotate_pairs`, as
+        :meth:`kvbench.compressors.lowrank.LatentSegment._keys_rows` does: the same keys, bit for bit."""
+        order = self.rotary.pairs_order(self.kb)
+        if order is None:
+            return self.rotary.rotate_rows(self.expand(self.ka, self.kb, block), self.pos, per_row)
+        paired = self.expand(self.ka, self.kb.index_select(1, order), block)
+        return self.rotary.rotate_pairs(paired, self.pos, per_row)
 
 
 def factor_blocks(x: torch.Tensor, block: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
