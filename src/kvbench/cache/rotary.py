@@ -9,6 +9,7 @@ GPT-NeoX with partial rotary) is supported; other models are refused by name.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,10 +17,23 @@ import torch
 from kvbench.cache import devices
 from kvbench.errors import ConfigError
 
-# The last positions whose head-rows all held the same, with that row's angles (cos, sin, and the
-# two as one complex turn once asked for), on the CPU (:meth:`Rotary._row_angles`): at most one
-# entry, outside the cache.
-_ROW_ANGLES: list[tuple[Rotary, object, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]] = []
+
+@dataclass
+class _RowAngles:
+    """One row of positions that every head-row held, with its angles: ``cos`` and ``sin``, and the
+    two as one complex ``turn`` once :meth:`Rotary.rotate_pairs` asks for it."""
+
+    rotary: Rotary
+    device: object
+    pos: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    turn: torch.Tensor | None = None
+
+
+# The last positions whose head-rows all held the same, with that row's angles, on the CPU
+# (:meth:`Rotary._row_angles`): at most one entry, outside the cache.
+_ROW_ANGLES: list[_RowAngles] = []
 
 ROTATE_HALF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt_neox", "gemma", "gemma2", "phi3", "olmo2")
 
@@ -83,21 +97,44 @@ class Rotary:
         not in the cache, so what a cache holds is measured as before (it is one layer's positions
         and one row's angles)."""
         found = self._row_entry(pos)
-        return None if found is None else found[3:5]
+        return None if found is None else (found.cos, found.sin)
 
-    def _row_entry(self, pos: torch.Tensor) -> tuple | None:
+    def _row_entry(self, pos: torch.Tensor) -> _RowAngles | None:
         """:data:`_ROW_ANGLES`' entry for ``pos`` (made if every head-row holds the same positions),
         or None (:meth:`_row_angles`)."""
         device = devices.device_of(pos)
         for entry in _ROW_ANGLES:
-            rotary, where, seen = entry[:3]
-            if rotary is self and where == device and seen.shape == pos.shape and torch.equal(seen, pos):
+            seen = entry.pos
+            if (
+                entry.rotary is self
+                and entry.device == device
+                and seen.shape == pos.shape
+                and torch.equal(seen, pos)
+            ):
                 return entry
         if not torch.equal(pos, pos[:1].expand_as(pos)):
             return None
         cos, sin = self._cos_sin(pos[0], pos.device)
-        _ROW_ANGLES[:] = [(self, device, pos.clone(), cos, sin, [])]
+        _ROW_ANGLES[:] = [_RowAngles(self, device, pos.clone(), cos, sin)]
         return _ROW_ANGLES[0]
+
+    def rotate_rebuilt(
+        self,
+        rebuild: Callable[[torch.Tensor], torch.Tensor],
+        basis: torch.Tensor,
+        pos: torch.Tensor,
+        per_row: int | None,
+    ) -> torch.Tensor:
+        """:meth:`rotate_rows` of keys that ``rebuild`` makes, float32, from ``basis`` ``(H, D, r)``
+        (each key channel a product with one row of it). Under a whole rotation, rebuilt on the
+        basis with its rows in :meth:`pairs_order` (one gather of its values), so each pair the
+        rotation turns together comes out side by side, and turned by :meth:`rotate_pairs` (a
+        complex product and a copy, where the channels in their usual order take six operations):
+        the same keys, bit for bit (a product's rows in another order are the same sums)."""
+        order = self.pairs_order(basis)
+        if order is None:
+            return self.rotate_rows(rebuild(basis), pos, per_row)
+        return self.rotate_pairs(rebuild(basis.index_select(1, order)), pos, per_row)
 
     def pairs_order(self, like: torch.Tensor) -> torch.Tensor | None:
         """The channel order ``[0, D/2, 1, D/2 + 1, ...]`` that puts each pair a rotation turns
@@ -126,9 +163,9 @@ class Rotary:
             p = pos.view(-1, per_row)
             entry = self._row_entry(p) if p.shape[0] > 1 else None
             if entry is not None:  # one row's turn for every head-row, made once for the step's layers
-                if not entry[5]:
-                    entry[5].append(torch.complex(entry[3], entry[4]))
-                turn, shape = entry[5][0], (p.shape[0], per_row, h, 2)
+                if entry.turn is None:
+                    entry.turn = torch.complex(entry.cos, entry.sin)
+                turn, shape = entry.turn, (p.shape[0], per_row, h, 2)
         if turn is None:
             turn, shape = torch.complex(*self._cos_sin(pos, x.device)), (*x.shape[:-1], h, 2)
         z = torch.view_as_complex(x.view(shape)) * turn

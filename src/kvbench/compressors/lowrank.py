@@ -223,12 +223,7 @@ class LatentSegment(RowCounts, Segment):
         n = self.row_count()
         if n is None:  # head-rows of different lengths: flat
             kl, vl = self.latents()
-            order = self.rotary.pairs_order(self.kbasis)
-            if order is None:
-                k = self.rotary.rotate_rows(self._expand(kl, self.kbasis), self.pos, None)
-            else:  # rebuilt with each rotated pair side by side (:meth:`_keys_rows`)
-                paired = self._expand(kl, self.kbasis.index_select(1, order))
-                k = self.rotary.rotate_pairs(paired, self.pos, None)
+            k = self.rotary.rotate_rebuilt(lambda basis: self._expand(kl, basis), self.kbasis, self.pos, None)
             return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
         kl, vl = self.latents(per_row=True)  # each head-row's tokens in place, nothing unpacked
         k, v = self._keys_rows(kl, n), self._expand_rows(vl, self.vbasis)
@@ -249,18 +244,10 @@ class LatentSegment(RowCounts, Segment):
 
     def _keys_rows(self, klat: torch.Tensor, n: int) -> torch.Tensor:
         """Keys ``(BH, n, D)`` float32 rebuilt from key latents ``(BH, n, rk)`` and rotated at the
-        stored positions, each head-row's ``n`` tokens read in place.
-
-        Under a whole rotation, rebuilt on the basis with its rows in :meth:`Rotary.pairs_order`
-        (one small gather of ``H·D·r`` values), so each pair the rotation turns together comes out
-        side by side, and turned by :meth:`Rotary.rotate_pairs` (a complex product and a copy, where
-        the channels in their usual order take six operations): the same keys, bit for bit (a
-        product's rows in another order are the same sums)."""
+        stored positions, each head-row's ``n`` tokens read in place (:meth:`Rotary.rotate_rebuilt`:
+        the basis' ``H·D·r`` values gathered, then one complex product)."""
         pos = self.per_row_field("pos")
-        order = self.rotary.pairs_order(self.kbasis)
-        if order is None:
-            return self.rotary.rotate_rows(self._expand_rows(klat, self.kbasis), pos, n)
-        return self.rotary.rotate_pairs(self._expand_rows(klat, self.kbasis.index_select(1, order)), pos, n)
+        return self.rotary.rotate_rebuilt(lambda basis: self._expand_rows(klat, basis), self.kbasis, pos, n)
 
     def _expand_rows(self, lat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """``(BH, n, r)`` latents -> ``(BH, n, D)`` float32 on each head-row's basis ``(H, D, r)``."""

@@ -101,16 +101,12 @@ class SVDSegment(GroupedSegment):
 
     def _keys(self, block: int | None, per_row: int | None) -> torch.Tensor:
         """Keys ``(N, D)`` float32 rebuilt from the factors and rotated at the stored positions
-        (``block``, ``per_row``: as :meth:`expand` and :meth:`Rotary.rotate_rows` take them). Under a
-        whole rotation, rebuilt on the blocks' factors with their rows in
-        :meth:`Rotary.pairs_order` (a gather of ``M·D·r`` values, a quarter of a key a token at the
-        default block and rank) and turned by :meth:`Rotary.rotate_pairs`, as
-        :meth:`kvbench.compressors.lowrank.LatentSegment._keys_rows` does: the same keys, bit for bit."""
-        order = self.rotary.pairs_order(self.kb)
-        if order is None:
-            return self.rotary.rotate_rows(self.expand(self.ka, self.kb, block), self.pos, per_row)
-        paired = self.expand(self.ka, self.kb.index_select(1, order), block)
-        return self.rotary.rotate_pairs(paired, self.pos, per_row)
+        (``block``, ``per_row``: as :meth:`expand` and :meth:`Rotary.rotate_rows` take them), by
+        :meth:`Rotary.rotate_rebuilt` (its gather of the blocks' ``M·D·r`` values is a quarter of a
+        key a token at the default block and rank)."""
+        return self.rotary.rotate_rebuilt(
+            lambda kb: self.expand(self.ka, kb, block), self.kb, self.pos, per_row
+        )
 
 
 def factor_blocks(x: torch.Tensor, block: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
