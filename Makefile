@@ -30,8 +30,8 @@ test: setup lint
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
 lint: setup
-	$(BIN)/ruff check src tests scripts kernels
-	$(BIN)/ruff format --check src tests scripts kernels
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
 	$(BIN)/mypy src
 
 wheel-check: setup

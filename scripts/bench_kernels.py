@@ -52,7 +52,7 @@ here, said so).
 On a CPU there are no Triton figures: the script times the torch paths at the smaller contexts and
 says that GPU figures need a GPU.
 
-``--table kernels/dispatch_table.json`` (on a GPU) writes the torch/triton ratio of every row, per
+``--table src/kvbench/kernels/dispatch_table.json`` (on a GPU) writes the torch/triton ratio of every row, per
 batch and context, as this GPU's entry of the table ``kernels=auto`` reads, with the commit, date,
 torch and Triton versions and this command (docs/kernels.md, "Which path kernels=auto takes").
 
@@ -429,7 +429,7 @@ def main() -> int:
         type=Path,
         default=None,
         help="on a GPU: write this GPU's ratios into the dispatch table at this path "
-        "(kernels/dispatch_table.json: what kernels=auto reads)",
+        "(src/kvbench/kernels/dispatch_table.json: what kernels=auto reads)",
     )
     args = ap.parse_args()
     if args.check and not dispatch.interpreted():

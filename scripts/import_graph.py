@@ -13,8 +13,8 @@ lines per file.
 
 tests/test_layering.py asserts on (a), (b) and (d).
 
-Project modules are those under ``src/kvbench``, ``src/hydra_plugins`` and ``kernels`` (shipped as
-``kvbench.kernels``). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
+Project modules are those under ``src/kvbench`` and ``src/hydra_plugins``. ``from pkg import name``
+is an edge to ``pkg.name`` when that is a module,
 else to ``pkg``. As in import-linter, importing ``a.b.c`` is an edge to ``a.b.c`` only, not to the
 packages ``a`` and ``a.b`` whose ``__init__`` Python also runs. Imports under ``if TYPE_CHECKING:``
 never run and are left out.
@@ -36,7 +36,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {
     ROOT / "src" / "kvbench": "kvbench",
     ROOT / "src" / "hydra_plugins": "hydra_plugins",
-    ROOT / "kernels": "kvbench.kernels",
 }
 # The layering, top to bottom: a module may import its own layer and those below it. A module
 # belongs to the layer naming its longest prefix. Reports read records only: below them is storage.

@@ -18,7 +18,7 @@ started=$SECONDS
 
 # The build runs on a copy: it writes build/ and *.egg-info beside the sources.
 mkdir "$WORK/src" "$WORK/run"
-tar -C "$ROOT" --exclude='*.egg-info' --exclude=__pycache__ -cf - pyproject.toml README.md src conf kernels |
+tar -C "$ROOT" --exclude='*.egg-info' --exclude=__pycache__ -cf - pyproject.toml README.md src conf |
     tar -C "$WORK/src" -xf -
 if ! "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$WORK/src" >"$WORK/build.log" 2>&1; then
     cat "$WORK/build.log"

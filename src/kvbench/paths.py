@@ -1,7 +1,7 @@
 """Where kvbench's Hydra configs are: the one place that says so.
 
 ``conf/`` lives at the repository's top level and is shipped inside the package as ``kvbench/conf``
-(pyproject maps it, as ``kernels/`` is mapped to ``kvbench.kernels``). An installed wheel finds it
+(pyproject maps it). An installed wheel finds it
 beside this file; a checkout (an editable install, or ``src`` on the path) finds it two folders up.
 """
 

@@ -193,11 +193,12 @@ def kernels(name: str, batch: int | None = None, slots: int | None = None) -> Mo
         triton = cell.step  # inside a step's gather: only states the step's merge reads (see step)
     else:
         key = (name, cell.device, batch, slots)
-        triton = _DECIDED.get(key)
-        if triton is None:
+        decided = _DECIDED.get(key)
+        if decided is None:
             if len(_DECIDED) >= _DECIDED_MAX:
                 _DECIDED.clear()
-            triton = _DECIDED[key] = choose(table(), cell.device, name, batch, slots)
+            decided = _DECIDED[key] = choose(table(), cell.device, name, batch, slots)
+        triton = decided
     cell.taken.add((name, "triton" if triton else "torch"))
     return importlib.import_module(f"kvbench.kernels.{name}") if triton else None
 

@@ -460,7 +460,11 @@ def prepare(
     if positions is not None:
         kpos = positions.key if positions.key.stride(-1) == 1 else positions.key.contiguous()
         qpos = positions.query if positions.query.stride(-1) == 1 else positions.query.contiguous()
-    pos_strides = (kpos.stride(0), kpos.stride(1), qpos.stride(0)) if kpos is not None else (0, 0, 0)
+    pos_strides = (
+        (kpos.stride(0), kpos.stride(1), qpos.stride(0))
+        if kpos is not None and qpos is not None
+        else (0, 0, 0)
+    )
     window = positions.window if positions is not None and positions.window is not None else 0
     m = out.m
     if not (m.shape[1] and t and read):
