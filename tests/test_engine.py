@@ -82,12 +82,25 @@ def test_compressed_cache_refuses_crop_and_beam(tiny):
         cache.reorder_cache(torch.tensor([0]))
 
 
-def test_kernels_folder_does_not_shadow_hf_kernels():
-    import transformers.utils.import_utils as iu
+def test_no_folder_of_the_checkout_shadows_an_installed_package():
+    """Run from the checkout's root (``python -m kvbench``, ``python -m pytest``: the working folder
+    is on ``sys.path``), no folder of kvbench's is imported in place of an installed package. The
+    Triton kernels live inside the package (``src/kvbench/kernels``): as a top-level ``kernels/``
+    they were imported in place of Hugging Face's ``kernels``, which transformers 5.25 imports when
+    it builds a model."""
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    import kvbench.kernels  # noqa: F401
+    import kvbench.kernels
 
-    assert not iu.is_kernels_available()
+    root = Path(__file__).resolve().parents[1]
+    assert not [p.name for p in root.iterdir() if (p / "__init__.py").exists()]  # no package at the top
+    code = "import importlib.util as u; s = u.find_spec('kernels'); print(s.origin if s else '')"
+    found = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    origin = found.stdout.strip()  # an installed package's, or none
+    assert not origin or "site-packages" in Path(origin).parts, origin
+    assert Path(kvbench.kernels.__file__).parent == root / "src" / "kvbench" / "kernels"
 
 
 @pytest.mark.parametrize("case", ["causal", "ragged", "window", "bias", "decode"])
