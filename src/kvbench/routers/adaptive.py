@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvbench.cache import devices
 from kvbench.cache.reads import read_all
 from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
@@ -49,9 +50,12 @@ def top_p_choice(
         if top_p >= 1:
             return choice_at(score, order[..., :hi], None, pad)
         lo = min(k_min, hi)
-        # place i (lo <= i < hi) is read iff the mass of places 0 .. i - 1 is under top_p
+        # place i (lo <= i < hi) is read iff the mass of places 0 .. i - 1 is under top_p; the
+        # comparison is written after the ``lo`` places always read (no pad of its own)
         mass = sorted_p[..., : hi - 1].cumsum(-1)[..., lo - 1 :]
-        return choice_at(score, order[..., :hi], torch.constant_pad_nd(mass < top_p, (lo, 0), True), pad)
+        read = read_places(mass, lo)
+        torch.lt(mass, top_p, out=read[..., lo:])
+        return choice_at(score, order[..., :hi], read, pad)
     assert n is not None  # some score may not be finite: counted
     k: torch.Tensor
     if top_p < 1:
@@ -63,6 +67,26 @@ def top_p_choice(
     rank = order.argsort(-1)  # each expert's place in ``order`` (the inverse permutation)
     chosen = (rank < k) & every
     return pad_choice(chosen) if pad else chosen
+
+
+_PLACES: dict[tuple[Any, ...], torch.Tensor] = {}
+
+
+def read_places(mass: torch.Tensor, lo: int) -> torch.Tensor:
+    """A held bool buffer ``(..., lo + n)`` for ``mass`` ``(..., n)``, its first ``lo`` columns
+    True: :func:`top_p_choice` writes its comparison into the other columns, where a pad of the
+    comparison's result would be one operation more a call. Made once per shape, device and
+    ``lo``; each call's values are copied out by the choice's scatter before the next call writes
+    them (on a GPU, in stream order)."""
+    key = (mass.shape, devices.device_of(mass), lo)
+    held = _PLACES.get(key)
+    if held is None:
+        if len(_PLACES) >= 64:  # chunks of many lengths: start over rather than grow
+            _PLACES.clear()
+        with torch.inference_mode(False):  # a plain tensor, written inside or outside a forward
+            held = torch.ones(*mass.shape[:-1], lo + mass.shape[-1], dtype=torch.bool, device=mass.device)
+        _PLACES[key] = held
+    return held
 
 
 def mean_per_query(chosen: list[torch.Tensor]) -> list[torch.Tensor]:
