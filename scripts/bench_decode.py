@@ -19,17 +19,32 @@
     SDPA, or kvbench's engine with its read selection), the technique hooks after the forward, and
     the rest (the model's own layers and the loop, the same on both sides); what a technique adds
     beyond transformers' step is in the first three.
+(4) With --instructions, the host's work counted, not timed: on (2)'s model, the instructions the
+    host executes per decode step (valgrind's callgrind, --instr-steps steps after a warm-up, each
+    stack and transformers in a process of its own, two at a time), their ratio to transformers'
+    and what each stack adds beyond transformers' step, split by where it runs: the Python
+    interpreter, torch (its dispatch, allocation and the operations' own loops) and the C library
+    (memory allocation). Repeatable to about 0.2 % from run to run, whatever else the machine does,
+    where a timed ratio strays by 0.05x: for comparing two versions of the code side by side. An
+    instruction is not a time (a cache miss or a branch costs more than it counts), so the targets
+    stay (2)'s. Needs valgrind (Debian's package); says so and skips (4) without it.
 
     python scripts/bench_decode.py [--only scheduler/h2o,compressor/quantized] [--contexts 1000,2000]
         [--host-context 256] [--steps 32] [--rounds 3] [--skip-host] [--skip-counts] [--budget 0.5]
-        [--parts]
+        [--parts] [--instructions] [--instr-steps 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 from hydra import initialize_config_dir
@@ -165,6 +180,121 @@ def where(lm, model, stacks: dict, ids: list[int], steps: int) -> None:
         row(name or FULL, mine, f"{mine.step - plain.step:+7.2f}")
 
 
+# (4): where an instruction runs, by the file name of its object (the split printed)
+_PLACES = (("python", ("libpython",)), ("torch", ("libtorch", "libc10")), ("libc", ("libc.so", "ld-linux")))
+
+
+def _instr_child(name: str, steps: int, marks: Path, context: int, budget: float) -> None:
+    """(4)'s measured process, run under callgrind with its instrumentation off: warm up, then
+    ``steps`` decode steps between the marks the parent answers by turning it on and off."""
+    torch.set_num_threads(1)
+    config.register()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        lm = models.load(stepcost.model_config(stepcost.HOST_MODEL), "cpu")
+        ids = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(1)).tolist()
+        if name == PLAIN:
+            step = stepcost.plain_stepper(lm, stepcost.plain_model(lm), ids)
+        else:
+            stack = stepcost.technique_stack(lm, None if name == FULL else name, budget, tiny=True)
+            step = stepcost.kvbench_stepper(lm, stack, ids)
+    for _ in range(8):
+        step()
+
+    def mark(what: str, wait: str) -> None:
+        (marks / what).touch()
+        while not (marks / wait).exists():
+            time.sleep(0.02)
+
+    mark("ready", "go")
+    for _ in range(steps):
+        step()
+    mark("done", "end")
+
+
+def _split(out: Path) -> dict[str, int]:
+    """Instructions of a callgrind output file, in all and by :data:`_PLACES` (``callgrind_annotate``)."""
+    text = subprocess.run(
+        ["callgrind_annotate", "--inclusive=no", "--threshold=100", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    split = dict.fromkeys(["all", *(p for p, _ in _PLACES), "other"], 0)
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d,]+) \(.*?\)\s+(.*)$", line)
+        if not m:
+            continue
+        n, where = int(m.group(1).replace(",", "")), m.group(2)
+        if where.strip() == "PROGRAM TOTALS":
+            split["all"] = n
+            continue
+        obj = re.search(r"\[([^\]]+)\]\s*$", where)
+        lib = Path(obj.group(1)).name if obj else ""
+        place = next((p for p, keys in _PLACES if any(lib.startswith(k) for k in keys)), "other")
+        split[place] += n
+    return split
+
+
+def _instr_run(name: str, steps: int, context: int, budget: float, work: Path) -> subprocess.Popen:
+    marks = work / re.sub(r"\W", "_", name)
+    marks.mkdir()
+    child = [sys.executable, __file__, "--instr-child", name, "--instr-steps", str(steps)]
+    child += ["--instr-marks", str(marks), "--host-context", str(context), "--budget", str(budget)]
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={marks}/out"]
+    with open(marks / "log", "w") as log:  # the child keeps its own copy of the file
+        return subprocess.Popen([*cmd, *child], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _instr_drive(name: str, proc: subprocess.Popen, work: Path) -> dict[str, int]:
+    """Turn the instrumentation of ``proc`` on and off at its marks; its split per step."""
+    marks = work / re.sub(r"\W", "_", name)
+
+    def wait(what: str) -> None:
+        while not (marks / what).exists():
+            if proc.poll() is not None:
+                tail = (marks / "log").read_text()[-2000:]
+                raise RuntimeError(f"{name}: the measured process ended (exit {proc.returncode}): {tail}")
+            time.sleep(0.05)
+
+    wait("ready")
+    subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], capture_output=True, check=True)
+    (marks / "go").touch()
+    wait("done")
+    subprocess.run(["callgrind_control", "-i", "off", str(proc.pid)], capture_output=True, check=True)
+    (marks / "end").touch()
+    proc.wait()
+    return _split(marks / "out")
+
+
+def instructions(names: list[str | None], context: int, steps: int, budget: float) -> None:
+    if not (shutil.which("valgrind") and shutil.which("callgrind_control")):
+        print("(4) skipped: valgrind is not installed (apt-get install valgrind)")
+        return
+    labels = [PLAIN, *(n or FULL for n in names)]
+    splits: dict[str, dict[str, int]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvbench-instr-") as tmp:
+        work = Path(tmp)
+        for i in range(0, len(labels), 2):  # two processes at a time: one a core
+            batch = labels[i : i + 2]
+            print(f"(4) counting {', '.join(batch)}", file=sys.stderr, flush=True)
+            procs = {n: _instr_run(n, steps, context, budget, work) for n in batch}
+            for n, proc in procs.items():
+                splits[n] = {k: v // steps for k, v in _instr_drive(n, proc, work).items()}
+    plain = splits[PLAIN]
+    places = [p for p, _ in _PLACES] + ["other"]
+    print(
+        f"(4) host instructions per decode step, {context}-token context, one thread, {steps} steps counted "
+        f"(callgrind): transformers {plain['all'] / 1e6:.2f} M; beyond transformers', M per step, by where "
+        "they run"
+    )
+    head = " ".join(f"{p:>7s}" for p in places)
+    print(f"  {'stack':28s} {'M/step':>7s} {'ratio':>6s} {head}")
+    for n in labels[1:]:
+        row = splits[n]
+        beyond = " ".join(f"{(row[p] - plain[p]) / 1e6:+7.2f}" for p in places)
+        print(f"  {n:28s} {row['all'] / 1e6:7.2f} {row['all'] / plain['all']:5.2f}x {beyond}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -178,7 +308,14 @@ def main() -> None:
     ap.add_argument("--skip-counts", action="store_true")
     ap.add_argument("--skip-host", action="store_true")
     ap.add_argument("--parts", action="store_true", help="(3): time each side's step in its parts, after (2)")
+    ap.add_argument("--instructions", action="store_true", help="(4): count the host's instructions per step")
+    ap.add_argument("--instr-steps", type=int, default=20, help="(4): decode steps counted per stack")
+    ap.add_argument("--instr-child", default=None, help=argparse.SUPPRESS)  # (4)'s measured process
+    ap.add_argument("--instr-marks", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.instr_child is not None:
+        _instr_child(args.instr_child, args.instr_steps, args.instr_marks, args.host_context, args.budget)
+        return
     known = stepcost.catalog()
     only = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else known
     if unknown := sorted(set(only) - set(known)):
@@ -187,8 +324,11 @@ def main() -> None:
         raise SystemExit(
             "--parts times the host part (2)'s steps in their parts: it cannot go with --skip-host"
         )
-    if args.rounds < 1 or args.steps < 1:
-        raise SystemExit(f"--rounds={args.rounds}, --steps={args.steps}: each must be >= 1")
+    if args.rounds < 1 or args.steps < 1 or args.instr_steps < 1:
+        raise SystemExit(
+            f"--rounds={args.rounds}, --steps={args.steps}, --instr-steps={args.instr_steps}: "
+            "each must be >= 1"
+        )
     names: list[str | None] = [None, *only]
     config.register()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -198,6 +338,8 @@ def main() -> None:
         if not args.skip_host:
             torch.set_num_threads(1)
             host(names, args.host_context, args.steps, args.rounds, args.budget, args.parts)
+    if args.instructions:
+        instructions(names, args.host_context, args.instr_steps, args.budget)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ printed by the benchmark; the full cache's launch target is asserted below.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -276,6 +277,33 @@ def test_the_benchmark_runs_and_prints_both_parts():
     assert "within their launch target" in out and "within their host-time target" in out, out
     assert "rounds (lowest-highest)" in out, out  # the spread of the rounds beside each median ratio
     assert "(3) where the host's time goes" in out and "transformers (beside)" in out, out
+
+
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian's package)")
+def test_the_benchmark_counts_the_hosts_instructions():
+    """``--instructions``: each stack's and transformers' host instructions per decode step, counted by
+    callgrind in processes of their own, their ratio and what a stack adds, split by where it runs."""
+    got = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_decode.py"),
+            *("--only", "scheduler/streaming_llm", "--host-context", "32"),
+            *("--skip-counts", "--skip-host", "--instructions", "--instr-steps", "1"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    rows = {line.split()[0]: line.split() for line in got.stdout.splitlines() if line.startswith("  ")}
+    assert "(4) host instructions per decode step" in got.stdout, got.stdout
+    for name in ("scheduler/streaming_llm",):
+        m_step, ratio, python, torch_, libc, other = rows[name][1:]
+        assert float(m_step) > 1 and 1.0 < float(ratio.rstrip("x")) < 3.0, rows[name]
+        # what it adds runs in Python and in torch
+        assert float(python) > 0 and float(torch_) > 0, rows[name]
+    full = next(line.split() for line in got.stdout.splitlines() if line.startswith("  full cache"))
+    assert 0.9 < float(full[3].rstrip("x")) < 1.1, full  # the full cache about transformers' work
 
 
 def test_paired_steps_time_one_step_of_each_side_in_turn():
