@@ -631,6 +631,14 @@ class ExpertRouter(Router):
         """
         chosen = routing.chosen
         b, h, q, _ = chosen.shape
+        if q == 1 and len(store.segments) == 1 and one_step(store, qpos):
+            # a decode step over full rows of one segment: every query real, every stored token
+            # visible and costing the same bytes; its figures made when settled, many at once
+            fp, count = store.fp, routing.count
+            reads = StepReads(fp.token_nbytes(), None, count, b * h * fp.rows.width, b)
+            if self.meter.add(_Call(layer, chosen, reads, None, float(b * h), count, routing.experts.routed)):
+                self._settle()
+            return
         whole = every_query_real(store, qpos)
         read: torch.Tensor | None = None
         fraction: torch.Tensor | None = None
@@ -643,18 +651,11 @@ class ExpertRouter(Router):
             frac = read / routing.experts.routed
             weight = (qpos >= 0)[:, None, :].expand_as(frac).float()
             fraction, total = (frac * weight).sum(), weight.sum()
-        reads: ReadCount | StepReads
-        if len(store.segments) == 1 and one_step(store, qpos):
-            # one step over full rows of one segment: every stored token is visible, and each
-            # costs the same bytes
-            fp = store.fp
-            reads = StepReads(fp.token_nbytes(), read, routing.count, b * h * q * fp.rows.width, b * q)
-        else:
-            reads = count_reads(store, routing.mask, qpos)
+        counted = count_reads(store, routing.mask, qpos)
         if fraction is None:
-            call = _Call(layer, chosen, reads, None, total, routing.count, routing.experts.routed)
+            call = _Call(layer, chosen, counted, None, total, routing.count, routing.experts.routed)
         else:
-            call = _Call(layer, chosen, reads, fraction, total)
+            call = _Call(layer, chosen, counted, fraction, total)
         if self.meter.add(call):
             self._settle()
 
