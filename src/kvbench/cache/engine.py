@@ -394,7 +394,7 @@ class KVCache(Cache):
         they are. The same reads as the masked read's: every slot is a token, so the mask is the
         selector's alone, and no bias exists."""
         kernel = dispatch.kernels("attention", store.batch, store.columns())
-        if _pageable(plan, layer):
+        if kernel is not None and _pageable(plan, layer):  # pages on the Triton path only
             paged = self._paged_step(layer, store, query, scaling, plan, kernel)
             if paged is not None:
                 return paged
