@@ -818,9 +818,9 @@ class PositionExperts:
         """
         n, experts = hi - lo, self.num_experts
         width = store.columns()
-        column = torch.full((width,), experts, dtype=torch.long, device=store.device)
-        if n:
-            column[lo:hi] = torch.arange(0, n * experts, experts, device=store.device) // n
+        # ranks times E, a strided view of the held arange (no launch), over n; E at either side
+        ranks = devices.arange(n * experts, store.last_qpos)[::experts]
+        column = torch.constant_pad_nd(torch.floor_divide(ranks, n), (lo, width - hi), experts)
         return column.expand(store.batch, store.kv_heads, 1, width), n >= experts
 
     def most_read(self) -> int:
