@@ -982,3 +982,26 @@ def test_a_top_p_choice_of_finite_scores_takes_the_first_of_its_order():
         padded = top_p_choice(score, p, 1.0, k_min, k_max, True, pad=True)
         assert torch.equal(padded[..., :e], want) and bool(padded[..., e].all())
         assert torch.equal(top_p_choice(score, p, 1.0, k_min, k_max, pad=True)[..., :e], want)
+
+
+def test_a_steps_blocks_are_one_division_of_the_held_ranks_padded():
+    """A position router's column of blocks for a step (:meth:`PositionExperts.column_blocks`): the
+    routed column of rank ``r`` holds block ``r · E // n``, the others ``E``; made by one division of
+    the held ``rank · E`` and one pad (two launches a step, not a fill, an arange, a division and a
+    copy), whole numbers as the definition gives them."""
+    from types import SimpleNamespace
+
+    from kvbench.eval.stepcost import LaunchCounter
+
+    for n, e, lo, extra in [(0, 8, 3, 5), (1, 8, 0, 0), (7, 8, 4, 16), (100, 16, 4, 16), (1001, 8, 2, 1)]:
+        width = lo + n + extra
+        qpos = torch.zeros(2, 1, dtype=torch.long)
+        store = SimpleNamespace(columns=lambda width=width: width, batch=2, kv_heads=3, last_qpos=qpos)
+        router = BaseRouter(num_experts=e)
+        router.column_blocks(store, lo, lo + n)  # the held ranks made once, when first asked
+        with torch.inference_mode(), LaunchCounter() as counter:
+            column, none_empty = router.column_blocks(store, lo, lo + n)
+        want = torch.full((width,), e)
+        want[lo : lo + n] = torch.arange(n) * e // max(n, 1)
+        assert torch.equal(column, want.expand(2, 3, 1, width)) and none_empty == (n >= e)
+        assert counter.ops == 2, counter.by_op
