@@ -235,8 +235,8 @@ def _split(out: Path) -> dict[str, int]:
     return split
 
 
-def _instr_run(name: str, steps: int, context: int, budget: float, work: Path) -> subprocess.Popen:
-    marks = work / re.sub(r"\W", "_", name)
+def _instr_run(name: str, steps: int, context: int, budget: float, marks: Path) -> subprocess.Popen:
+    """(4)'s measured process for ``name``, under callgrind, its marks and output in ``marks``."""
     marks.mkdir()
     child = [sys.executable, __file__, "--instr-child", name, "--instr-steps", str(steps)]
     child += ["--instr-marks", str(marks), "--host-context", str(context), "--budget", str(budget)]
@@ -245,9 +245,8 @@ def _instr_run(name: str, steps: int, context: int, budget: float, work: Path) -
         return subprocess.Popen([*cmd, *child], stdout=log, stderr=subprocess.STDOUT)
 
 
-def _instr_drive(name: str, proc: subprocess.Popen, work: Path) -> dict[str, int]:
+def _instr_drive(name: str, proc: subprocess.Popen, marks: Path) -> dict[str, int]:
     """Turn the instrumentation of ``proc`` on and off at its marks; its split per step."""
-    marks = work / re.sub(r"\W", "_", name)
 
     def wait(what: str) -> None:
         while not (marks / what).exists():
@@ -277,9 +276,10 @@ def instructions(names: list[str | None], context: int, steps: int, budget: floa
         for i in range(0, len(labels), 2):  # two processes at a time: one a core
             batch = labels[i : i + 2]
             print(f"(4) counting {', '.join(batch)}", file=sys.stderr, flush=True)
-            procs = {n: _instr_run(n, steps, context, budget, work) for n in batch}
+            marks = {n: work / re.sub(r"\W", "_", n) for n in batch}
+            procs = {n: _instr_run(n, steps, context, budget, marks[n]) for n in batch}
             for n, proc in procs.items():
-                splits[n] = {k: v // steps for k, v in _instr_drive(n, proc, work).items()}
+                splits[n] = {k: v // steps for k, v in _instr_drive(n, proc, marks[n]).items()}
     plain = splits[PLAIN]
     places = [p for p, _ in _PLACES] + ["other"]
     print(

@@ -45,8 +45,8 @@ BUDGET = 0.5
 CEILINGS: dict[str | None, tuple[float, float]] = {
     None: (-0.25, 0.2),
     # version 3: its scale in the step's weights, a shorter top-p; its comparison written after the
-    # places always read, in a held buffer (no pad). The position routers' blocks: a division of a
-    # strided view of the held arange, padded with E, two launches a step (2026-12-07)
+    # places always read, in a held buffer (no pad). The position routers' blocks: a division of the
+    # held ranks times E, padded with E, two launches a step (2026-12-07)
     "router/adaptive": (13.0, 0.34),
     "router/base": (9.75, 0.34),
     "router/eplb": (21.75, 1.25),

@@ -17,18 +17,19 @@ def device_of(t: torch.Tensor) -> object:
     return t.device
 
 
-_COUNTS: dict[tuple[object, torch.dtype], torch.Tensor] = {}
+_COUNTS: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
-def arange(n: int, like: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """``torch.arange(n)`` in ``dtype`` on ``like``'s device, as a slice of one tensor kept per device
-    and dtype (grown to twice what was asked when too short): no launch per call. Read-only: its
-    callers compare, index or expand it, never write into it."""
-    key = (device_of(like), dtype)
+def arange(n: int, like: torch.Tensor, dtype: torch.dtype = torch.long, step: int = 1) -> torch.Tensor:
+    """``torch.arange(0, n * step, step)`` in ``dtype`` on ``like``'s device, as a slice of one tensor
+    kept per device, dtype and step (grown to twice what was asked when too short): no launch per
+    call. Read-only: its callers compare, index or expand it, never write into it."""
+    key = (device_of(like), dtype) if step == 1 else (device_of(like), dtype, step)
     held = _COUNTS.get(key)
     if held is None or held.shape[0] < n:
+        size = max(2 * n, 1024)
         with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
-            held = _COUNTS[key] = torch.arange(max(2 * n, 1024), device=like.device, dtype=dtype)
+            held = _COUNTS[key] = torch.arange(0, size * step, step, device=like.device, dtype=dtype)
     return held[:n]
 
 

@@ -32,7 +32,7 @@ from kvbench.cache.positions import step_positions
 from kvbench.cache.rows import Columns, Rows, true_slots
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
 from kvbench.cache.side import SideData, TokenState
-from kvbench.cache.surface import Build
+from kvbench.cache.surface import Build, every_position
 from kvbench.cache.view import JoinedRows, PaddedView, decode_rows, padded_view
 
 S = TypeVar("S", bound=SideData)
@@ -488,14 +488,8 @@ class LayerStore:
         ``qpos`` is the whole last chunk, else None. Stores with the same key (the layers of one
         step) have the same stored positions, chunk and protected positions, so such derivations
         can be shared."""
-        # every_position(self), read from the store's own fields (asked at every layer of a step)
-        if self._compressed or self.last_padded:
-            return None
-        rows, seen = self._fp.rows, self.seen_host
-        if not (rows.ordered and rows.uniform) or seen.count(rows.width) != len(seen):
-            return None
         shape = qpos.shape
-        if shape != self.last_qpos.shape:
+        if shape != self.last_qpos.shape or not every_position(self):
             return None
         return (self.device, self.batch, self.kv_heads, self._seen_max, shape[1], self.protect_from_host)
 

@@ -158,7 +158,8 @@ def every_position(store: StoreView) -> bool:
     if not store.in_position_order() or store.last_padded:
         return False
     width = store.uniform_tokens()
-    return width is not None and all(n == width for n in store.seen_host)
+    seen = store.seen_host
+    return width is not None and seen.count(width) == len(seen)
 
 
 def members(protocol: type) -> frozenset[str]:

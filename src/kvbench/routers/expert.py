@@ -174,22 +174,6 @@ def block_means(keys: torch.Tensor, eid: torch.Tensor, member: torch.Tensor, exp
     return expert_sums(onehot, keys) / onehot.sum(2).clamp(min=1)[..., None]
 
 
-_RANKS_TIMES: dict[tuple[int, object], torch.Tensor] = {}
-
-
-def ranks_times(n: int, experts: int, like: torch.Tensor) -> torch.Tensor:
-    """``arange(n) * experts`` (long) on ``like``'s device: a prefix of one tensor kept per
-    ``experts`` and device, grown to twice what was asked when too short (read-only; no launch per
-    call, and ``n`` values held, not ``n * experts``)."""
-    key = (experts, devices.device_of(like))
-    held = _RANKS_TIMES.get(key)
-    if held is None or held.shape[0] < n:
-        with torch.inference_mode(False):  # a plain tensor, also when first asked inside a forward
-            held = torch.arange(0, max(2 * n, 1024) * experts, experts, device=like.device)
-        _RANKS_TIMES[key] = held
-    return held[:n]
-
-
 _NO_CHOICE: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
@@ -835,7 +819,7 @@ class PositionExperts:
         n, experts = hi - lo, self.num_experts
         width = store.columns()
         # ranks times E (held: no launch), over n; E at either side
-        ranks = ranks_times(n, experts, store.last_qpos)
+        ranks = devices.arange(n, store.last_qpos, step=experts)
         column = torch.constant_pad_nd(torch.floor_divide(ranks, n), (lo, width - hi), experts)
         return column.expand(store.batch, store.kv_heads, 1, width), n >= experts
 
