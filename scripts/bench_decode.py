@@ -7,6 +7,8 @@
     one launch on a GPU), against plain transformers' (target: the full cache at most 1.0x, every
     technique at most 1.5x), the megabytes written at each context (target: no growth with the
     context beyond a few bytes of per-token state) and the host reads of device values (syncs).
+    In float32 by default; --dtype bfloat16 (or float16) counts the same in the dtype users run on
+    a GPU, where a float32 copy of what a step reads would show as bytes growing with the context.
 (2) Host time: on a random Llama whose arithmetic is negligible (8 layers, hidden 64, 4/2 heads of
     16) at --host-context tokens and one thread, where a step costs what the host spends per
     operation, as a batch-1 step on a GPU: the mean decode step against plain transformers' (target:
@@ -31,6 +33,7 @@
 
     python scripts/bench_decode.py [--only scheduler/h2o,compressor/quantized] [--contexts 1000,2000]
         [--host-context 256] [--steps 32] [--rounds 3] [--skip-host] [--skip-counts] [--budget 0.5]
+        [--dtype float32|bfloat16|float16]
         [--parts] [--instructions] [--instr-steps 20]
 """
 
@@ -63,8 +66,8 @@ def _mark(ratio: float, target: float) -> str:
     return "!" if ratio > target else " "
 
 
-def counts(names: list[str | None], contexts: list[int], budget: float) -> None:
-    lm = models.load(stepcost.model_config(stepcost.LAUNCH_MODEL), "cpu")
+def counts(names: list[str | None], contexts: list[int], budget: float, dtype: str = "float32") -> None:
+    lm = models.load(stepcost.model_config({**stepcost.LAUNCH_MODEL, "dtype": dtype}), "cpu")
     layers = lm.num_layers
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (max(contexts),), generator=gen).tolist()
@@ -74,7 +77,7 @@ def counts(names: list[str | None], contexts: list[int], budget: float) -> None:
     base = plain[last].ops
     mb_cols = " ".join(f"{f'MB@{c}':>8s}" for c in contexts)
     print(
-        f"(1) launches and bytes per layer per decode step: 32/8 heads of 128, budget {budget}, "
+        f"(1) launches and bytes per layer per decode step: 32/8 heads of 128, {dtype}, budget {budget}, "
         f"steps 5-20 after a prefill of {', '.join(map(str, contexts))} tokens"
     )
     print(f"  {'stack':28s} {f'ops@{last}':>8s} {'ratio':>7s}  {mb_cols} {'syncs':>6s}")
@@ -305,6 +308,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32, help="(2): timed decode steps of each side per round")
     ap.add_argument("--rounds", type=int, default=3, help="(2): rounds, each from a fresh prefill")
     ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="(1): the model's dtype",
+    )
     ap.add_argument("--skip-counts", action="store_true")
     ap.add_argument("--skip-host", action="store_true")
     ap.add_argument("--parts", action="store_true", help="(3): time each side's step in its parts, after (2)")
@@ -334,7 +343,8 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         if not args.skip_counts:
             torch.set_num_threads(2)
-            counts(names, sorted(int(c) for c in args.contexts.split(",") if c.strip()), args.budget)
+            contexts = sorted(int(c) for c in args.contexts.split(",") if c.strip())
+            counts(names, contexts, args.budget, args.dtype)
         if not args.skip_host:
             torch.set_num_threads(1)
             host(names, args.host_context, args.steps, args.rounds, args.budget, args.parts)

@@ -123,7 +123,7 @@ def test_a_technique_version_past_one_is_part_of_the_cell_identity(monkeypatch):
     after = ids()
     assert after[0]["stack"]["scheduler"] == {**before[0]["stack"]["scheduler"], "version": 2}
     stages = after[1]["stack"]["compressor"]["stages"]
-    assert stages[0]["version"] == 3 and stages[1]["version"] == 3  # chunkkv at 3 on its own
+    assert stages[0]["version"] == 4 and stages[1]["version"] == 3  # chunkkv at 4 on its own
 
 
 def test_cfg_job_prints_the_composed_config_and_runs_nothing(tmp_path):

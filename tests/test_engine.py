@@ -208,6 +208,31 @@ def test_observers_read_narrow_sub_blocks_as_one_full_block(tech):
             torch.testing.assert_close(one, split, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_observed_logits_are_the_keys_product_in_their_dtype(dtype):
+    """In a bfloat16 or float16 model the logits an observer reads are the product of the stored
+    keys in their dtype (float32 sums rounded once, as eager reference implementations take them),
+    then scaled in float32: bit for bit that, with no float32 copy of the keys written; float32
+    keys give the float32 product as before. Queries of another dtype than the keys (keys rebuilt
+    in float32) multiply in float32."""
+    from kvbench.eval.stepcost import LaunchCounter
+
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 8, 1, 64, generator=gen).to(dtype)
+    key = torch.randn(1, 2, 300, 64, generator=gen).to(dtype)
+    with LaunchCounter() as counter:
+        probs = att.decode_probs(query, key, 0.125)
+    want = (query.view(1, 2, 4, 64) @ key.transpose(-1, -2)).float().mul_(0.125)
+    assert torch.equal(probs, torch.softmax(want.view(1, 2, 4, 1, 300), -1))
+    assert counter.bytes < key.numel() * 4  # a float32 copy of the keys alone would be that
+    q32, k32 = query.float(), key.float()
+    exact = (q32.view(1, 2, 4, 64) @ k32.transpose(-1, -2)).mul_(0.125).view(1, 2, 4, 1, 300)
+    assert torch.equal(att.decode_probs(q32, k32, 0.125), torch.softmax(exact, -1))
+    assert torch.equal(att.decode_probs(query, k32, 0.125), torch.softmax(exact, -1))
+    blocks = list(att.probs_blocks(query, key, lambda s, e: None, 0.125))  # a prefill's blocks alike
+    assert torch.equal(blocks[0][1], probs)
+
+
 @pytest.mark.parametrize("latent", [False, True])
 def test_partials_merged_equal_attention_over_every_slot(latent):
     """A decode step attended part by part (:func:`partials.partial`, ragged slots of one part masked,

@@ -620,7 +620,7 @@ def test_a_group_score_is_one_product_of_the_experts_scores_with_their_shares():
         assert torch.equal(mass.weights.ne(0).any(-1), count > 0)  # an expert weighs in one group
         chosen = group_choice(score, count, groups, top_groups=1, k=1, mass=mass)
         assert not chosen[0, 0, :, :per].any()  # the empty group is never read
-    assert HierarchicalRouter.version == 3
+    assert HierarchicalRouter.version >= 3
 
 
 def test_adaptive_centroids_carry_the_score_scale():
@@ -963,7 +963,16 @@ def test_a_position_block_mean_is_its_keys_weighted_by_one_over_its_size():
             assert torch.equal(router.mean_weights(experts), onehot / experts.size.transpose(-1, -2))
             assert torch.equal(got[..., e - 2 :, :], torch.zeros_like(got[..., e - 2 :, :]))
         assert router._blocks.weights is not None  # kept for the other layers
-    assert BaseRouter.version == 2 and AdaptiveRouter.version == HierarchicalRouter.version == 3
+        # bfloat16 keys (version 3): the weights rounded once and the product in the keys' dtype,
+        # no float32 copy of the keys; the same means within bfloat16 rounding
+        low = SimpleNamespace(keys=lambda keys=keys: keys.bfloat16())
+        router._blocks = _Blocks(None, experts, onehot.bool())
+        got = router.summarize(0, low, experts)
+        weights = (onehot / experts.size.transpose(-1, -2)).bfloat16()
+        assert got.dtype == torch.bfloat16 and router._blocks.weights.dtype == torch.bfloat16
+        assert torch.equal(got, weights.transpose(-1, -2) @ keys.bfloat16())
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    assert BaseRouter.version == 3 and AdaptiveRouter.version == HierarchicalRouter.version == 4
 
 
 def test_a_top_p_choice_of_finite_scores_takes_the_first_of_its_order():

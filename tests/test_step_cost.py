@@ -234,6 +234,53 @@ def test_an_eviction_writes_what_it_evicts_not_its_cache(launch_model, technique
     assert per_token < 160, f"{technique}: {per_token:.0f} bytes per stored token and head-row per step"
 
 
+# Techniques whose decode step rewrites or decodes what it stores, bounded by the tests above and
+# their ceilings instead: the representations decode one copy of what the step reads (quantized,
+# pyramid, pikv; the low-rank ones rebuild their keys and values in float32, pruning its pruned
+# channels, distillation's k-means), and adakv compacts its ragged rows (docs/performance.md).
+REWRITES = {
+    "compressor/distillation",
+    "compressor/lora",
+    "compressor/lora_plus_plus",
+    "compressor/pikv",
+    "compressor/pruning",
+    "compressor/pyramid",
+    "compressor/quantized",
+    "compressor/svd",
+    "scheduler/adakv",
+}
+
+
+@pytest.fixture(scope="module")
+def launch_model_bf16():
+    config.register()
+    spec = {**stepcost.LAUNCH_MODEL, "dtype": "bfloat16"}
+    return models.load(stepcost.model_config(spec), "cpu")
+
+
+@pytest.mark.parametrize("technique", sorted(set(stepcost.catalog()) - REWRITES))
+def test_a_bfloat16_step_writes_no_float32_copy_of_its_cache(launch_model_bf16, technique):
+    """In a bfloat16 model (as users run on a GPU) a step's bytes grow with the context only by
+    per-token state, as in float32: an observer's logits are the product of the stored keys in
+    their dtype, and a position router's block sums too (no float32 copy of the keys, 512 bytes a
+    token and head-row here, made at every layer: 4.8 -> 0.8 MB at 2,000 tokens for `h2o`). Under
+    160 bytes per stored token and head-row, as in float32 (the eviction test above)."""
+    lm = launch_model_bf16
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (2 * CONTEXT,), generator=gen).tolist()
+    stack = stepcost.technique_stack(lm, technique, BUDGET)
+    mb = [
+        stepcost.decode_cost(stepcost.kvbench_run(lm, stack, ids[:n]), lm.num_layers).mb
+        for n in (CONTEXT // 2, CONTEXT)
+    ]
+    rows = stepcost.LAUNCH_MODEL["config"]["num_key_value_heads"]
+    kept = BUDGET if any(t.flags.evicts_tokens for t in stack.pipeline) else 1.0
+    per_token = (mb[1] - mb[0]) * 1e6 / (kept * CONTEXT / 2 * rows)
+    assert per_token < 160, (
+        f"{technique} in bfloat16: {per_token:.0f} bytes per stored token and head-row per step"
+    )
+
+
 @pytest.mark.parametrize("technique", ["compressor/quantized", "compressor/pyramid", "compressor/pikv"])
 def test_a_quantized_cache_decodes_one_copy_of_what_the_step_reads(launch_model, prompt, technique):
     """On the torch path a step decodes its codes once, straight into its slots: one float copy of
@@ -278,6 +325,22 @@ def test_the_benchmark_runs_and_prints_both_parts():
     assert "within their launch target" in out and "within their host-time target" in out, out
     assert "rounds (lowest-highest)" in out, out  # the spread of the rounds beside each median ratio
     assert "(3) where the host's time goes" in out and "transformers (beside)" in out, out
+
+
+def test_the_benchmark_counts_in_the_dtype_asked():
+    """``--dtype bfloat16``: (1)'s launches and bytes on the launch model in bfloat16, said in its
+    heading; an unknown dtype is refused before any model loads."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_decode.py"), "--only", "scheduler/h2o"]
+    got = subprocess.run(
+        [*cmd, "--contexts", "48,64", "--skip-host", "--dtype", "bfloat16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "32/8 heads of 128, bfloat16," in got.stdout and "scheduler/h2o" in got.stdout, got.stdout
+    bad = subprocess.run([*cmd, "--dtype", "float8"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--dtype: invalid choice: 'float8'" in bad.stderr, bad.stderr
 
 
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind (Debian's package)")

@@ -186,11 +186,20 @@ def attend_blocks(
 
 def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> torch.Tensor:
     """``(B, H, g, q, T)`` fp32 logits of grouped queries against per-KV-head keys (None: not yet
-    scaled)."""
+    scaled).
+
+    The product is taken in the keys' dtype as they are stored where the queries share it: in a
+    bfloat16 or float16 model the logits are the product's, rounded to that dtype from its float32
+    sums (as the techniques' reference implementations and transformers' eager attention take
+    them), then converted and scaled in float32. No float32 copy of the keys is made: a decode
+    step would write one at every layer, as large as the keys it reads (issue 29). Queries and
+    keys of different dtypes (keys rebuilt in float32) multiply in float32; in float32 nothing is
+    converted."""
     b, hq, q, d = query.shape
     h = key.shape[1]
-    rows = query.view(b, h, hq // h, q, d).float().reshape(b, h, hq // h * q, d)  # the group's queries
-    logits = rows @ key.float().transpose(-1, -2)
+    dtype = key.dtype if query.dtype == key.dtype else torch.float32
+    rows = query.view(b, h, hq // h, q, d).to(dtype).reshape(b, h, hq // h * q, d)  # the group's queries
+    logits = (rows @ key.to(dtype).transpose(-1, -2)).float()
     if scaling is not None:  # in place: a second (B, H, g, q, T) buffer costs as much as the product
         logits.mul_(scaling)
     return logits.view(b, h, hq // h, q, key.shape[2])
@@ -218,7 +227,6 @@ def probs_blocks(
     """
     b, hq, q, _ = query.shape
     t = key.shape[2]
-    key = key.float()  # once for every block (itself when float32)
     block = max(1, _BLOCK_ELEMS // max(1, b * hq * t))
     for start in range(0, q, block):
         stop = min(q, start + block)

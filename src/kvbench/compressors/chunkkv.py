@@ -76,7 +76,8 @@ class ChunkKVCompressor(Allocated, ObservationWindow, Compressor):
     name: str = "chunkkv"
     # 2: the decode step of issue 29 (CHANGELOG.md); 3: a decode step's few leaving tokens go as
     # drops (the last tokens into the freed slots), not a compaction (issue 29)
-    version = 3
+    # 4: its logits in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
+    version = 4
     chunk_size: int = 10
     reuse_layers: int = 1
     obs_window: int = 16

@@ -38,7 +38,8 @@ class FastVCompressor(Compressor):
     name: str = "fastv"
     # 2: the decode step of issue 29 (CHANGELOG.md); 3: a decode step's few leaving tokens go as
     # drops (the last tokens into the freed slots), not a compaction (issue 29)
-    version = 3
+    # 4: its logits in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
+    version = 4
     layer: int = 2
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
     _score: torch.Tensor | None = field(default=None, init=False, repr=False)  # (B, P) the last query's

@@ -56,7 +56,8 @@ class PiKVCompressor(Allocated, Compressor):
     name: str = "pikv"
     # 2: the decode step of issue 29; 3: a selection kept where the slots are out of position order
     # breaks ties by position, as its evictions do (CHANGELOG.md)
-    version = 3
+    # 4: its logits in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
+    version = 4
     key_bits: int = 2
     value_bits: int = 2
     guard: float = 0.5

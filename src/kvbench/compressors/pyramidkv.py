@@ -21,7 +21,8 @@ class PyramidKVCompressor(SnapKVCompressor):
     name: str = "pyramidkv"
     # 2: the decode step of issue 29; 3: a selection kept where the slots are out of position order
     # breaks ties by position, as its evictions do (CHANGELOG.md)
-    version = 3
+    # 4: its logits in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
+    version = 4
     allocation: str = "pyramid"
 
     def check_knobs(self) -> None:

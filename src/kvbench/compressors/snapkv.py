@@ -41,7 +41,8 @@ class SnapKVCompressor(ScoredSelection, Allocated, ObservationWindow, Compressor
     name: str = "snapkv"
     # 2: the decode step of issue 29; 3: a selection kept where the slots are out of position order
     # breaks ties by position, as its evictions do (CHANGELOG.md)
-    version = 3
+    # 4: its logits in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
+    version = 4
     obs_window: int = 16
     pool: int = 7
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)

@@ -134,7 +134,8 @@ class SVDCompressor(Compressor):
     # 2: a long decode step read as one softmax over the factored blocks and the full-precision rows
     # (issue 29, CHANGELOG.md); 3: a bare decode step decodes the layer without a view: resident
     # bytes only (issue 29)
-    version = 3
+    # 4: the window's logits in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
+    version = 4
     key_rank: int = 16
     value_rank: int | None = 32
     block_size: int = 64

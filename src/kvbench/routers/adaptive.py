@@ -17,7 +17,14 @@ from kvbench.cache import devices
 from kvbench.cache.reads import read_all
 from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
-from kvbench.routers.expert import ExpertRouter, Experts, PositionExperts, choice_at, expert_sums, pad_choice
+from kvbench.routers.expert import (
+    ExpertRouter,
+    Experts,
+    PositionExperts,
+    choice_at,
+    pad_choice,
+    weighted_keys,
+)
 
 
 def top_p_choice(
@@ -116,7 +123,8 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
     # 2: a block's mean key as its keys weighted by 1 / its size; 3: the score scale folded into
     # those weights, the mass before a place as the running sum of the places before it (issue
     # 29, CHANGELOG.md)
-    version = 3
+    # 4: block sums in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
+    version = 4
     num_experts: int = 8
     top_p: float = 0.9
     temperature: float = 1.0
@@ -147,7 +155,8 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
         (the scale folded into the step's mean weights, made once for its layers: no product a
         layer)."""
         scale = store.head_dim**-0.5 / self.temperature
-        return expert_sums(self.mean_weights(experts, scale), store.keys())
+        keys = store.keys()
+        return weighted_keys(self.mean_weights(experts, scale, keys.dtype), keys)
 
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor

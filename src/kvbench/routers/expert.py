@@ -168,6 +168,14 @@ def expert_sums(onehot: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return onehot.transpose(-1, -2) @ keys.float()
 
 
+def weighted_keys(weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``(B, H, E, D)``: the keys ``(B, H, T, D)`` summed per expert with ``weights`` ``(B, H, T,
+    E)`` of the keys' dtype, one product taken in that dtype (float32 sums, rounded to it once in
+    a bfloat16 or float16 model): no float32 copy of the keys, which a decode step would write at
+    every layer, as large as the keys (issue 29)."""
+    return weights.transpose(-1, -2) @ keys
+
+
 def block_means(keys: torch.Tensor, eid: torch.Tensor, member: torch.Tensor, experts: int) -> torch.Tensor:
     """Mean key of each expert's members ``(B, H, E, D)`` fp32 (zero for an empty expert)."""
     onehot = expert_onehot(eid, member, experts)
@@ -849,27 +857,32 @@ class PositionExperts:
         """Each block's mean key (zero for an empty block), as its tokens' keys weighted by one over
         its size: one product a layer, the weights made once for the step's layers that share
         the blocks (version 2; version 1 summed each block's keys and divided the sums, one
-        operation more a layer)."""
-        return expert_sums(self.mean_weights(experts), store.keys())
+        operation more a layer), in the keys' dtype (:func:`weighted_keys`, version 3)."""
+        keys = store.keys()
+        return weighted_keys(self.mean_weights(experts, dtype=keys.dtype), keys)
 
-    def mean_weights(self, experts: Experts, scale: float | None = None) -> torch.Tensor:
-        """``(B, H, T, E)`` float: each routed token's one-hot over its block's size (an empty
+    def mean_weights(
+        self, experts: Experts, scale: float | None = None, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """``(B, H, T, E)`` of ``dtype``: each routed token's one-hot over its block's size (an empty
         block's weights are zeros): one over the size where the token is a member, made from the
         membership (no float one-hot) and kept with the step's shared blocks. ``scale``: times
-        that factor (a router's score scale, the same for every layer of the step)."""
+        that factor (a router's score scale, the same for every layer of the step). Made in
+        float32, rounded to ``dtype`` once (the keys' dtype: :func:`weighted_keys`)."""
         cached = self._blocks
         if cached is not None and cached.experts is experts:
-            if cached.weights is None:
-                cached.weights = torch.where(cached.member, self._one_over_size(experts, scale), 0.0)
+            if cached.weights is None or cached.weights.dtype != dtype:
+                cached.weights = torch.where(cached.member, self._one_over_size(experts, scale, dtype), 0.0)
             return cached.weights
         member = experts.eid[..., None] == expert_ids(self.num_experts, experts.eid)
-        return torch.where(member, self._one_over_size(experts, scale), 0.0)
+        return torch.where(member, self._one_over_size(experts, scale, dtype), 0.0)
 
     @staticmethod
-    def _one_over_size(experts: Experts, scale: float | None) -> torch.Tensor:
-        """``(B, H, 1, E)``: one over each block's size, times ``scale`` where given."""
+    def _one_over_size(experts: Experts, scale: float | None, dtype: torch.dtype) -> torch.Tensor:
+        """``(B, H, 1, E)`` of ``dtype``: one over each block's size, times ``scale`` where given
+        (in float32, then rounded once)."""
         weight = experts.size.transpose(-1, -2).reciprocal()
-        return weight if scale is None else weight * scale
+        return (weight if scale is None else weight * scale).to(dtype)
 
     def none_empty(self, count: torch.Tensor) -> bool:
         """Every expert of every head-row holds a token, known on the host: ``count`` is that of

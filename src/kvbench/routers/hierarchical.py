@@ -112,7 +112,8 @@ class HierarchicalRouter(PositionExperts, ExpertRouter):
     name: str = "hierarchical"
     # 2: a block's mean key as its keys weighted by 1 / its size; 3: a group's score as its experts'
     # scores weighted by their shares of its tokens, one product (issue 29, CHANGELOG.md)
-    version = 3
+    # 4: block sums in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
+    version = 4
     num_experts: int = 16
     num_groups: int = 4
     top_groups: int = 2

@@ -19,7 +19,9 @@ class BaseRouter(PositionExperts, ExpertRouter):
     """Splits each layer's stored tokens into ``num_experts`` position blocks; reads ``top_k``."""
 
     name: str = "base"
-    version = 2  # 2: a block's mean key as its keys weighted by 1 / its size (issue 29, CHANGELOG.md)
+    # 2: a block's mean key as its keys weighted by 1 / its size (issue 29, CHANGELOG.md);
+    # 3: block sums in the keys' dtype (bfloat16/float16 only)
+    version = 3
     num_experts: int = 8
     top_k: int = 2
 

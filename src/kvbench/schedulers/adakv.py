@@ -48,7 +48,9 @@ class AdaKVScheduler(ObservationWindow, Scheduler):
     """
 
     name: str = "adakv"
-    version = 3  # 2: the decode step of issue 29; 3: its output read from its probabilities (CHANGELOG.md)
+    # 2: the decode step of issue 29; 3: its output read from its probabilities (CHANGELOG.md);
+    # 4: its logits in the keys' dtype (bfloat16/float16 only)
+    version = 4
     alpha: float = 0.2
     obs_window: int = 16
     pool: int = 7

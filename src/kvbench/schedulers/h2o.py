@@ -27,7 +27,8 @@ class H2OScheduler(ScoredSelection, Allocated, Scheduler):
     name: str = "h2o"
     # 2: the decode step of issue 29; 3: a selection kept where the slots are out of position order
     # breaks ties by position, as its evictions do (CHANGELOG.md)
-    version = 3
+    # 4: its logits in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
+    version = 4
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
 
     def observe(self, layer: int, store: TechniqueStore, probs: torch.Tensor, qpos: torch.Tensor) -> None:

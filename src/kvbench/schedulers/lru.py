@@ -58,7 +58,9 @@ class LRUScheduler(ScoredSelection, Scheduler):
 
     name: str = "lru"
     distinct_scores = True  # a token's position is part of its score
-    version = 2  # 2: the decode step of issue 29 (CHANGELOG.md)
+    # 2: the decode step of issue 29 (CHANGELOG.md); 3: its logits in the keys' dtype
+    # (bfloat16/float16 only)
+    version = 3
     tau: float = 0.01
     flags = Flags(needs_attention_scores=True, evicts_tokens=True)
     LAST = TokenState("lru")  # last position at which the token was used

@@ -43,7 +43,9 @@ class LRUPlusScheduler(ScoredSelection, Scheduler):
     """
 
     name: str = "lru_plus"
-    version = 3  # 2: the decode step of issue 29; 3: no per-token "seen" flag (CHANGELOG.md)
+    # 2: the decode step of issue 29; 3: no per-token "seen" flag (CHANGELOG.md);
+    # 4: its logits in the keys' dtype (bfloat16/float16 only)
+    version = 4
     distinct_scores = True  # keys with the position in them (past KEY_SPAN, ranks: a permutation)
     decay: float = 0.9
     tau: float = 0.01
