@@ -222,16 +222,24 @@ def test_an_eviction_writes_what_it_evicts_not_its_cache(launch_model, technique
     """Bytes written per decode step grow with the context only by per-token state (a score, a
     sort's index, the observed query's attention): under 160 bytes per stored token and head-row,
     where a key and value row is 1 KiB here and compacting the kept cache wrote 2 KiB."""
+    per_token = _growth_per_stored_token(launch_model, technique)
+    assert per_token < 160, f"{technique}: {per_token:.0f} bytes per stored token and head-row per step"
+
+
+def _growth_per_stored_token(lm, technique: str) -> float:
+    """Bytes a decode step writes beyond the shorter context's, from :data:`CONTEXT` / 2 to
+    :data:`CONTEXT` tokens, per token stored in between and KV head-row (at :data:`BUDGET` where
+    the stack evicts)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (2 * CONTEXT,), generator=gen).tolist()
-    stack = stepcost.technique_stack(launch_model, technique, BUDGET)
+    stack = stepcost.technique_stack(lm, technique, BUDGET)
     mb = [
-        stepcost.decode_cost(stepcost.kvbench_run(launch_model, stack, ids[:n]), launch_model.num_layers).mb
+        stepcost.decode_cost(stepcost.kvbench_run(lm, stack, ids[:n]), lm.num_layers).mb
         for n in (CONTEXT // 2, CONTEXT)
     ]
     rows = stepcost.LAUNCH_MODEL["config"]["num_key_value_heads"]
-    per_token = (mb[1] - mb[0]) * 1e6 / (BUDGET * CONTEXT / 2 * rows)
-    assert per_token < 160, f"{technique}: {per_token:.0f} bytes per stored token and head-row per step"
+    kept = BUDGET if any(t.flags.evicts_tokens for t in stack.pipeline) else 1.0
+    return (mb[1] - mb[0]) * 1e6 / (kept * CONTEXT / 2 * rows)
 
 
 # Techniques whose decode step rewrites or decodes what it stores, bounded by the tests above and
@@ -265,17 +273,7 @@ def test_a_bfloat16_step_writes_no_float32_copy_of_its_cache(launch_model_bf16, 
     their dtype, and a position router's block sums too (no float32 copy of the keys, 512 bytes a
     token and head-row here, made at every layer: 4.8 -> 0.8 MB at 2,000 tokens for `h2o`). Under
     160 bytes per stored token and head-row, as in float32 (the eviction test above)."""
-    lm = launch_model_bf16
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (2 * CONTEXT,), generator=gen).tolist()
-    stack = stepcost.technique_stack(lm, technique, BUDGET)
-    mb = [
-        stepcost.decode_cost(stepcost.kvbench_run(lm, stack, ids[:n]), lm.num_layers).mb
-        for n in (CONTEXT // 2, CONTEXT)
-    ]
-    rows = stepcost.LAUNCH_MODEL["config"]["num_key_value_heads"]
-    kept = BUDGET if any(t.flags.evicts_tokens for t in stack.pipeline) else 1.0
-    per_token = (mb[1] - mb[0]) * 1e6 / (kept * CONTEXT / 2 * rows)
+    per_token = _growth_per_stored_token(launch_model_bf16, technique)
     assert per_token < 160, (
         f"{technique} in bfloat16: {per_token:.0f} bytes per stored token and head-row per step"
     )
