@@ -197,9 +197,13 @@ def _logits(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> to
     converted."""
     b, hq, q, d = query.shape
     h = key.shape[1]
-    dtype = key.dtype if query.dtype == key.dtype else torch.float32
-    rows = query.view(b, h, hq // h, q, d).to(dtype).reshape(b, h, hq // h * q, d)  # the group's queries
-    logits = (rows @ key.to(dtype).transpose(-1, -2)).float()
+    rows = query.view(b, h, hq // h, q, d)  # the group's queries
+    dtype = key.dtype
+    if query.dtype != dtype:
+        rows, key, dtype = rows.float(), key.float(), torch.float32
+    logits = rows.reshape(b, h, hq // h * q, d) @ key.transpose(-1, -2)
+    if dtype != torch.float32:
+        logits = logits.float()
     if scaling is not None:  # in place: a second (B, H, g, q, T) buffer costs as much as the product
         logits.mul_(scaling)
     return logits.view(b, h, hq // h, q, key.shape[2])
