@@ -447,11 +447,11 @@ class KVCache(Cache):
         assert self.probe is not None and kept is not None
         n = min(self.probe.queries_per_chunk, query.shape[2])
         pick = torch.linspace(0, query.shape[2] - 1, n, device=query.device).round().long()
-        q, qp = query[:, :, pick], qpos[:, pick]
+        # in float32 on both sides, whatever the model's dtype: a measure, not the technique's read
+        q, qp = query[:, :, pick].float(), qpos[:, pick]
         view = store.view()
         mask = mask_fn(0, query.shape[2])[:, :, pick]
-        # in float32 on both sides, whatever the model's dtype: a measure, not the technique's read
-        p_stack = att.probs(q.float(), view.k.float(), mask, scaling, view.bias).to(HOST)
+        p_stack = att.probs(q, view.k.float(), mask, scaling, view.bias).to(HOST)
         if query.device.type == "cuda":  # the shadow's copies to the host were queued, not awaited
             torch.cuda.synchronize(query.device)
         shadow = torch.cat(kept, dim=2) if len(kept) > 1 else kept[0]
@@ -460,9 +460,7 @@ class KVCache(Cache):
         qp = qp.to(HOST)
         spos = torch.arange(s).expand(*shadow.shape[:2], s)
         ones = torch.ones_like(spos, dtype=torch.bool)
-        p_full = att.probs(
-            q.to(HOST).float(), shadow.float(), att.read_mask(spos, ones, qp, sliding_window), scaling
-        )
+        p_full = att.probs(q.to(HOST), shadow.float(), att.read_mask(spos, ones, qp, sliding_window), scaling)
         chunk_start = int(qp[0, 0])
         exclude = self.stack.budget.protected(torch.arange(s), chunk_start)
         exclude |= torch.arange(s) >= chunk_start

@@ -17,14 +17,7 @@ from kvbench.cache import devices
 from kvbench.cache.reads import read_all
 from kvbench.cache.surface import TechniqueStore, every_query_real
 from kvbench.errors import ConfigError
-from kvbench.routers.expert import (
-    ExpertRouter,
-    Experts,
-    PositionExperts,
-    choice_at,
-    pad_choice,
-    weighted_keys,
-)
+from kvbench.routers.expert import ExpertRouter, Experts, PositionExperts, choice_at, pad_choice
 
 
 def top_p_choice(
@@ -154,9 +147,7 @@ class AdaptiveRouter(PositionExperts, ExpertRouter):
         logits ``q · mean(K_e) / √D`` over the temperature, which :meth:`choose` takes as they are
         (the scale folded into the step's mean weights, made once for its layers: no product a
         layer)."""
-        scale = store.head_dim**-0.5 / self.temperature
-        keys = store.keys()
-        return weighted_keys(self.mean_weights(experts, scale, keys.dtype), keys)
+        return self.scaled_means(store, experts, store.head_dim**-0.5 / self.temperature)
 
     def choose(
         self, layer: int, store: TechniqueStore, score: torch.Tensor, count: torch.Tensor, qpos: torch.Tensor

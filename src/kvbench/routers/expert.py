@@ -858,8 +858,15 @@ class PositionExperts:
         its size: one product a layer, the weights made once for the step's layers that share
         the blocks (version 2; version 1 summed each block's keys and divided the sums, one
         operation more a layer), in the keys' dtype (:func:`weighted_keys`, version 3)."""
+        return self.scaled_means(store, experts)
+
+    def scaled_means(
+        self, store: TechniqueStore, experts: Experts, scale: float | None = None
+    ) -> torch.Tensor:
+        """Each block's mean key times ``scale`` (None: 1): the stored keys weighted by
+        :meth:`mean_weights` in their dtype, one product (:func:`weighted_keys`)."""
         keys = store.keys()
-        return weighted_keys(self.mean_weights(experts, dtype=keys.dtype), keys)
+        return weighted_keys(self.mean_weights(experts, scale, keys.dtype), keys)
 
     def mean_weights(
         self, experts: Experts, scale: float | None = None, dtype: torch.dtype = torch.float32
