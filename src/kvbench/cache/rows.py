@@ -32,6 +32,14 @@ from kvbench.kernels import dispatch
 _MIN_GROWTH = 64
 
 
+def prefix(field: torch.Tensor, width: int) -> torch.Tensor:
+    """``field.narrow(1, 0, width)`` of a field ``(BH, capacity, *rest)``: the same view, taken as
+    ``as_strided`` with the field's own strides, which costs the host about half of ``narrow``'s
+    time (a decode step takes a few of these a layer, where a GPU waits on the host)."""
+    shape = field.shape
+    return field.as_strided((shape[0], width, *shape[2:]), field.stride())
+
+
 def with_room(tokens: int) -> int:
     """The capacity per row for ``tokens``: a quarter more, at least :data:`_MIN_GROWTH` slots (rows,
     packed segments and the view grow so; amortised O(1) copies per token)."""
@@ -313,30 +321,36 @@ class Rows:
         """Field ``name`` of full rows as ``(batch, BH / batch, width, *rest)``: a view, its 4-d form
         kept per field tensor, so a decode step slices it once."""
         self._flush(name)
-        return self._head_view(name, batch).narrow(2, 0, self.width)
+        _, view, lead, rest, strides = self._head_view(name, batch)
+        return view.as_strided((*lead, self.width, *rest), strides)
 
     def kv_heads(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`heads` of the keys and of the values, in one call (a bare decode step's read)."""
         run = self._run
         if run is not None and run[0] in ("k", "v"):
             self._write_run()
-        k, v = self._head_view("k", batch), self._head_view("v", batch)
-        return k.narrow(2, 0, self.width), v.narrow(2, 0, self.width)
+        _, k, lead, rest, strides = self._head_view("k", batch)
+        v = self._head_view("v", batch)[1]
+        size = (*lead, self.width, *rest)
+        return k.as_strided(size, strides), v.as_strided(size, strides)
 
-    def _head_view(self, name: str, batch: int) -> torch.Tensor:
+    def _head_view(self, name: str, batch: int) -> tuple:
         """Field ``name``'s whole tensor as ``(batch, BH / batch, capacity, *rest)``, kept while the
-        field is that tensor (:meth:`append_kv` writes through it)."""
+        field is that tensor (:meth:`append_kv` writes through it): ``(field, view, (batch, BH /
+        batch), rest, the view's strides)``. A slice of it is taken as ``as_strided`` with the kept
+        strides, the same view as ``narrow`` at half the host's time (:func:`prefix`)."""
         field = self._fields[name]
         held = self._heads.get(name)
         if held is None or held[0] is not field:
-            held = self._heads[name] = field, field.view(batch, self.bh // batch, *field.shape[1:])
-        return held[1]
+            view = field.view(batch, self.bh // batch, *field.shape[1:])
+            held = self._heads[name] = field, view, (batch, self.bh // batch), field.shape[2:], view.stride()
+        return held
 
     def get(self, name: str) -> torch.Tensor:
         """The padded rectangle of a field: ``(BH, width, *rest)``, a view (slots past a row's
         length read as zeros)."""
         self._flush(name)
-        return self._fields[name].narrow(1, 0, self.width)
+        return prefix(self._fields[name], self.width)
 
     def _flush(self, name: str) -> None:
         """Write the pending run if it is field ``name``'s (a reader of that field needs it)."""
@@ -348,7 +362,7 @@ class Rows:
         if self.uniform:  # read-only: a slice of one tensor of ones, kept at the capacity
             if self._ones is None or self._ones.shape[1] < self.width:
                 self._ones = torch.ones(self.bh, self.capacity, dtype=torch.bool, device=self.device)
-            return self._ones[:, : self.width]
+            return prefix(self._ones, self.width)
         lens = self.lens
         made = _VALID.get(lens)
         if made is None or made.shape[1] != self.width:
@@ -445,8 +459,10 @@ class Rows:
             or not (pending is None or (pending[0] == "pos" and pending[2] + width - pending[1] == start))
         ):
             return False
-        kh[1].narrow(2, width, q).copy_(k)
-        vh[1].narrow(2, width, q).copy_(v)
+        lead, rest, strides = kh[2:]
+        size, offset = (*lead, q, *rest), width * strides[2]  # the fields' own storage: offset 0 + width slots
+        kh[1].as_strided(size, strides, offset).copy_(k)
+        vh[1].as_strided(size, strides, offset).copy_(v)
         first, start = (width, start) if pending is None else pending[1:3]
         self._run = ("pos", first, start, pos)
         if self.changed_from is None or self.changed_from > width:
