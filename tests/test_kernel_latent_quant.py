@@ -13,7 +13,7 @@ from kvbench import config, models
 from kvbench.cache import quant
 from kvbench.cache.rotary import Rotary
 from kvbench.compressors.lora_plus_plus import LATENT_BITS, LoraPlusPlusCompressor
-from kvbench.compressors.lowrank import LatentSegment
+from kvbench.compressors.lowrank import Bases, LatentSegment
 from kvbench.eval import stepcost
 from kvbench.kernels import attention as ka
 from kvbench.kernels import dispatch, latent_decode
@@ -92,7 +92,7 @@ def test_the_reference_dequantizes_as_the_segment_does():
     pos = torch.arange(per_row).repeat(kv_heads)
     kb, vb = (torch.randn(kv_heads, d, r, generator=gen) for r in (rk, rv))
     k, v = (torch.randn(kv_heads * per_row, d, generator=gen) for _ in range(2))
-    seg = LatentSegment.encode(rotary, kb, vb, bits, k, v, pos, lens)
+    seg = LatentSegment.encode(rotary, Bases.make(rotary, kb, vb), bits, k, v, pos, lens)
     q = torch.randn(1, 4, 1, d, generator=gen)
     params = (seg.kzero, seg.kstep, seg.vzero, seg.vstep)
     got = latent_decode.attend_reference(q, seg.klat, seg.vlat, pos, kb, vb, rotary, lens, 0.25, bits, params)

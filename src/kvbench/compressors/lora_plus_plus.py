@@ -40,8 +40,10 @@ class LoraPlusPlusCompressor(Compressor):
     # softmax over the latents and the full-precision rows (issue 29, CHANGELOG.md);
     # 4: a bare decode step decodes the layer without a view: resident bytes only (issue 29);
     # 5: the tokens past the window leave it in whole groups of ``move_group`` (issue 29)
-    # 6: the window's logits in the keys' dtype (bfloat16/float16 only, CHANGELOG.md)
-    version = 6
+    # 6: the window's logits in the keys' dtype (bfloat16/float16 only, CHANGELOG.md);
+    # 7: float32 bases, the key basis also in the rotation's pairs order, held once a layer (not
+    # converted or gathered at every step): resident bytes only
+    version = 7
     key_rank: int = 16
     value_rank: int = 32
     latent_bits: int = 8

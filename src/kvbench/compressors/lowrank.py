@@ -11,7 +11,9 @@ reconstruction error (:class:`Residual`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,29 +70,56 @@ def calibrated_bases(
 
 
 @dataclass
-class LayerBases(SideData):
-    """One layer's key and value bases ``(H_kv, D, r)`` in the model dtype, per compressor ``prefix``
-    (counted in the layer's bytes once)."""
+class Bases:
+    """One layer's key and value bases ``(H_kv, D, r)``: as stored (``key``, ``value``, the model
+    dtype, counted in the layer's bytes; the fused kernels read these), and as the torch path
+    multiplies them, made once when the layer's bases are placed, never at a step (issue 29):
+    float32 (``key32``, ``value32``: the same tensors in a float32 model) and the key basis in
+    float32 with its rows in the rotation's pairs order (``key_pairs``, :meth:`Rotary.pairs_order`;
+    None where the rotation is partial), which rebuilds keys whose turned pairs come side by side.
+    The copies are held, so the resident bytes count them."""
 
-    bases: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    key: torch.Tensor
+    value: torch.Tensor
+    key32: torch.Tensor
+    value32: torch.Tensor
+    key_pairs: torch.Tensor | None
+
+    @classmethod
+    def make(cls, rotary: Rotary, key: torch.Tensor, value: torch.Tensor) -> Bases:
+        key32 = as_float(key)
+        order = rotary.pairs_order(key)
+        return cls(key, value, key32, as_float(value), None if order is None else key32.index_select(1, order))
+
+    def heads(self, first: int, count: int) -> Bases:
+        """The bases of heads ``first .. first + count - 1`` (views)."""
+        part = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return Bases(*(None if t is None else t[first : first + count] for t in part))  # type: ignore[arg-type]
+
+
+@dataclass
+class LayerBases(SideData):
+    """One layer's :class:`Bases` per compressor ``prefix`` (the stored ones counted in the layer's
+    bytes once)."""
+
+    bases: dict[str, Bases] = field(default_factory=dict)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for pair in self.bases.values() for t in pair]
+        return [t for b in self.bases.values() for t in (b.key, b.value)]
 
 
 def layer_bases(
-    store: TechniqueStore, bases: dict[str, torch.Tensor], layer: int, prefix: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """This layer's key and value bases ``(H_kv, D, r)``, placed in the store's side data (counted in
-    its bytes) in the model dtype on first use."""
+    store: TechniqueStore, bases: dict[str, torch.Tensor], layer: int, prefix: str, rotary: Rotary
+) -> Bases:
+    """This layer's :class:`Bases`, placed in the store's side data (the stored ones counted in its
+    bytes) in the model dtype on first use."""
     side = store.side(LayerBases)
     if side is None:
         side = LayerBases()
         store.set_side(side)
     if prefix not in side.bases:
-        side.bases[prefix] = tuple(  # type: ignore[assignment]
-            bases[name][layer].to(store.device, store.dtype).contiguous() for name in ("key", "value")
-        )
+        key, value = (bases[name][layer].to(store.device, store.dtype).contiguous() for name in ("key", "value"))
+        side.bases[prefix] = Bases.make(rotary, key, value)
     return side.bases[prefix]
 
 
@@ -109,8 +138,7 @@ class LatentSegment(RowCounts, Segment):
     """
 
     rotary: Any = None
-    kbasis: torch.Tensor = None  # type: ignore[assignment]
-    vbasis: torch.Tensor = None  # type: ignore[assignment]
+    bases: Bases = None  # type: ignore[assignment]
     bits: int | None = None
     klat: torch.Tensor = None  # type: ignore[assignment]
     vlat: torch.Tensor = None  # type: ignore[assignment]
@@ -125,8 +153,7 @@ class LatentSegment(RowCounts, Segment):
     def encode(
         cls,
         rotary: Rotary,
-        kbasis: torch.Tensor,
-        vbasis: torch.Tensor,
+        bases: Bases,
         bits: int | None,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -139,11 +166,11 @@ class LatentSegment(RowCounts, Segment):
 
         What is stored is rebuilt here for the residuals (pre-RoPE: no rotation needed).
         """
-        seg = cls(lens=lens, pos=pos, rotary=rotary, kbasis=kbasis, vbasis=vbasis, bits=bits)
+        seg = cls(lens=lens, pos=pos, rotary=rotary, bases=bases, bits=bits)
         kpre = pre_rope(rotary, k, pos)
-        kl, vl = seg._project(kpre, kbasis), seg._project(as_float(v), vbasis)
+        kl, vl = seg._project(kpre, bases.key32), seg._project(as_float(v), bases.value32)
         if bits is None:
-            seg.klat, seg.vlat = kl.to(kbasis.dtype), vl.to(vbasis.dtype)
+            seg.klat, seg.vlat = kl.to(bases.key.dtype), vl.to(bases.value.dtype)
             kl, vl = seg.latents()
         else:
             # One (zero, step) per token along its latent; the codes dequantize as latents() would
@@ -152,12 +179,12 @@ class LatentSegment(RowCounts, Segment):
             vc, seg.vzero, seg.vstep, vl = quant.quantize_dequantize(vl, bits, dim=-1)
             seg.klat, seg.vlat = quant.pack(kc, bits), quant.pack(vc, bits)
         if residuals is not None:
-            residuals[0].add(kpre, seg._expand(kl, kbasis))
-            residuals[1].add(v, seg._expand(vl, vbasis))
+            residuals[0].add(kpre, seg._expand(kl, bases.key32))
+            residuals[1].add(v, seg._expand(vl, bases.value32))
         return seg
 
     def layout(self) -> tuple[Any, ...]:
-        return (self.bits, self.kbasis.shape, self.vbasis.shape)
+        return (self.bits, self.bases.key.shape, self.bases.value.shape)
 
     def data_fields(self) -> dict[str, torch.Tensor]:
         fields = {name: getattr(self, name) for name in self.FIELDS}
@@ -180,13 +207,12 @@ class LatentSegment(RowCounts, Segment):
         """:meth:`Segment.head_rows`, with the bases of the part's heads: a part within one sequence
         takes its heads' slice of the bases."""
         part = super().head_rows(lo, hi)
-        h = self.kbasis.shape[0]
+        h = self.bases.key.shape[0]
         if part is not self and (lo % h or (hi - lo) % h):
             first = lo % h
             assert first + hi - lo <= h, f"head-rows {lo}..{hi - 1} span sequences of {h} heads in part"
             assert isinstance(part, LatentSegment)
-            part.kbasis = self.kbasis[first : first + hi - lo]
-            part.vbasis = self.vbasis[first : first + hi - lo]
+            part.bases = self.bases.heads(first, hi - lo)
         return part
 
     def torch_partials(self) -> bool:
@@ -201,7 +227,7 @@ class LatentSegment(RowCounts, Segment):
         keys rebuilt and rotated as :meth:`read` does, values kept latent, the output summed in
         latent space and expanded once (:func:`kvbench.cache.partials.partial`): a value is never
         rebuilt."""
-        if self.kbasis.shape[0] * batch != self.lens.numel():
+        if self.bases.key.shape[0] * batch != self.lens.numel():
             return None
         kernel = dispatch.kernels("latent_decode", batch, self.rows.width)
         n = self.row_count()
@@ -209,24 +235,24 @@ class LatentSegment(RowCounts, Segment):
             get: Any = self.per_row_field if n is not None else lambda name: getattr(self, name)
             params = None if self.bits is None else tuple(get(x) for x in PARAM_FIELDS)
             return kernel.partials(
-                query, get("klat"), get("vlat"), get("pos"), self.kbasis, self.vbasis, self.rotary, self.lens,
+                query, get("klat"), get("vlat"), get("pos"), self.bases.key, self.bases.value, self.rotary, self.lens,
                 self.rows.width, scaling, self.bits, params, per_row=n is not None,
             )  # fmt: skip
         if n is None or n < partials.PARTIAL_MIN_SLOTS or dispatch.kernels("attention", batch, n) is not None:
             return None
         kl, vl = self.latents(per_row=True)
         k = self._keys_rows(kl, n)
-        shape = (batch, self.kbasis.shape[0], n, -1)
-        return partials.partial(query, k.view(shape), vl.view(shape), scaling, basis=self.vbasis)
+        shape = (batch, self.bases.key.shape[0], n, -1)
+        return partials.partial(query, k.view(shape), vl.view(shape), scaling, basis=self.bases.value32)
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.row_count()
         if n is None:  # head-rows of different lengths: flat
             kl, vl = self.latents()
-            k = self.rotary.rotate_rebuilt(lambda basis: self._expand(kl, basis), self.kbasis, self.pos, None)
-            return k.to(dtype), self._expand(vl, self.vbasis).to(dtype)
+            k = self._rotated(lambda basis: self._expand(kl, basis), self.pos, None)
+            return k.to(dtype), self._expand(vl, self.bases.value32).to(dtype)
         kl, vl = self.latents(per_row=True)  # each head-row's tokens in place, nothing unpacked
-        k, v = self._keys_rows(kl, n), self._expand_rows(vl, self.vbasis)
+        k, v = self._keys_rows(kl, n), self._expand_rows(vl, self.bases.value32)
         return k.to(dtype).view(-1, k.shape[-1]), v.to(dtype).view(-1, v.shape[-1])
 
     def _project(self, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -244,10 +270,19 @@ class LatentSegment(RowCounts, Segment):
 
     def _keys_rows(self, klat: torch.Tensor, n: int) -> torch.Tensor:
         """Keys ``(BH, n, D)`` float32 rebuilt from key latents ``(BH, n, rk)`` and rotated at the
-        stored positions, each head-row's ``n`` tokens read in place (:meth:`Rotary.rotate_rebuilt`:
-        the basis' ``H·D·r`` values gathered, then one complex product)."""
-        pos = self.per_row_field("pos")
-        return self.rotary.rotate_rebuilt(lambda basis: self._expand_rows(klat, basis), self.kbasis, pos, n)
+        stored positions, each head-row's ``n`` tokens read in place (:meth:`_rotated`)."""
+        return self._rotated(lambda basis: self._expand_rows(klat, basis), self.per_row_field("pos"), n)
+
+    def _rotated(self, rebuild: Callable[[torch.Tensor], torch.Tensor], pos: torch.Tensor, per_row: int | None):
+        """Float32 keys that ``rebuild`` makes from a float32 key basis, rotated at ``pos``: as
+        :meth:`Rotary.rotate_rebuilt` turns them, on the key basis kept in pairs order
+        (:class:`Bases`: one complex product, no gather of the basis' ``H·D·r`` values at a step),
+        else (a partial rotation) rebuilt in the usual order and turned as
+        :meth:`Rotary.rotate_rows` turns them."""
+        paired = self.bases.key_pairs
+        if paired is None:
+            return self.rotary.rotate_rows(rebuild(self.bases.key32), pos, per_row)
+        return self.rotary.rotate_pairs(rebuild(paired), pos, per_row)
 
     def _expand_rows(self, lat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """``(BH, n, r)`` latents -> ``(BH, n, D)`` float32 on each head-row's basis ``(H, D, r)``."""
@@ -336,8 +371,8 @@ class LatentCache:
 
     def compress(self, layer: int, store: TechniqueStore, budget: Budget) -> None:
         def build(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, lens: torch.Tensor) -> Segment:
-            kb, vb = layer_bases(store, self.bases, layer, self.prefix)
-            return LatentSegment.encode(self.rotary, kb, vb, self.bits, k, v, pos, lens, self.residuals)
+            bases = layer_bases(store, self.bases, layer, self.prefix, self.rotary)
+            return LatentSegment.encode(self.rotary, bases, self.bits, k, v, pos, lens, self.residuals)
 
         move = leaving(store, budget, self.move_group)
         if move is not None:
