@@ -4,6 +4,8 @@ on tiny models (GQA 9/3 and GPT-NeoX with partial rotary)."""
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -57,6 +59,22 @@ def test_text_disjoint_from_evaluated_corpus():
         assert text[start : start + 200] not in evaluated
     for start in torch.linspace(0, len(evaluated) - 200, 25).long().tolist():
         assert evaluated[start : start + 200] not in text
+
+
+def test_a_file_shadowing_a_standard_module_is_refused(tmp_path):
+    """A script's folder comes first on ``sys.path``: a ``trace.py`` beside it would replace the
+    standard library's ``trace`` in the calibration text, and the bases fitted on it. Refused in
+    one line naming the module and the file."""
+    (tmp_path / "trace.py").write_text('"""not the standard library\'s trace"""\n')
+    code = (
+        "from kvbench.data.calibration import calibration_text\n"
+        "from kvbench.errors import ConfigError\n"
+        "try:\n    calibration_text()\nexcept ConfigError as err:\n    print(err)\n"
+    )
+    (tmp_path / "run.py").write_text(code)
+    out = subprocess.run([sys.executable, str(tmp_path / "run.py")], capture_output=True, text=True, check=True)
+    line = out.stdout.strip()
+    assert "module 'trace'" in line and str(tmp_path / "trace.py") in line and "\n" not in line, line
 
 
 def test_text_long_enough_and_described(tiny):

@@ -18,7 +18,9 @@ import hashlib
 import importlib
 import inspect
 import platform
+import sysconfig
 import warnings
+from pathlib import Path
 from typing import Any
 
 from kvbench.errors import ConfigError
@@ -126,13 +128,31 @@ def _docstrings() -> list[str]:
         warnings.simplefilter("ignore")  # e.g. typing.io's deprecation, touched by attribute lookups
         for name in sorted(MODULES):
             try:
-                module = importlib.import_module(name)
+                module = _stdlib_module(name)
             except ImportError:
                 continue
             if module.__doc__:
                 docs.append(inspect.cleandoc(module.__doc__))
             docs.extend(_member_docs(module))
     return docs
+
+
+def _stdlib_module(name: str) -> Any:
+    """Standard-library module ``name``, imported. A file or folder of that name elsewhere on
+    ``sys.path`` (a script's own folder comes first) shadows it, and the text, the bases fitted on
+    it and every score after them would change with the folder a run starts from: refused, in one
+    line that names it."""
+    module = importlib.import_module(name)
+    path = getattr(module, "__file__", None)  # None: built into the interpreter
+    if path is not None:
+        stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+        where = Path(path).resolve()
+        if not where.is_relative_to(stdlib) or {"site-packages", "dist-packages"} & set(where.parts):
+            raise ConfigError(
+                f"calibration text: module {name!r} is {where}, not the standard library's (under {stdlib}): "
+                f"a file or folder of that name on sys.path shadows it; rename it, or run from another folder"
+            )
+    return module
 
 
 def _member_docs(module) -> list[str]:
