@@ -72,7 +72,9 @@ def test_a_file_shadowing_a_standard_module_is_refused(tmp_path):
         "try:\n    calibration_text()\nexcept ConfigError as err:\n    print(err)\n"
     )
     (tmp_path / "run.py").write_text(code)
-    out = subprocess.run([sys.executable, str(tmp_path / "run.py")], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "run.py")], capture_output=True, text=True, check=True
+    )
     line = out.stdout.strip()
     assert "module 'trace'" in line and str(tmp_path / "trace.py") in line and "\n" not in line, line
 

@@ -31,6 +31,10 @@ from kvbench.kernels import dispatch
 
 _MIN_GROWTH = 64
 
+# A field's whole tensor, its 4-d view ``(batch, BH / batch, capacity, *rest)``, ``(batch, BH /
+# batch)``, ``rest`` and the view's strides (:meth:`Rows._head_view`).
+HeadView = tuple[torch.Tensor, torch.Tensor, tuple[int, int], torch.Size, tuple[int, ...]]
+
 
 def prefix(field: torch.Tensor, width: int) -> torch.Tensor:
     """``field.narrow(1, 0, width)`` of a field ``(BH, capacity, *rest)``: the same view, taken as
@@ -255,7 +259,7 @@ class Rows:
         self._run: tuple[str, int, int, torch.Tensor] | None = None
         self._ones: torch.Tensor | None = None  # ``valid()`` of full rows: a slice of this, no launch
         self._starts: torch.Tensor | None = None  # ``(BH, 1)`` each row's first flat slot, at the capacity
-        self._heads: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # field -> (it, its 4-d view)
+        self._heads: dict[str, HeadView] = {}  # field -> (it, its 4-d view, and how to slice it)
         self._token_bytes: dict[tuple[str, ...], int] = {}  # token_nbytes by names (fields' shapes fixed)
         # Positions increase along each row (arrival order): appends, keeps and moves preserve it;
         # :meth:`drop` (a token into a freed slot) ends it, :meth:`sort_by` restores it.
@@ -334,7 +338,7 @@ class Rows:
         size = (*lead, self.width, *rest)
         return k.as_strided(size, strides), v.as_strided(size, strides)
 
-    def _head_view(self, name: str, batch: int) -> tuple:
+    def _head_view(self, name: str, batch: int) -> HeadView:
         """Field ``name``'s whole tensor as ``(batch, BH / batch, capacity, *rest)``, kept while the
         field is that tensor (:meth:`append_kv` writes through it): ``(field, view, (batch, BH /
         batch), rest, the view's strides)``. A slice of it is taken as ``as_strided`` with the kept
@@ -460,7 +464,10 @@ class Rows:
         ):
             return False
         lead, rest, strides = kh[2:]
-        size, offset = (*lead, q, *rest), width * strides[2]  # the fields' own storage: offset 0 + width slots
+        size, offset = (
+            (*lead, q, *rest),
+            width * strides[2],
+        )  # the fields' own storage: offset 0 + width slots
         kh[1].as_strided(size, strides, offset).copy_(k)
         vh[1].as_strided(size, strides, offset).copy_(v)
         first, start = (width, start) if pending is None else pending[1:3]

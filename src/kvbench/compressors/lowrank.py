@@ -12,8 +12,8 @@ reconstruction error (:class:`Residual`).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,7 +89,9 @@ class Bases:
     def make(cls, rotary: Rotary, key: torch.Tensor, value: torch.Tensor) -> Bases:
         key32 = as_float(key)
         order = rotary.pairs_order(key)
-        return cls(key, value, key32, as_float(value), None if order is None else key32.index_select(1, order))
+        return cls(
+            key, value, key32, as_float(value), None if order is None else key32.index_select(1, order)
+        )
 
     def heads(self, first: int, count: int) -> Bases:
         """The bases of heads ``first .. first + count - 1`` (views)."""
@@ -118,7 +120,9 @@ def layer_bases(
         side = LayerBases()
         store.set_side(side)
     if prefix not in side.bases:
-        key, value = (bases[name][layer].to(store.device, store.dtype).contiguous() for name in ("key", "value"))
+        key, value = (
+            bases[name][layer].to(store.device, store.dtype).contiguous() for name in ("key", "value")
+        )
         side.bases[prefix] = Bases.make(rotary, key, value)
     return side.bases[prefix]
 
@@ -234,8 +238,9 @@ class LatentSegment(RowCounts, Segment):
         if kernel is not None:  # per head-row in place where the rows hold one count, else flat
             get: Any = self.per_row_field if n is not None else lambda name: getattr(self, name)
             params = None if self.bits is None else tuple(get(x) for x in PARAM_FIELDS)
+            bases = self.bases
             return kernel.partials(
-                query, get("klat"), get("vlat"), get("pos"), self.bases.key, self.bases.value, self.rotary, self.lens,
+                query, get("klat"), get("vlat"), get("pos"), bases.key, bases.value, self.rotary, self.lens,
                 self.rows.width, scaling, self.bits, params, per_row=n is not None,
             )  # fmt: skip
         if n is None or n < partials.PARTIAL_MIN_SLOTS or dispatch.kernels("attention", batch, n) is not None:
@@ -273,7 +278,9 @@ class LatentSegment(RowCounts, Segment):
         stored positions, each head-row's ``n`` tokens read in place (:meth:`_rotated`)."""
         return self._rotated(lambda basis: self._expand_rows(klat, basis), self.per_row_field("pos"), n)
 
-    def _rotated(self, rebuild: Callable[[torch.Tensor], torch.Tensor], pos: torch.Tensor, per_row: int | None):
+    def _rotated(
+        self, rebuild: Callable[[torch.Tensor], torch.Tensor], pos: torch.Tensor, per_row: int | None
+    ):
         """Float32 keys that ``rebuild`` makes from a float32 key basis, rotated at ``pos``: as
         :meth:`Rotary.rotate_rebuilt` turns them, on the key basis kept in pairs order
         (:class:`Bases`: one complex product, no gather of the basis' ``H·D·r`` values at a step),
