@@ -10,6 +10,7 @@ import torch
 
 from helpers import decode_with_ops, make_stack, padded_batch_vs_solo, run_chunks, tokens
 from kvbench.cache import attention as att
+from kvbench.cache import engine
 from kvbench.cache.attention import page_bounds
 from kvbench.compressors.quantized import QuantizedCompressor
 from kvbench.errors import ConfigError
@@ -438,9 +439,34 @@ def test_read_figures_settled_in_small_batches_are_those_settled_once(tiny_93, m
         return logits, (stack.scheduler or stack.router).metrics()
 
     once = go()
-    monkeypatch.setattr(reads, "SETTLE_EVERY", 3)
+    monkeypatch.setattr(reads, "SETTLE_EVERY", 3)  # between chunks, by the loop
     often = go()
+    monkeypatch.setattr(reads, "SETTLE_LIMIT", 3)  # inside a call, where no loop settles them
+    inside = go()
     assert torch.equal(once[0], often[0]) and once[1] == often[1] and once[1]
+    assert torch.equal(once[0], inside[0]) and once[1] == inside[1]
+
+
+@pytest.mark.parametrize("selector", ["quest", "router"])
+def test_read_figures_are_settled_between_chunks_not_inside_a_forward(tiny_93, monkeypatch, selector):
+    """The loop settles the read figures before a chunk, outside its timed region: no settle runs
+    inside a forward (where a kvbench cache is active) while the loop drives the steps."""
+    from kvbench.cache import reads
+
+    monkeypatch.setattr(reads, "SETTLE_EVERY", 3)
+    made = dict(scheduler=quest()) if selector == "quest" else dict(router=BaseRouter(num_experts=4, top_k=2))
+    stack = make_stack(tiny_93, budget=0.25, sinks=2, window=4, **made)
+    tech = stack.scheduler or stack.router
+    inside: list[bool] = []
+    settle = tech._settle
+
+    def watched():
+        inside.append(engine._ACTIVE.get() is not None)
+        settle()
+
+    monkeypatch.setattr(tech, "_settle", watched)
+    run_chunks(tiny_93, stack, tokens(N), SIZES)
+    assert inside and not any(inside)
 
 
 def test_a_quest_decode_step_reads_its_pages_per_query_head_and_repeats_no_mask(tiny):

@@ -108,6 +108,11 @@ class Stack:
     def metrics(self) -> dict[str, Any]:
         return {f"{t.role}/{t.name}": t.metrics() for t in self.pipeline if t.metrics()}
 
+    def settle(self) -> None:
+        """:meth:`Technique.settle` of every technique: between chunks, outside the timed region."""
+        for t in self.pipeline:
+            t.settle()
+
     def calibrations(self) -> list[dict[str, Any]]:
         """Records of the calibration artifacts the bound techniques used."""
         ctx = getattr(self, "ctx", None)

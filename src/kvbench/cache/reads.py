@@ -54,7 +54,11 @@ def visible(store: StoreView, qpos: torch.Tensor) -> torch.Tensor:
     return vis & real
 
 
-SETTLE_EVERY = 4096  # pending read counts resolved into floats at most this many calls apart
+# Pending read counts are resolved into floats between chunks once this many calls wait
+# (:meth:`ReadMeter.due`, outside the timed region), and inside a call only past SETTLE_LIMIT (a
+# caller that never settles between chunks).
+SETTLE_EVERY = 4096
+SETTLE_LIMIT = 4 * SETTLE_EVERY
 
 
 @dataclass
@@ -112,8 +116,10 @@ def read_all(tensors: Sequence[torch.Tensor | float]) -> list[float]:
 
 class ReadMeter:
     """The reads of a read selector's calls (Quest, every router), kept as records until settled:
-    no device read per call, and one per device for every pending call when settled (every
-    :data:`SETTLE_EVERY` calls, or when the selector's figures are asked for).
+    no device read per call, and one per device for every pending call when settled: between
+    chunks once :data:`SETTLE_EVERY` calls wait (:meth:`due`, asked by the loop outside its timed
+    region: the read figures are kvbench's bookkeeping, not the selector's work), or when the
+    selector's figures are asked for; inside a call only past :data:`SETTLE_LIMIT`.
 
     A record is anything with ``tensors()``: the 0-d tensors (or host figures) it needs read.
     :meth:`first` tells a repeated call (the engine's KV-hit probe asks again for the same queries)
@@ -132,8 +138,13 @@ class ReadMeter:
         return True
 
     def add(self, record: Any) -> bool:
-        """Keep ``record``; True when the pending records are due to be settled."""
+        """Keep ``record``; True when the pending records must be settled now (past
+        :data:`SETTLE_LIMIT`: nothing settled them between chunks)."""
         self.pending.append(record)
+        return len(self.pending) >= SETTLE_LIMIT
+
+    def due(self) -> bool:
+        """Whether :data:`SETTLE_EVERY` calls wait to be settled."""
         return len(self.pending) >= SETTLE_EVERY
 
     def settle(self) -> list[tuple[Any, list[float]]]:

@@ -159,9 +159,11 @@ def step(
     ``keep``: the logits of the last ``keep`` positions only (None: every position; 0: none).
     ``decode``: a timed decode step, which the cell's attention timer may sample
     (:mod:`kvbench.cache.timing`). The cell's deadline (``timeout_s``) is checked before the chunk,
-    outside any timed region.
+    and the techniques' figures kept for later settled where enough wait
+    (:meth:`~kvbench.stack.Stack.settle`), outside any timed region.
     """
     limits.check()
+    cache.stack.settle()
     if times is None:
         logits = forward(lm, cache, ids, keep)
         cache.after_forward()
@@ -183,6 +185,7 @@ def step_batch(
 ) -> torch.Tensor:
     """:func:`step` for a padded batch (see :func:`forward_batch`); always timed into ``times``."""
     limits.check()
+    cache.stack.settle()
     with _timed(lm, cache, times, decode):
         logits = forward_batch(lm, cache, ids, real, keep)
         cache.after_forward()

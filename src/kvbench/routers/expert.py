@@ -504,7 +504,8 @@ class ExpertRouter(Router):
     :meth:`choose` (read routing).
 
     The read figures of a call are kept as tensors (no device synchronisation per layer) and
-    turned into floats, in call order, by :meth:`metrics` (or every ``SETTLE_EVERY`` calls).
+    turned into floats, in call order, by :meth:`metrics`, or between chunks once
+    ``SETTLE_EVERY`` calls wait (:meth:`settle`).
     """
 
     name: str = ""
@@ -691,6 +692,10 @@ class ExpertRouter(Router):
             per_expert = torch.cat(chosen).sum(0).float()
             before = self.reads.get(layer)  # per layer: each on its layer's device
             self.reads[layer] = per_expert if before is None else before + per_expert
+
+    def settle(self) -> None:
+        if self.meter.due():
+            self._settle()
 
     def metrics(self) -> dict[str, float | list[float] | None]:
         self._settle()

@@ -495,6 +495,10 @@ class QuestScheduler(Scheduler):
                 self._steps.append((self._step[0] + self._step[1], self._step[1]))
                 self._step = [0.0, 0.0]
 
+    def settle(self) -> None:
+        if self.meter.due():
+            self._settle()
+
     def metrics(self) -> dict[str, float | list[float] | None]:
         self._settle()
         if not self._steps:
