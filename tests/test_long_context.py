@@ -354,7 +354,8 @@ def _bookkeeping(store: LayerStore) -> int:
     own positions; merged units' member positions (int64 a member); the view's joined positions,
     valid slots and biases (9 bytes a slot, 13 with merged units; at most a quarter and 64 slots of
     room); the last chunk's query positions; and what side data holds beside the bytes it stores
-    (``pruning``'s int64 copy of its kept channels)."""
+    (``pruning``'s int64 copy of its kept channels, the float32 bases ``lora`` and
+    ``lora_plus_plus`` multiply)."""
     bh = store.batch * store.kv_heads
     state = sum(4 * math.prod(st.shape) for st in store.states())
     merged = [seg.members() for seg in store.segments if seg.members() is not None]
@@ -366,13 +367,13 @@ def _bookkeeping(store: LayerStore) -> int:
     slot = 9 + (4 if merged else 0)
     joined = slot * bh * (width + max(64, width // 4)) if len(store.segments) > 1 else 0
     members = sum(8 * pos.numel() for pos, _ in merged)
-    stored_side = {id(t) for data in store._side.values() for t in data.tensors()}
-    beside = sum(
-        t.nbytes
-        for data in store._side.values()
-        for t in vars(data).values()
-        if isinstance(t, torch.Tensor) and id(t) not in stored_side
-    )
+    seen = {t.untyped_storage().data_ptr() for data in store._side.values() for t in data.tensors()}
+    beside = 0
+    for t in (t for data in store._side.values() for t in held.tensors(data)):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            beside += storage.nbytes()
     return rows + 8 * store.stored_tokens() + members + joined + 8 * store.last_qpos.numel() + beside
 
 
