@@ -32,8 +32,8 @@ from kvbench.kernels import dispatch
 _MIN_GROWTH = 64
 
 # A field's whole tensor, its 4-d view ``(batch, BH / batch, capacity, *rest)``, ``(batch, BH /
-# batch)``, ``rest`` and the view's strides (:meth:`Rows._head_view`).
-HeadView = tuple[torch.Tensor, torch.Tensor, tuple[int, int], torch.Size, tuple[int, ...]]
+# batch)``, ``rest``, the view's strides and its storage offset (:meth:`Rows._head_view`).
+HeadView = tuple[torch.Tensor, torch.Tensor, tuple[int, int], torch.Size, tuple[int, ...], int]
 
 
 def prefix(field: torch.Tensor, width: int) -> torch.Tensor:
@@ -325,7 +325,7 @@ class Rows:
         """Field ``name`` of full rows as ``(batch, BH / batch, width, *rest)``: a view, its 4-d form
         kept per field tensor, so a decode step slices it once."""
         self._flush(name)
-        _, view, lead, rest, strides = self._head_view(name, batch)
+        _, view, lead, rest, strides, _ = self._head_view(name, batch)
         return view.as_strided((*lead, self.width, *rest), strides)
 
     def kv_heads(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,21 +333,23 @@ class Rows:
         run = self._run
         if run is not None and run[0] in ("k", "v"):
             self._write_run()
-        _, k, lead, rest, strides = self._head_view("k", batch)
-        v = self._head_view("v", batch)[1]
+        _, k, lead, rest, k_strides, _ = self._head_view("k", batch)
+        held_v = self._head_view("v", batch)
         size = (*lead, self.width, *rest)
-        return k.as_strided(size, strides), v.as_strided(size, strides)
+        return k.as_strided(size, k_strides), held_v[1].as_strided(size, held_v[4])
 
     def _head_view(self, name: str, batch: int) -> HeadView:
         """Field ``name``'s whole tensor as ``(batch, BH / batch, capacity, *rest)``, kept while the
         field is that tensor (:meth:`append_kv` writes through it): ``(field, view, (batch, BH /
-        batch), rest, the view's strides)``. A slice of it is taken as ``as_strided`` with the kept
-        strides, the same view as ``narrow`` at half the host's time (:func:`prefix`)."""
+        batch), rest, the view's strides, its storage offset)``. A slice of it is taken as
+        ``as_strided`` with the kept strides, the same view as ``narrow`` at half the host's time
+        (:func:`prefix`)."""
         field = self._fields[name]
         held = self._heads.get(name)
         if held is None or held[0] is not field:
             view = field.view(batch, self.bh // batch, *field.shape[1:])
-            held = self._heads[name] = field, view, (batch, self.bh // batch), field.shape[2:], view.stride()
+            lead, rest = (batch, self.bh // batch), field.shape[2:]
+            held = self._heads[name] = field, view, lead, rest, view.stride(), int(view.storage_offset())
         return held
 
     def get(self, name: str) -> torch.Tensor:
@@ -463,13 +465,11 @@ class Rows:
             or not (pending is None or (pending[0] == "pos" and pending[2] + width - pending[1] == start))
         ):
             return False
-        lead, rest, strides = kh[2:]
-        size, offset = (
-            (*lead, q, *rest),
-            width * strides[2],
-        )  # the fields' own storage: offset 0 + width slots
-        kh[1].as_strided(size, strides, offset).copy_(k)
-        vh[1].as_strided(size, strides, offset).copy_(v)
+        # the ``q`` slots past ``width``, each field's through its held view (_head_view's fields)
+        _, view, lead, rest, strides, offset = kh
+        view.as_strided((*lead, q, *rest), strides, offset + width * strides[2]).copy_(k)
+        _, view, lead, rest, strides, offset = vh
+        view.as_strided((*lead, q, *rest), strides, offset + width * strides[2]).copy_(v)
         first, start = (width, start) if pending is None else pending[1:3]
         self._run = ("pos", first, start, pos)
         if self.changed_from is None or self.changed_from > width:
