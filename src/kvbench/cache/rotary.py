@@ -124,17 +124,26 @@ class Rotary:
         basis: torch.Tensor,
         pos: torch.Tensor,
         per_row: int | None,
+        paired: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`rotate_rows` of keys that ``rebuild`` makes, float32, from ``basis`` ``(H, D, r)``
         (each key channel a product with one row of it). Under a whole rotation, rebuilt on the
-        basis with its rows in :meth:`pairs_order` (one gather of its values), so each pair the
-        rotation turns together comes out side by side, and turned by :meth:`rotate_pairs` (a
-        complex product and a copy, where the channels in their usual order take six operations):
-        the same keys, bit for bit (a product's rows in another order are the same sums)."""
-        order = self.pairs_order(basis)
-        if order is None:
+        basis with its rows in :meth:`pairs_order` (:meth:`in_pairs_order`, one gather of its
+        values; ``paired``: that basis, where the caller holds it), so each pair the rotation turns
+        together comes out side by side, and turned by :meth:`rotate_pairs` (a complex product and
+        a copy, where the channels in their usual order take six operations): the same keys, bit
+        for bit (a product's rows in another order are the same sums)."""
+        if paired is None:
+            paired = self.in_pairs_order(basis)
+        if paired is None:
             return self.rotate_rows(rebuild(basis), pos, per_row)
-        return self.rotate_pairs(rebuild(basis.index_select(1, order)), pos, per_row)
+        return self.rotate_pairs(rebuild(paired), pos, per_row)
+
+    def in_pairs_order(self, basis: torch.Tensor) -> torch.Tensor | None:
+        """``basis`` ``(H, D, r)`` with its rows in :meth:`pairs_order` (one gather), or None where
+        the rotation is partial."""
+        order = self.pairs_order(basis)
+        return None if order is None else basis.index_select(1, order)
 
     def pairs_order(self, like: torch.Tensor) -> torch.Tensor | None:
         """The channel order ``[0, D/2, 1, D/2 + 1, ...]`` that puts each pair a rotation turns

@@ -334,9 +334,9 @@ class Rows:
         if run is not None and run[0] in ("k", "v"):
             self._write_run()
         _, k, lead, rest, k_strides, _ = self._head_view("k", batch)
-        held_v = self._head_view("v", batch)
+        _, v, _, _, v_strides, _ = self._head_view("v", batch)
         size = (*lead, self.width, *rest)
-        return k.as_strided(size, k_strides), held_v[1].as_strided(size, held_v[4])
+        return k.as_strided(size, k_strides), v.as_strided(size, v_strides)
 
     def _head_view(self, name: str, batch: int) -> HeadView:
         """Field ``name``'s whole tensor as ``(batch, BH / batch, capacity, *rest)``, kept while the

@@ -75,8 +75,9 @@ class Bases:
     dtype, counted in the layer's bytes; the fused kernels read these), and as the torch path
     multiplies them, made once when the layer's bases are placed, never at a step (issue 29):
     float32 (``key32``, ``value32``: the same tensors in a float32 model) and the key basis in
-    float32 with its rows in the rotation's pairs order (``key_pairs``, :meth:`Rotary.pairs_order`;
-    None where the rotation is partial), which rebuilds keys whose turned pairs come side by side.
+    float32 with its rows in the rotation's pairs order (``key_pairs``, :meth:`Rotary.in_pairs_order`;
+    None where the rotation is partial), which rebuilds keys whose turned pairs come side by side
+    (:meth:`Rotary.rotate_rebuilt`).
     The copies are held, so the resident bytes count them."""
 
     key: torch.Tensor
@@ -88,10 +89,7 @@ class Bases:
     @classmethod
     def make(cls, rotary: Rotary, key: torch.Tensor, value: torch.Tensor) -> Bases:
         key32 = as_float(key)
-        order = rotary.pairs_order(key)
-        return cls(
-            key, value, key32, as_float(value), None if order is None else key32.index_select(1, order)
-        )
+        return cls(key, value, key32, as_float(value), rotary.in_pairs_order(key32))
 
     def heads(self, first: int, count: int) -> Bases:
         """The bases of heads ``first .. first + count - 1`` (views)."""
@@ -280,16 +278,11 @@ class LatentSegment(RowCounts, Segment):
 
     def _rotated(
         self, rebuild: Callable[[torch.Tensor], torch.Tensor], pos: torch.Tensor, per_row: int | None
-    ):
-        """Float32 keys that ``rebuild`` makes from a float32 key basis, rotated at ``pos``: as
-        :meth:`Rotary.rotate_rebuilt` turns them, on the key basis kept in pairs order
-        (:class:`Bases`: one complex product, no gather of the basis' ``H·D·r`` values at a step),
-        else (a partial rotation) rebuilt in the usual order and turned as
-        :meth:`Rotary.rotate_rows` turns them."""
-        paired = self.bases.key_pairs
-        if paired is None:
-            return self.rotary.rotate_rows(rebuild(self.bases.key32), pos, per_row)
-        return self.rotary.rotate_pairs(rebuild(paired), pos, per_row)
+    ) -> torch.Tensor:
+        """Float32 keys that ``rebuild`` makes from the float32 key basis, rotated at ``pos``
+        (:meth:`Rotary.rotate_rebuilt`, on the basis held in pairs order: no gather at a step)."""
+        bases = self.bases
+        return self.rotary.rotate_rebuilt(rebuild, bases.key32, pos, per_row, bases.key_pairs)
 
     def _expand_rows(self, lat: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
         """``(BH, n, r)`` latents -> ``(BH, n, D)`` float32 on each head-row's basis ``(H, D, r)``."""
