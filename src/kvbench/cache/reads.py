@@ -161,7 +161,10 @@ class ReadMeter:
 
 
 def count_reads(
-    store: StoreView, mask: torch.Tensor | None, qpos: torch.Tensor, counted: torch.Tensor | None = None
+    store: StoreView,
+    mask: torch.Tensor | None,
+    qpos: torch.Tensor,
+    counted: torch.Tensor | float | None = None,
 ) -> ReadCount:
     """The reads of a selector's ``mask`` ``(B, H, q, T)`` for queries at ``qpos`` ``(B, q)``, as
     tensors (None: every visible token is read, or ``counted`` of them where the selector counted

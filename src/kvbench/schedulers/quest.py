@@ -5,8 +5,8 @@ full page carries the per-channel minimum and maximum of its keys (as attention 
 dequantized when a compressor packed them), kept flat in the layer's side data
 (:class:`PageBounds`) so ``store.nbytes()`` counts them. For a query ``q`` the page bound ``Σ_i
 max(q_i·min_i, q_i·max_i)`` is never below ``q·k`` for any key of the page. Each query reads the
-top pages by bound so that the tokens read per head-row come to ``ceil(budget × stored tokens)``,
-rounded to whole pages.
+top pages by bound: as many whole pages as the budget left after the tokens always read holds
+(:func:`pages_read`).
 
 Deviations from the paper, kvbench's choices:
 
@@ -14,9 +14,13 @@ Deviations from the paper, kvbench's choices:
   whole query group, so a page's bound is the **maximum over the group's query heads** of their
   bounds; it stays an upper bound for every query head of the group.
 - The budget is a fraction of the stored tokens of each head-row (``budget_tokens`` gives the
-  paper's absolute token budget); sinks, the window, protected positions, the current chunk and
-  the partial last page are always read and count inside it. The remaining tokens go page by
-  page in bound order; a page is taken when at least half of it fits (rounding to whole pages).
+  paper's absolute token budget); sinks, the window, protected positions, the current chunk, the
+  partial last page, and every page holding one of them, are always read and count inside it.
+  The tokens left buy whole pages, a page where at least half of one fits, and each query reads
+  that many pages, the best by bound (ties: the earlier page), as the reference reads a number of
+  pages. (Versions 1-2 left a page cut by the sinks or the window selectable, its other tokens
+  costing their share of the budget: which pages fitted then depended on which were chosen, a
+  running sum at every layer.)
 - Queries of every chunk after the first compression point are selected (the paper selects at
   decode only; a decode step is one such chunk); earlier queries of a chunk read densely.
 - Page metadata is derived from the stored keys after every forward, in :meth:`evict`: over a
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -75,7 +79,18 @@ class _Read:
         return [*self.count.tensors(), *([] if self.meta is None else [self.meta])]
 
 
-NEVER_FITS = 2**40  # the cost of a page that is not selectable: more than any budget, summed safely
+@overload
+def pages_read(extra: int, page_size: int) -> int: ...
+@overload
+def pages_read(extra: torch.Tensor, page_size: int) -> torch.Tensor: ...
+def pages_read(extra: int | torch.Tensor, page_size: int) -> int | torch.Tensor:
+    """The pages a query reads with ``extra`` tokens of its budget left after those it always
+    reads (a host figure, or one per head-row): page ``i`` (from 0) is read while at least half of
+    it fits, ``i · page_size + page_size / 2 < extra``, that is ``ceil((2 extra - page_size) / (2
+    page_size))`` pages, none where ``extra`` is too small."""
+    if isinstance(extra, int):
+        return max(0, (2 * extra + page_size - 1) // (2 * page_size))
+    return torch.div(2 * extra + page_size - 1, 2 * page_size, rounding_mode="floor").clamp(min=0)
 
 
 @dataclass
@@ -85,16 +100,17 @@ class _Pages:
     Attributes:
         n_full: ``(B, H)`` full pages per head-row, ``total`` of them, ``width`` at most (None
             where every head-row has ``width``: :meth:`QuestScheduler._uniform_pages`).
-        always: ``(B, H, T)`` the tokens every query reads whatever its bounds.
-        cost: ``(B, H, 1, P)`` each page's unread tokens, :data:`NEVER_FITS` where none is
-            (``blocked``: the page is not selectable); the span's pages only where ``span`` is set.
-        room: ``(B, H, 1, 1)`` minus twice the budget left for pages after the always-read tokens
-            (an int where every head-row has the same).
+        blocked: ``(B, H, 1, P)`` the pages that are not selectable (one token of theirs at least
+            is always read); None where ``span`` is set.
+        count: the pages each query reads (:func:`pages_read`): an int where every head-row has
+            the same, else ``(B, H, 1, 1)``, never more than its selectable pages.
         index: ``(B, H, 1, T)`` each token's column in a row of :meth:`take`'s pages read: its
-            page, ``P`` (never read) for an empty slot, ``P + 1`` (always read) for the others.
-        base: ``(B, H, 1, P + 2)`` bool, only column ``P + 1`` set.
+            page's (from ``j0`` where ``span`` is set), ``C`` (never read) for an empty slot,
+            ``C + 1`` (always read) for the others, ``C`` the columns of pages.
+        base: ``(B, H, 1, C + 2)`` bool, only column ``C + 1`` set.
         span: the selectable pages ``[j0, j1)``, where every head-row has the same (none outside
-            them is, so nothing is blocked inside); None: ``blocked`` says which are not.
+            them is, so nothing is blocked inside; ``C = j1 - j0``); None: ``blocked`` says which
+            are not (``C = width``).
         seen: ``index`` seen by each query head of a group (:meth:`take`), kept for the step's
             layers.
     """
@@ -103,10 +119,8 @@ class _Pages:
     n_full: torch.Tensor | None
     total: int
     width: int
-    always: torch.Tensor
-    cost: torch.Tensor
     blocked: torch.Tensor | None
-    room: torch.Tensor | int
+    count: torch.Tensor | int
     index: torch.Tensor
     base: torch.Tensor
     # Where every head-row holds the same positions (:meth:`QuestScheduler._uniform_pages`): every
@@ -116,35 +130,30 @@ class _Pages:
     span: tuple[int, int] | None = None
     seen: torch.Tensor | None = None  # ``index`` seen per query head (:meth:`take`)
 
-    def choose(self, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The selectable pages by ``bound`` ``(B, H, q, P)``, best first (``order``: from ``j0``
-        where ``span`` is set, the blocked pages last where it is not), their costs in that order,
-        and whether each is read (``fits``: a prefix of the order): the best bounds first, while
-        at least half of the next page fits in the budget left."""
+    def choose(self, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | bool]:
+        """The pages read by ``bound`` ``(B, H, q, P)``: the selectable pages best first, ties in
+        page order (``order``: from ``j0`` where ``span`` is set, the blocked pages last where it
+        is not), and whether each is read (a prefix of ``count`` pages). Where ``count`` is a host
+        figure, ``order`` holds the pages read alone, and the second is True."""
         if self.span is not None:
             score = bound[..., self.span[0] : self.span[1]]
         else:
             assert self.blocked is not None
             score = bound.masked_fill(self.blocked, float("-inf"))  # bounds are finite: blocked last
         order = score.argsort(dim=-1, descending=True, stable=True)
-        c = torch.gather(self.cost.expand_as(order), -1, order)
-        # half of the next page fits: before + c / 2 < extra, before = cumsum - c (whole numbers),
-        # as c - 2 cumsum > -2 extra; a blocked page costs more than any budget, so never fits
-        return order, c, torch.sub(c, c.cumsum(-1), alpha=2) > self.room
+        if isinstance(self.count, int):
+            return order[..., : self.count], True
+        return order, (devices.arange(order.shape[-1], order) < self.count).expand_as(order)
 
     def take(self, bound: torch.Tensor, groups: int = 1) -> torch.Tensor:
         """The tokens read ``(B, H, q, T)`` where ``bound`` ``(B, H, q, P)`` bounds each page's
         scores (:meth:`choose`), with the tokens always read; with ``groups`` query heads a KV
         head, per query head ``(B, H · groups, q, T)``: one gather from the pages read seen
         ``groups`` times, not the mask made and then repeated."""
-        order, _, fits = self.choose(bound)
+        order, fits = self.choose(bound)  # ``order`` indexes the pages' columns of ``base``
         b, h, q, _ = bound.shape
-        base = self.base.expand(b, h, q, self.width + 2)
-        if self.span is None or self.span[0] == 0:  # ``order`` indexes the pages' own columns:
-            pages = base.scatter(-1, order, fits)  # one out-of-place scatter (no copy, then scatter)
-        else:
-            pages = base.clone(memory_format=torch.contiguous_format)
-            pages[..., self.span[0] : self.span[1]].scatter_(-1, order, fits)
+        base = self.base.expand(b, h, q, self.base.shape[-1])
+        pages = base.scatter(-1, order, fits)  # one out-of-place scatter (no copy, then scatter)
         if groups == 1:
             return torch.gather(pages, -1, self.index.expand(b, h, q, self.index.shape[-1]))
         seen = self.seen
@@ -182,8 +191,8 @@ def paired_bounds(query: torch.Tensor, paired: torch.Tensor, batch: int, columns
 
 
 def page_base(width: int, like: torch.Tensor) -> torch.Tensor:
-    """:attr:`_Pages.base` ``(1, 1, 1, width + 2)``, made once while ``width`` is the last asked for
-    on ``like``'s device (the layers of a step, and the steps until a page fills)."""
+    """:attr:`_Pages.base` ``(1, 1, 1, width + 2)`` of ``width`` pages, made once while ``width`` is
+    the last asked for on ``like``'s device (the layers of a step, and the steps until a page fills)."""
     key = devices.device_of(like)
     held = _BASE.get(key)
     if held is None or held[0] != width:
@@ -205,7 +214,9 @@ class QuestScheduler(Scheduler):
     name: str = "quest"
     # 2: a page's bound in one product of the query's positive and negative parts with its maximum
     # and minimum keys side by side (issue 29, CHANGELOG.md)
-    version = 2
+    # 3: a query reads as many pages as the budget left holds, the best by bound, each taking a
+    # whole page's place as in the reference (no running sum of each page's unread tokens)
+    version = 3
     page_size: int = 16
     dense_layers: int = 2
     flags = Flags(selects_reads=True)
@@ -291,7 +302,8 @@ class QuestScheduler(Scheduler):
         self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor, groups: int
     ) -> torch.Tensor:
         """:meth:`read_mask`, with the pages' mask per query head for ``groups`` query heads a KV
-        head (:meth:`_Pages.take`); the reads are counted from its rows of one query head a group."""
+        head (:meth:`_Pages.take`); the reads are counted from its rows of one query head a group,
+        or on the host where every head-row reads the same number of whole pages."""
         b, h, t, d = store.batch, store.kv_heads, store.columns(), store.head_dim  # the view's shape
         q = query.shape[2]
         if layer < self.dense_layers:
@@ -303,8 +315,8 @@ class QuestScheduler(Scheduler):
         if bounds is None or lay.total != bounds.paired.shape[0]:
             raise RuntimeError("quest: page metadata is stale (evict() must run after every forward)")
         width = lay.width
-        if width == 0:  # no full page yet: only the always-read tokens exist
-            mask = lay.always[:, :, None, :].expand(b, h, q, t)
+        if width == 0:  # no full page yet: every stored token is always read
+            mask = store.view().valid[:, :, None, :].expand(b, h, q, t)
             self._account(layer, store, query, qpos, mask, 0.0)
             return mask
         if key is not None:  # every head-row holds the same full pages
@@ -320,7 +332,12 @@ class QuestScheduler(Scheduler):
         else:
             assert lay.n_full is not None
             meta = lay.n_full * per_page
-        self._account(layer, store, query, qpos, mask if groups == 1 else mask[:, ::groups], meta)
+        if isinstance(lay.count, int) and len(store.segments) == 1 and one_step(store, qpos):
+            # whole pages over full rows, every query real: the tokens read are host figures
+            n_read = float(b * h * q * (lay.lo + t - lay.hi + lay.count * self.page_size))
+            self._account(layer, store, query, qpos, None, meta, n_read)
+        else:
+            self._account(layer, store, query, qpos, mask if groups == 1 else mask[:, ::groups], meta)
         return mask
 
     def read_pages(
@@ -341,17 +358,12 @@ class QuestScheduler(Scheduler):
         b, h, t, d = store.batch, store.kv_heads, store.columns(), store.head_dim
         q = query.shape[2]
         bound = paired_bounds(query, bounds.paired.view(b, h, lay.width, 2 * d), b, t)
-        order, cost, fits = lay.choose(bound)
-        # at most the pages whose cost before them is under the budget left: whole pages, and the
-        # two cut by the sinks and by ``hi``
-        extra = -int(lay.room) // 2
-        k = min(lay.width, max(extra, 0) // self.page_size + 3)
-        j0, j1 = lay.span if lay.span is not None else (0, lay.width)
-        index = torch.where(fits[..., :k], order[..., :k] + j0 if j0 else order[..., :k], -1)
-        if j1 - j0 < k:  # as many columns as the pages that may fit, those outside the span unread
-            index = torch.nn.functional.pad(index, (0, k - (j1 - j0)), value=-1)
-        always = b * h * q * (lay.lo + t - lay.hi)  # host figures: the slots read whatever the bounds
-        n_read = torch.where(fits, cost, 0).sum() + always
+        order, _ = lay.choose(bound)  # the pages read alone: ``count`` is a host figure here
+        assert lay.span is not None and isinstance(lay.count, int)  # set where ``hi`` is
+        j0 = lay.span[0]
+        index = order + j0 if j0 else order
+        # host figures: the slots read whatever the bounds, and the pages read, each a whole page
+        n_read = float(b * h * q * (lay.lo + t - lay.hi + lay.count * self.page_size))
         per_page = 2 * d * bounds.paired.element_size()
         meta = float(lay.total * per_page * q) / float(b * q)
         self._account(layer, store, query, qpos, None, meta, n_read)
@@ -377,21 +389,24 @@ class QuestScheduler(Scheduler):
         prior = view.valid & (view.pos < start)
         page, in_page, n_full = self.layout(view.pos, prior, store.in_position_order())
         protected = self.budget.protected(view.pos, start, protected_from(store))
-        always = view.valid & (protected | ~in_page)  # with the chunk and the partial last page
-        pageable = in_page & ~always
+        pageable = in_page & ~protected  # in a full page, not read whatever the bounds
         width = int(n_full.max()) if n_full.numel() else 0
         b, h, _ = view.pos.shape
         page_idx = torch.where(pageable, page, torch.full_like(page, width))
-        cost = torch.zeros(b, h, width + 1, dtype=torch.long, device=view.pos.device)
-        cost = cost.scatter_add_(-1, page_idx, pageable.long())[..., :width]  # unread tokens per page
+        fill = torch.zeros(b, h, width + 1, dtype=torch.long, device=view.pos.device)
+        fill = fill.scatter_add_(-1, page_idx, pageable.long())  # pageable tokens per page
+        whole = fill == self.page_size  # selectable: no token of the page is always read
+        chosen = torch.gather(whole, -1, page_idx)  # (B, H, T) the tokens read only when chosen
+        always = view.valid & ~chosen  # with the chunk, the partial last page and their pages
         extra = self.budget.capacity(view.valid.sum(-1)) - always.sum(-1)  # (B, H)
         index = torch.where(always, width + 1, page_idx)[:, :, None, :]
         base = torch.zeros(b, h, 1, width + 2, dtype=torch.bool, device=view.pos.device)
         base[..., width + 1] = True
-        blocked = (cost == 0)[:, :, None, :]
-        cost = cost[:, :, None, :].masked_fill(blocked, NEVER_FITS)
-        room = -2 * extra[:, :, None, None]
-        return _Pages(key, n_full, int(n_full.sum()), width, always, cost, blocked, room, index, base)
+        selectable = whole[..., :width]
+        count = pages_read(extra, self.page_size)
+        count = torch.minimum(count, selectable.sum(-1))[:, :, None, None]  # (B, H, 1, 1)
+        blocked = ~selectable[:, :, None, :]
+        return _Pages(key, n_full, int(n_full.sum()), width, blocked, count, index, base)
 
     def _uniform_pages(self, store: TechniqueStore, qpos: torch.Tensor, key: tuple[Any, ...]) -> _Pages:
         """:meth:`pages` where every head-row holds the same positions, slot ``t`` position ``t``
@@ -399,35 +414,30 @@ class QuestScheduler(Scheduler):
         (no read from the device) and the masks are one row's, broadcast.
 
         The pages are the slots before the chunk, ``page_size`` at a time; a token is always read
-        when it is a sink or lies at or after ``hi``: the window before the chunk, the chunk, the
-        partial last page and the protected positions."""
-        view = store.view()
-        b, h, t = view.pos.shape
+        when it is a sink or lies at or after ``hi`` (the window before the chunk, the chunk, the
+        partial last page and the protected positions), or shares a page with such a token."""
+        b, h, t = store.batch, store.kv_heads, store.columns()
         p = self.page_size
         start = t - qpos.shape[1]  # the chunk's first position: every slot before it is a token
         width = start // p
         pf = store.protect_from_host
         hi = min(start - self.budget.window, width * p, *(pf[:1] if pf else ()))
         hi = max(hi, 0)
-        sinks = self.budget.sinks
-        pos = view.pos[:1, :1]  # (1, 1, T): every row alike, slot t position t
-        always = torch.ones(1, 1, t, dtype=torch.bool, device=pos.device)  # all but [sinks, hi)
-        if sinks < hi:
-            always[..., sinks:hi] = False
-        index = torch.where(always, width + 1, page_of(t, p, pos))[:, :, None, :].expand(b, h, 1, t)
-        n_always = t if sinks >= hi else sinks + t - hi
-        extra = self.budget.capacity_host(t) - n_always
-        # tokens of page j read only when chosen: [j p, (j + 1) p) within [sinks, hi); some are for
-        # the pages j0..j1-1 (all of them but the two cut by ``sinks`` and ``hi``), none for the rest
-        j0, j1 = (sinks // p, -(-hi // p)) if sinks < hi else (0, 0)
-        cost = torch.full((1, 1, 1, j1 - j0), p, dtype=pos.dtype, device=pos.device)
-        for j in {j0, j1 - 1} if j1 > j0 else ():
-            part = min((j + 1) * p, hi) - max(j * p, sinks)
-            if part != p:
-                cost[..., j - j0] = part
+        # the pages of [j0 p, j1 p) hold none of the sinks (those before ``sinks``) nor of the
+        # always-read slots from ``hi`` on: the selectable pages; every other slot is always read
+        j0, j1 = -(-self.budget.sinks // p), hi // p
+        if j0 >= j1:
+            j0 = j1 = 0
+        lo, hi = j0 * p, j1 * p
+        # one row for all (slot t holds position t): each selectable slot's column, its page's
+        # from j0; the others always read (column j1 - j0 + 1); positions' dtype, those of qpos
+        index = torch.full((1, 1, 1, t), j1 - j0 + 1, dtype=qpos.dtype, device=qpos.device)
+        if j0 < j1:
+            torch.sub(page_of(hi, p, qpos)[lo:], j0, out=index[0, 0, 0, lo:hi])
+        extra = self.budget.capacity_host(t) - (t - (hi - lo))
         return _Pages(
-            key, None, b * h * width, width, always.expand(b, h, t), cost.expand(b, h, 1, j1 - j0), None,
-            -2 * extra, index, page_base(width, pos), lo=min(sinks, hi), hi=hi, span=(j0, j1),
+            key, None, b * h * width, width, None, min(pages_read(extra, p), j1 - j0),
+            index.expand(b, h, 1, t), page_base(j1 - j0, qpos), lo=lo, hi=hi, span=(j0, j1),
         )  # fmt: skip
 
     def layout(
@@ -462,7 +472,7 @@ class QuestScheduler(Scheduler):
         qpos: torch.Tensor,
         mask: torch.Tensor | None,
         meta: torch.Tensor | float | None,
-        n_read: torch.Tensor | None = None,
+        n_read: torch.Tensor | float | None = None,
     ) -> None:
         """Bytes and tokens read by the real queries of this call (repeat calls are not counted),
         kept as tensors until :meth:`metrics` (no device synchronisation per call).
