@@ -364,7 +364,11 @@ class LayerStore:
             self._view.release()
 
     def keys(self) -> torch.Tensor:
-        """``view().k`` ``(B, H, T, D)``, as :meth:`kv` reads it."""
+        """``view().k`` ``(B, H, T, D)``, as :meth:`kv` reads it (the keys' view alone where
+        :meth:`dense_kv` applies)."""
+        rows = self._fp.rows
+        if self._view is None and not self._compressed and rows.uniform:
+            return rows.heads("k", self.batch)
         return self.kv()[0]
 
     def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -488,10 +492,10 @@ class LayerStore:
         ``qpos`` is the whole last chunk, else None. Stores with the same key (the layers of one
         step) have the same stored positions, chunk and protected positions, so such derivations
         can be shared."""
-        shape = qpos.shape
-        if shape != self.last_qpos.shape or not every_position(self):
+        last = self.last_qpos  # the engine's read passes this very tensor: no shape compared
+        if (qpos is not last and qpos.shape != last.shape) or not every_position(self):
             return None
-        return (self.device, self.batch, self.kv_heads, self._seen_max, shape[1], self.protect_from_host)
+        return (self.device, self.batch, self.kv_heads, self._seen_max, last.shape[1], self.protect_from_host)
 
     def in_position_order(self) -> bool:
         """Positions increase along each row of ``view()``: the full-precision rows alone, in arrival
