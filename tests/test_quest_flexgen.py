@@ -170,7 +170,8 @@ def test_a_page_bound_is_one_product_of_the_query_parts_with_the_paired_keys():
         assert torch.equal(att.page_bounds(query, low, high), att.paired_page_bounds(query, paired))
         grouped = att.paired_page_bounds(query, paired).amax(2)
         assert torch.equal(att.paired_group_bounds(query, paired), grouped)
-    kept = PageBounds(torch.stack((high, low), 3).view(-1, 2, d))
+    stacked = torch.stack((high, low), 3).view(-1, 2, d)
+    kept = PageBounds(stacked, stacked)
     assert torch.equal(kept.kmax, high.reshape(-1, d)) and torch.equal(kept.kmin, low.reshape(-1, d))
     assert kept.kmax.data_ptr() == kept.paired.data_ptr() and len(kept.tensors()) == 1
     assert QuestScheduler.version >= 2

@@ -51,9 +51,15 @@ from kvbench.roles import Flags, Scheduler
 class PageBounds(SideData):
     """Per-channel maximum and minimum keys of every full page, head-major, side by side:
     ``paired`` ``(M, 2, D)`` (one tensor, so a read takes both in one product:
-    :func:`kvbench.cache.attention.paired_page_bounds`)."""
+    :func:`kvbench.cache.attention.paired_page_bounds`), in the keys' dtype, counted in the layer's
+    bytes; ``wide`` the same in float32, as the torch path's product takes them, made once a page
+    (``paired`` itself in a float32 model; held, so the resident bytes count it, not the stored)."""
 
     paired: torch.Tensor
+    wide: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.paired]
 
     @property
     def kmax(self) -> torch.Tensor:
@@ -179,11 +185,11 @@ def page_of(slots: int, page_size: int, like: torch.Tensor) -> torch.Tensor:
     return held[:slots]
 
 
-def paired_bounds(query: torch.Tensor, paired: torch.Tensor, batch: int, columns: int) -> torch.Tensor:
+def paired_bounds(query: torch.Tensor, paired: torch.Tensor, kernels: Any) -> torch.Tensor:
     """``(B, H, q, P)``: Quest's bound of each page, its maximum over the query group, by the cell's
-    path (the Triton kernel, or :func:`kvbench.cache.attention.paired_group_bounds`), from the
-    pages' keys ``paired`` ``(B, H, P, 2 D)`` (maximum, then minimum)."""
-    kernels = dispatch.kernels("scoring", batch, columns)
+    path (``kernels``: the Triton kernels, :func:`kvbench.kernels.dispatch.kernels`' for scoring, or
+    None: :func:`kvbench.cache.attention.paired_group_bounds`), from the pages' keys ``paired``
+    ``(B, H, P, 2 D)`` (maximum, then minimum; float32 on the torch path, as :attr:`PageBounds.wide`)."""
     if kernels is None:
         return att.paired_group_bounds(query, paired)
     d = paired.shape[-1] // 2
@@ -257,11 +263,14 @@ class QuestScheduler(Scheduler):
         keys = torch.nn.functional.pad(keys, (0, 0, 0, npages * p - t)).view(b, h, npages, p, d)
         full = devices.arange(npages, keys) < (view.valid.sum(-1) // p)[..., None]  # (B, H, P)
         low, high = torch.aminmax(keys, dim=3)
-        self._set_bounds(layer, store, torch.stack((high, low), 3)[full])
+        paired = torch.stack((high, low), 3)[full]
+        self._set_bounds(layer, store, paired, paired.float())
         self._kept_bounds.pop(store, None)
 
-    def _set_bounds(self, layer: int, store: TechniqueStore, paired: torch.Tensor) -> None:
-        store.set_side(PageBounds(paired))
+    def _set_bounds(
+        self, layer: int, store: TechniqueStore, paired: torch.Tensor, wide: torch.Tensor
+    ) -> None:
+        store.set_side(PageBounds(paired, wide))
         self._meta_bytes[layer] = paired.numel() * paired.element_size()
 
     def _grow_pages(self, layer: int, store: TechniqueStore) -> None:
@@ -275,15 +284,18 @@ class QuestScheduler(Scheduler):
         n_full = t // p
         prev = self._kept_bounds.get(store)
         if prev is not None and prev[0] == store.edits and prev[1] <= n_full:
-            done, paired = prev[1:]
+            done, paired, wide = prev[1:]
         else:
             done, paired = 0, stored.new_empty(b * h, 0, 2, d)
+            wide = paired.float()
         if n_full > done:
             keys = stored[:, :, done * p : n_full * p].reshape(b * h, n_full - done, p, d)
             low, high = torch.aminmax(keys, dim=2)
-            paired = torch.cat([paired, torch.stack((high, low), 2)], dim=1)
-        self._kept_bounds[store] = (store.edits, n_full, paired)
-        self._set_bounds(layer, store, paired.view(-1, 2, d))
+            new = torch.stack((high, low), 2)
+            paired = torch.cat([paired, new], dim=1)
+            wide = paired if paired.dtype == torch.float32 else torch.cat([wide, new.float()], dim=1)
+        self._kept_bounds[store] = (store.edits, n_full, paired, wide)
+        self._set_bounds(layer, store, paired.view(-1, 2, d), wide.view(-1, 2, d))
 
     def read_mask(
         self, layer: int, store: TechniqueStore, query: torch.Tensor, qpos: torch.Tensor
@@ -319,13 +331,15 @@ class QuestScheduler(Scheduler):
             mask = store.view().valid[:, :, None, :].expand(b, h, q, t)
             self._account(layer, store, query, qpos, mask, 0.0)
             return mask
+        kernels = dispatch.kernels("scoring", b, t)  # the cell's path: the kernel reads them as stored
+        kept = bounds.wide if kernels is None else bounds.paired
         if key is not None:  # every head-row holds the same full pages
-            paired = bounds.paired.view(b, h, width, 2 * d)
+            paired = kept.view(b, h, width, 2 * d)
         else:
             assert lay.n_full is not None  # pages not derived from positions alone
-            flat = bounds.paired.view(-1, 2 * d)
+            flat = kept.view(-1, 2 * d)
             paired = ragged.to_padded(flat, lay.n_full.flatten())[0].view(b, h, width, 2 * d)
-        mask = lay.take(paired_bounds(query, paired, b, t), groups)
+        mask = lay.take(paired_bounds(query, paired, kernels), groups)
         per_page = 2 * d * bounds.paired.element_size()
         if key is not None:  # every query real: the bytes of the bounds per query, from the host
             meta: torch.Tensor | float = float(lay.total * per_page * q) / float(b * q)
@@ -357,7 +371,9 @@ class QuestScheduler(Scheduler):
             return None
         b, h, t, d = store.batch, store.kv_heads, store.columns(), store.head_dim
         q = query.shape[2]
-        bound = paired_bounds(query, bounds.paired.view(b, h, lay.width, 2 * d), b, t)
+        kernels = dispatch.kernels("scoring", b, t)
+        kept = bounds.wide if kernels is None else bounds.paired
+        bound = paired_bounds(query, kept.view(b, h, lay.width, 2 * d), kernels)
         order, _ = lay.choose(bound)  # the pages read alone: ``count`` is a host figure here
         assert lay.span is not None and isinstance(lay.count, int)  # set where ``hi`` is
         j0 = lay.span[0]
