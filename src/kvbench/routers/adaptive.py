@@ -52,9 +52,11 @@ def top_p_choice(
         lo = min(k_min, hi)
         # place i (lo <= i < hi) is read iff the mass of places 0 .. i - 1 is under top_p; the
         # comparison is written after the ``lo`` places always read (no pad of its own)
-        mass = sorted_p[..., : hi - 1].cumsum(-1)[..., lo - 1 :]
-        read = read_places(mass, lo)
-        torch.lt(mass, top_p, out=read[..., lo:])
+        mass = sorted_p[..., : hi - 1].cumsum(-1)
+        if lo > 1:
+            mass = mass[..., lo - 1 :]
+        read, compared = read_places(mass, lo)
+        torch.lt(mass, top_p, out=compared)
         return choice_at(score, order[..., :hi], read, pad)
     assert n is not None  # some score may not be finite: counted
     k: torch.Tensor
@@ -69,23 +71,23 @@ def top_p_choice(
     return pad_choice(chosen) if pad else chosen
 
 
-_PLACES: dict[tuple[Any, ...], torch.Tensor] = {}
+_PLACES: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def read_places(mass: torch.Tensor, lo: int) -> torch.Tensor:
+def read_places(mass: torch.Tensor, lo: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A held bool buffer ``(..., lo + n)`` for ``mass`` ``(..., n)``, its first ``lo`` columns
-    True: :func:`top_p_choice` writes its comparison into the other columns, where a pad of the
-    comparison's result would be one operation more a call. Made once per shape, device and
-    ``lo``; each call's values are copied out by the choice's scatter before the next call writes
-    them (on a GPU, in stream order)."""
+    True, and the view of its other columns, where :func:`top_p_choice` writes its comparison (a
+    pad of the comparison's result would be one operation more a call). Made once per shape,
+    device and ``lo``; each call's values are copied out by the choice's scatter before the next
+    call writes them (on a GPU, in stream order)."""
     key = (mass.shape, devices.device_of(mass), lo)
     held = _PLACES.get(key)
     if held is None:
         if len(_PLACES) >= 64:  # chunks of many lengths: start over rather than grow
             _PLACES.clear()
         with torch.inference_mode(False):  # a plain tensor, written inside or outside a forward
-            held = torch.ones(*mass.shape[:-1], lo + mass.shape[-1], dtype=torch.bool, device=mass.device)
-        _PLACES[key] = held
+            buffer = torch.ones(*mass.shape[:-1], lo + mass.shape[-1], dtype=torch.bool, device=mass.device)
+            held = _PLACES[key] = buffer, buffer[..., lo:]
     return held
 
 
