@@ -446,16 +446,16 @@ class Rows:
         """:meth:`append`'s first path for the fields ``k``, ``v`` and ``pos`` alone, given as a
         batch's heads: keys and values ``(B, H, q, D)`` written through the 4-d views :meth:`kv_heads`
         keeps, positions ``pos`` ``(1, q)`` = ``start, start + 1, ...`` in every row joining the
-        pending run (written when read). A decode step of one sequence's append, without the
-        general path's dict and reshapes. Returns False, having written nothing, where it does not
-        apply (rows of different lengths, other fields, no room, no views yet, a run it does not
-        continue): :meth:`append` then does it."""
+        pending run (written when read); the other fields (a technique's per-token state) take their
+        fill (:meth:`_fill_others`). A decode step of one sequence's append, without the general
+        path's dict and reshapes. Returns False, having written nothing, where it does not apply
+        (rows of different lengths, no room, no views yet, a run it does not continue):
+        :meth:`append` then does it."""
         fields, pending, width, q = self._fields, self._run, self.width, k.shape[2]
         held = self._heads
         kh, vh = held.get("k"), held.get("v")
         if (
             not self.uniform
-            or len(fields) != 3
             or "pos" not in fields
             or width + q > self.capacity
             or kh is None
@@ -465,6 +465,8 @@ class Rows:
             or not (pending is None or (pending[0] == "pos" and pending[2] + width - pending[1] == start))
         ):
             return False
+        if len(fields) != 3:
+            self._fill_others(width, q)
         # the ``q`` slots past ``width``, each field's through its held view (_head_view's fields)
         _, view, lead, rest, strides, offset = kh
         view.as_strided((*lead, q, *rest), strides, offset + width * strides[2]).copy_(k)
@@ -476,6 +478,18 @@ class Rows:
             self.changed_from = width
         self._lens, self.width = None, width + q
         return True
+
+    def _fill_others(self, width: int, q: int) -> None:
+        """Every field but the keys, values and positions takes its fill in columns ``width ..<
+        width + q``, where it does not hold it already (zeros past ``_zeroed``): what
+        :meth:`append` writes for a field it is not given (a technique's per-token state, set
+        after the append)."""
+        fill, zeroed = self.fill, self._zeroed
+        for name, field in self._fields.items():
+            if name not in ("k", "v", "pos"):
+                value = fill.get(name, 0)
+                if value != 0 or width + q > zeroed:
+                    field.narrow(1, width, q).fill_(value)
 
     def append(self, new: dict[str, torch.Tensor], run: tuple[str, int] | None = None) -> None:
         """Append ``q`` tokens to every row: ``new[name]`` ``(BH, q, *rest)`` (or ``(1, q, *rest)``,
