@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 import math
 import weakref
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -30,6 +30,7 @@ from kvbench.cache.ragged import segment_ids, starts, valid_mask
 from kvbench.kernels import dispatch
 
 _MIN_GROWTH = 64
+_KV_POS = frozenset(("k", "v", "pos"))  # the fields a decode step's append gives (:meth:`Rows.append_kv`)
 
 # A field's whole tensor, its 4-d view ``(batch, BH / batch, capacity, *rest)``, ``(batch, BH /
 # batch)``, ``rest``, the view's strides and its storage offset (:meth:`Rows._head_view`).
@@ -466,7 +467,7 @@ class Rows:
         ):
             return False
         if len(fields) != 3:
-            self._fill_others(width, q)
+            self._fill_others(width, q, _KV_POS)
         # the ``q`` slots past ``width``, each field's through its held view (_head_view's fields)
         _, view, lead, rest, strides, offset = kh
         view.as_strided((*lead, q, *rest), strides, offset + width * strides[2]).copy_(k)
@@ -479,14 +480,13 @@ class Rows:
         self._lens, self.width = None, width + q
         return True
 
-    def _fill_others(self, width: int, q: int) -> None:
-        """Every field but the keys, values and positions takes its fill in columns ``width ..<
-        width + q``, where it does not hold it already (zeros past ``_zeroed``): what
-        :meth:`append` writes for a field it is not given (a technique's per-token state, set
-        after the append)."""
+    def _fill_others(self, width: int, q: int, given: Collection[str]) -> None:
+        """Every field not ``given`` takes its fill in columns ``width ..< width + q`` of full rows,
+        where it does not hold it already (zeros past ``_zeroed``): what an append writes for a
+        field it is not given (a technique's per-token state, set after the append)."""
         fill, zeroed = self.fill, self._zeroed
         for name, field in self._fields.items():
-            if name not in ("k", "v", "pos"):
+            if name not in given:
                 value = fill.get(name, 0)
                 if value != 0 or width + q > zeroed:
                     field.narrow(1, width, q).fill_(value)
@@ -511,15 +511,10 @@ class Rows:
             if width + q > self.capacity:
                 self._reserve(width + q)
                 fields = self._fields
-            for name, field in fields.items():  # the fields not given take their fill
+            for name, value in new.items():
                 if name != run[0]:
-                    value = new.get(name)
-                    if value is None:
-                        fill = self.fill.get(name, 0)
-                        if fill != 0 or width + q > self._zeroed:  # else zeros there already
-                            field.narrow(1, width, q).fill_(fill)
-                    else:
-                        field.narrow(1, width, q).copy_(value)
+                    fields[name].narrow(1, width, q).copy_(value)
+            self._fill_others(width, q, new)  # the fields not given take their fill
             first, start = (width, run[1]) if pending is None else pending[1:3]
             self._run = (run[0], first, start, new[run[0]])
             if self.changed_from is None or self.changed_from > width:

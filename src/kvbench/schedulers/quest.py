@@ -185,6 +185,14 @@ def page_of(slots: int, page_size: int, like: torch.Tensor) -> torch.Tensor:
     return held[:slots]
 
 
+def path_bounds(bounds: PageBounds, batch: int, columns: int) -> tuple[Any, torch.Tensor]:
+    """The cell's path for the pages' bounds (:func:`kvbench.kernels.dispatch.kernels`' for scoring,
+    or None: torch) and the bounds ``(M, 2, D)`` it reads: as stored for the kernel, float32 for
+    torch (:attr:`PageBounds.wide`)."""
+    kernels = dispatch.kernels("scoring", batch, columns)
+    return kernels, bounds.wide if kernels is None else bounds.paired
+
+
 def paired_bounds(query: torch.Tensor, paired: torch.Tensor, kernels: Any) -> torch.Tensor:
     """``(B, H, q, P)``: Quest's bound of each page, its maximum over the query group, by the cell's
     path (``kernels``: the Triton kernels, :func:`kvbench.kernels.dispatch.kernels`' for scoring, or
@@ -331,8 +339,7 @@ class QuestScheduler(Scheduler):
             mask = store.view().valid[:, :, None, :].expand(b, h, q, t)
             self._account(layer, store, query, qpos, mask, 0.0)
             return mask
-        kernels = dispatch.kernels("scoring", b, t)  # the cell's path: the kernel reads them as stored
-        kept = bounds.wide if kernels is None else bounds.paired
+        kernels, kept = path_bounds(bounds, b, t)
         if key is not None:  # every head-row holds the same full pages
             paired = kept.view(b, h, width, 2 * d)
         else:
@@ -348,8 +355,7 @@ class QuestScheduler(Scheduler):
             meta = lay.n_full * per_page
         if isinstance(lay.count, int) and len(store.segments) == 1 and one_step(store, qpos):
             # whole pages over full rows, every query real: the tokens read are host figures
-            n_read = float(b * h * q * (lay.lo + t - lay.hi + lay.count * self.page_size))
-            self._account(layer, store, query, qpos, None, meta, n_read)
+            self._account(layer, store, query, qpos, None, meta, self._host_read(lay, b * h * q, t))
         else:
             self._account(layer, store, query, qpos, mask if groups == 1 else mask[:, ::groups], meta)
         return mask
@@ -371,19 +377,23 @@ class QuestScheduler(Scheduler):
             return None
         b, h, t, d = store.batch, store.kv_heads, store.columns(), store.head_dim
         q = query.shape[2]
-        kernels = dispatch.kernels("scoring", b, t)
-        kept = bounds.wide if kernels is None else bounds.paired
+        kernels, kept = path_bounds(bounds, b, t)
         bound = paired_bounds(query, kept.view(b, h, lay.width, 2 * d), kernels)
         order, _ = lay.choose(bound)  # the pages read alone: ``count`` is a host figure here
         assert lay.span is not None and isinstance(lay.count, int)  # set where ``hi`` is
         j0 = lay.span[0]
         index = order + j0 if j0 else order
-        # host figures: the slots read whatever the bounds, and the pages read, each a whole page
-        n_read = float(b * h * q * (lay.lo + t - lay.hi + lay.count * self.page_size))
         per_page = 2 * d * bounds.paired.element_size()
         meta = float(lay.total * per_page * q) / float(b * q)
-        self._account(layer, store, query, qpos, None, meta, n_read)
+        self._account(layer, store, query, qpos, None, meta, self._host_read(lay, b * h * q, t))
         return att.Pages(index, self.page_size, lay.lo, lay.hi)
+
+    def _host_read(self, lay: _Pages, rows: int, slots: int) -> float:
+        """Tokens read by ``rows`` query rows over ``slots`` slots where ``lay``'s pages are host
+        figures (``count`` an int, ``lo`` and ``hi`` known): the slots read whatever the bounds, and
+        ``count`` whole pages."""
+        assert isinstance(lay.count, int)
+        return float(rows * (lay.lo + slots - lay.hi + lay.count * self.page_size))
 
     def _step_pages(self, store: TechniqueStore, qpos: torch.Tensor, key: tuple[Any, ...]) -> _Pages:
         """:meth:`pages` where they derive from positions alone (``key``: :meth:`LayerStore.position_key`):
