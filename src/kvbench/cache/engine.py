@@ -548,7 +548,7 @@ def _decoded_whole(store: LayerStore) -> tuple[torch.Tensor, torch.Tensor] | Non
     width = sum(seg.rows.width for seg in segs)
     if len(head_blocks(b, h, width * store.head_dim)) > 1:
         return None
-    k, v = store.decoded()
+    k, v = store.decoded_whole()
     return k.view(b, h, width, k.shape[-1]), v.view(b, h, width, v.shape[-1])
 
 

@@ -167,38 +167,41 @@ def _dequantized(
     return torch.addcmul(zero, codes, step, out=out)
 
 
-@functools.lru_cache(maxsize=16)
-def _places(bits: int, at: tuple[torch.device, object]) -> tuple[torch.Tensor, torch.Tensor]:
+_PLACES: dict[tuple[int, object], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _places(bits: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """For the ``8 // bits`` codes of a byte (2 and 4 bits): masks ``(2**bits - 1) << bits * i``
     (uint8) keeping each where it sits, and weights ``2**-(bits * i)`` (float32) turning what a mask
-    keeps back into its code."""
-    i = torch.arange(8 // bits, dtype=torch.int32)
-    masks = (((1 << bits) - 1) << (bits * i)).to(torch.uint8)
-    return masks.to(at[0]), torch.exp2(-(bits * i).float()).to(at[0])
-
-
-def _placed_per_byte(bits: int) -> int:
-    """The codes of a byte that :func:`placed_codes` leaves in place (its weights' count), 1 where it
-    gives codes one per element (8 and 3 bits)."""
-    return 8 // bits if bits in (2, 4) else 1
+    keeps back into its code; on ``like``'s device, made once per device key
+    (:func:`kvbench.cache.devices.device_of`: a decode step asks for them twice a layer)."""
+    key = (bits, devices.device_of(like))
+    held = _PLACES.get(key)
+    if held is None:
+        i = torch.arange(8 // bits, dtype=torch.int32)
+        masks = (((1 << bits) - 1) << (bits * i)).to(torch.uint8)
+        with torch.inference_mode(False):  # plain tensors, also when first asked inside a forward
+            held = _PLACES[key] = masks.to(like.device), torch.exp2(-(bits * i).float()).to(like.device)
+    return held
 
 
 def placed_codes(packed: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`unpack`'s codes for arithmetic, with as few bytes written as can be: ``(..., P * 8 //
-    bits)`` and weights ``(8 // bits,)`` float32 for the codes of each byte, or None.
+    """:func:`unpack`'s codes for arithmetic, with as few bytes written as can be: ``(..., P, 8 //
+    bits)``, the codes of each byte, and weights ``(8 // bits,)`` float32 for them; or ``(..., P * 8
+    // bits)`` one per element and None.
 
     At 2 and 4 bits (one masking pass, one byte per code, no shift and no wider integer) code ``i``
     of a byte stays where it sits, as ``code * 2**(bits * i)``: the weights ``2**-(bits * i)`` folded
     into its step give exactly ``code * step`` (scaling by a power of two is exact, the product is
     the same real number and rounds alike). At 8 bits the packed bytes are the codes (no pass); at
-    3 bits they are unpacked (:func:`unpack_codes`)."""
+    3 bits they are unpacked (:func:`unpack_codes`). Callers view the codes in the shape their
+    parameters broadcast over (a view of the pass's output: no flattening view made here)."""
     if bits == 8:
         return packed, None
     if bits == 3:
         return unpack_codes(packed, bits), None
-    masks, weights = _places(bits, _at(packed))
-    codes = packed[..., None] & masks
-    return codes.view(*packed.shape[:-1], packed.shape[-1] * masks.numel()), weights
+    masks, weights = _places(bits, packed)
+    return packed[..., None] & masks, weights
 
 
 def dequantize_rows(packed: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
@@ -208,9 +211,91 @@ def dequantize_rows(packed: torch.Tensor, zero: torch.Tensor, step: torch.Tensor
     codes, weights = placed_codes(packed, bits)
     if weights is None:
         return dequantize(codes, zero, step, torch.float32)
-    shape = (*packed.shape, weights.numel())  # rows, bytes, codes of a byte
-    x = _dequantized(codes.view(shape), step[..., None] * weights, zero[..., None], torch.float32)
-    return x.view(codes.shape)
+    x = _dequantized(codes, step[..., None] * weights, zero[..., None], torch.float32)  # rows, bytes, codes
+    return x.view(*packed.shape[:-1], -1)
+
+
+class SlotDecode:
+    """One field of packed codes decoded into given slots: ``codes * step + zero`` in one
+    ``addcmul`` (:func:`_dequantized`), written into ``out`` (of the shape it was made for, any
+    strides). Made once for a segment's present tokens (the parameters' views in the slots'
+    broadcast shape, the masks and weights of :func:`placed_codes`), called at each decode step:
+    then the masking pass, the steps times their weights and the ``addcmul`` run, and no view of
+    the parameters is made again (:meth:`kvbench.compressors.quantized.QuantSegment.slots_decoder`).
+
+    Args:
+        packed: ``(N, P)`` packed codes.
+        bits: their width.
+        step: the float16 steps, viewed so that (times the weights, where there are) they read as
+            ``params`` (``(*lead, 1, per)``).
+        zero: the float16 zeros, viewed to broadcast over ``shape``.
+        shape: the slots viewed as the codes' groups, ``(..., codes of a byte)`` at 2 and 4 bits.
+        params: the shape of the steps times their weights.
+    """
+
+    __slots__ = ("packed", "bits", "masks", "weights", "step", "zero", "shape", "params")
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        bits: int,
+        step: torch.Tensor,
+        zero: torch.Tensor,
+        shape: tuple[int, ...],
+        params: tuple[int, ...],
+    ) -> None:
+        self.packed, self.bits, self.step, self.zero = packed, bits, step, zero
+        self.masks: torch.Tensor | None = None
+        self.weights: torch.Tensor | None = None
+        if bits in (2, 4):
+            self.masks, self.weights = _places(bits, packed)
+        self.shape, self.params = shape, params
+
+    def __call__(self, out: torch.Tensor) -> None:
+        masks, weights = self.masks, self.weights
+        if masks is None or weights is None:  # 8 bits: the bytes are the codes; 3: unpacked
+            codes, step = placed_codes(self.packed, self.bits)[0], self.step.float()
+        else:
+            codes, step = self.packed[..., None] & masks, self.step * weights
+        torch.addcmul(self.zero, codes.view(self.shape), step.view(self.params), out=out.view(self.shape))
+
+
+def key_slots(
+    packed: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, bits: int, per_group: int, slots: torch.Size
+) -> SlotDecode:
+    """:func:`dequantize_keys` of groups of ``per_group`` tokens into slots of shape ``slots``
+    (``(..., D)`` over the tokens in order: ``(rows, n, D)`` of a decoded layer, ``n`` a multiple of
+    ``per_group``): the tokens as ``(..., groups, per_group, D)``, each channel's step times its
+    code's weight."""
+    m, d = zero.shape
+    shape = (*slots[:-2], slots[-2] // per_group, per_group, d)
+    params = (*shape[:-2], 1, d)
+    per = 8 // bits if bits in (2, 4) else 1
+    return SlotDecode(packed, bits, step.view(m, d // per, per), zero.view(params), shape, params)
+
+
+def value_slots(
+    packed: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, bits: int, group: int, slots: torch.Size
+) -> SlotDecode:
+    """:func:`dequantize_values` into slots of shape ``slots`` (``(..., head_dim)`` over the tokens in
+    order), where the groups tile ``head_dim`` in whole bytes (:func:`_tiled`): a group's codes byte
+    by byte, ``(..., groups, bytes of a group, codes of a byte)``, with a step per (token, group,
+    code of a byte)."""
+    d, ngv = slots[-1], zero.shape[1]
+    per = 8 // bits if bits in (2, 4) else 1
+    tokens = slots[:-1]
+    shape = (*tokens, ngv, min(group, d) // per, per)
+    return SlotDecode(
+        packed, bits, step[..., None], zero.view(*tokens, ngv, 1, 1), shape, (*tokens, ngv, 1, per)
+    )
+
+
+def tiled(bits: int, head_dim: int, groups: int, group: int) -> bool:
+    """Whether value groups of ``group`` channels (one group of all ``head_dim`` channels where
+    ``group >= head_dim``), ``groups`` of them, tile ``head_dim`` in whole bytes of codes (at 2 and
+    4 bits :func:`placed_codes` leaves ``8 // bits`` codes of a byte in place)."""
+    tile = min(group, head_dim)
+    return groups * tile == head_dim and tile % (8 // bits if bits in (2, 4) else 1) == 0
 
 
 # --- KIVI's layout (arXiv:2402.02750): the torch path, and the reference of kvbench.kernels.kivi -
@@ -270,23 +355,25 @@ def dequantize_keys(
     ``group_ids`` ``(N,)`` where an eviction left groups of different sizes (parameters gathered per
     token).
     """
-    d = zero.shape[-1]
+    if per_group is not None and out is not None:
+        key_slots(packed, zero, step, bits, per_group, out.shape)(out)
+        return out
+    m, d = zero.shape
     codes, weights = placed_codes(packed, bits)
     if weights is None:
         step = step.float()
-    else:  # each channel's step times its code's weight (float32)
-        step = (step.view(step.shape[0], d // weights.numel(), weights.numel()) * weights).view(step.shape)
+    else:  # each channel's step times its code's weight (float32), as the codes' bytes lie
+        per = weights.shape[0]
+        step = step.view(m, d // per, per) * weights
     if per_group is None:
         assert group_ids is not None, "dequantize_keys: give per_group or group_ids"
         shape: tuple[int, ...] = (-1, d) if out is None else tuple(out.shape)
-        zero, step, dest = zero[group_ids].view(shape), step[group_ids].view(shape), out
-    else:  # the tokens as (..., groups, per_group, D)
-        dest = None if out is None else out.view(*out.shape[:-2], -1, per_group, d)
-        shape = (-1, per_group, d) if dest is None else tuple(dest.shape)
-        params = (*shape[:-2], 1, d)
-        zero, step = zero.view(params), step.view(params)
-    x = _dequantized(codes.view(shape), step, zero, dtype, dest)
-    return x.view(-1, d) if out is None else out
+        zero, step = zero[group_ids].view(shape), step.view(m, d)[group_ids].view(shape)
+        x = _dequantized(codes.view(shape), step, zero, dtype, out)
+        return x.view(-1, d) if out is None else out
+    # the tokens as (groups, per_group, D)
+    x = _dequantized(codes.view(m, per_group, d), step.view(m, 1, d), zero.view(m, 1, d), dtype)
+    return x.view(-1, d)
 
 
 def dequantize_values(
@@ -303,21 +390,23 @@ def dequantize_values(
     or written into ``out`` (``(..., head_dim)`` of ``dtype`` over the ``N`` tokens in order, any
     strides)."""
     d, ngv = head_dim, zero.shape[1]
-    tokens = (-1,) if out is None else tuple(out.shape[:-1])
-    tile = min(group, d)  # a group's channels (one group of all head_dim channels when group >= head_dim)
-    if ngv * tile == d and tile % _placed_per_byte(bits) == 0:  # groups tile head_dim, in whole bytes
+    if tiled(bits, d, ngv, group):  # groups tile head_dim, in whole bytes
+        if out is not None:
+            value_slots(packed, zero, step, bits, group, out.shape)(out)
+            return out
         codes, weights = placed_codes(packed, bits)
-        per = 1 if weights is None else weights.numel()
-        shape = (*tokens, ngv, tile // per, per)  # a group's codes byte by byte
+        per = 1 if weights is None else weights.shape[0]
+        shape = (-1, ngv, min(group, d) // per, per)  # a group's codes byte by byte
         # float32 steps per (token, group, code of a byte), each code's weight folded in
-        step = step.float()[..., None] if weights is None else step[..., None] * weights
-        dest = None if out is None else out.view(shape)
-        params = (*tokens, ngv, 1)
-        x = _dequantized(codes.view(shape), step.view(*params, per), zero.view(*params, 1), dtype, dest)
-        return x.view(-1, d) if out is None else out
-    codes = unpack_codes(packed, bits)
+        step = (
+            step.float().view(-1, ngv, 1, 1)
+            if weights is None
+            else (step[..., None] * weights).view(-1, ngv, 1, per)
+        )
+        return _dequantized(codes.view(shape), step, zero.view(-1, ngv, 1, 1), dtype).view(-1, d)
+    unpacked = unpack_codes(packed, bits)
     zeros = zero.repeat_interleave(group, dim=1)[:, :d]
     steps = step.float().repeat_interleave(group, dim=1)[:, :d]
-    shape = (*tokens, d)
-    x = _dequantized(codes.view(shape), steps.view(shape), zeros.view(shape), dtype, out)
+    flat: tuple[int, ...] = (-1, d) if out is None else tuple(out.shape)
+    x = _dequantized(unpacked.view(flat), steps.view(flat), zeros.view(flat), dtype, out)
     return x.view(-1, d) if out is None else out

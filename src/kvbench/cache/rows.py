@@ -449,23 +449,25 @@ class Rows:
         keeps, positions ``pos`` ``(1, q)`` = ``start, start + 1, ...`` in every row joining the
         pending run (written when read); the other fields (a technique's per-token state) take their
         fill (:meth:`_fill_others`). A decode step of one sequence's append, without the general
-        path's dict and reshapes. Returns False, having written nothing, where it does not apply
-        (rows of different lengths, no room, no views yet, a run it does not continue):
+        path's dict and reshapes; the views are made here where no reader has made them (a
+        segment's decode reads the fields whole). Returns False, having written nothing, where it
+        does not apply (rows of different lengths, no room, a run it does not continue):
         :meth:`append` then does it."""
         fields, pending, width, q = self._fields, self._run, self.width, k.shape[2]
-        held = self._heads
-        kh, vh = held.get("k"), held.get("v")
         if (
             not self.uniform
             or "pos" not in fields
+            or "k" not in fields
             or width + q > self.capacity
-            or kh is None
-            or vh is None
-            or kh[0] is not fields["k"]
-            or vh[0] is not fields["v"]
             or not (pending is None or (pending[0] == "pos" and pending[2] + width - pending[1] == start))
         ):
             return False
+        held = self._heads
+        kh, vh = held.get("k"), held.get("v")
+        if kh is None or kh[0] is not fields["k"]:  # no reader took them yet (a segment's decode
+            kh = self._head_view("k", k.shape[0])  # reads the rows' fields whole), or they were replaced
+        if vh is None or vh[0] is not fields["v"]:
+            vh = self._head_view("v", k.shape[0])
         if len(fields) != 3:
             self._fill_others(width, q, _KV_POS)
         # the ``q`` slots past ``width``, each field's through its held view (_head_view's fields)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +79,14 @@ class Segment:
         without a decoded copy of its own (a decoded layer is then one buffer, not a concatenation
         of decoded parts: :func:`kvbench.cache.view.decode_rows`)."""
         return False, False
+
+    def slots_decoder(self, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """:meth:`read_into` of both fields into slots ``(BH, width, D)`` of ``dtype`` (every head-row
+        full) as a function of the slots, made once for the present tokens and called at each decode
+        step (:func:`kvbench.cache.view.whole_decoder`), where the segment decodes both fields into
+        given slots; None where it does not (default: none; :func:`kvbench.cache.view.decode_rows`
+        then asks :meth:`read_into`)."""
+        return None
 
     def read_into(
         self, k: torch.Tensor | None, v: torch.Tensor | None, dtype: torch.dtype

@@ -23,6 +23,7 @@ reported apart as ``aux_nbytes()``.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -33,7 +34,8 @@ from kvbench.cache.rows import Columns, Rows, true_slots
 from kvbench.cache.segments import NOT_STATE, FPSegment, Segment, nbytes
 from kvbench.cache.side import SideData, TokenState
 from kvbench.cache.surface import Build, every_position
-from kvbench.cache.view import JoinedRows, PaddedView, decode_rows, padded_view
+from kvbench.cache.view import JoinedRows, PaddedView, decode_rows, padded_view, whole_decoder
+from kvbench.kernels import dispatch
 
 S = TypeVar("S", bound=SideData)
 
@@ -70,6 +72,11 @@ class LayerStore:
         self._joined: JoinedRows | None = None  # the view's positions when several segments hold tokens
         self._by_pos: tuple[PaddedView, torch.Tensor] | None = None  # a view and its position order
         self.edits = 0  # changes to stored tokens other than appends (evictions, moves): see ``edits``
+        # the layer's whole decoder (:func:`kvbench.cache.view.whole_decoder`) for the present edit
+        # and kernel path, or None where its segments give none: :meth:`decoded_whole`
+        self._whole: tuple[tuple[int, str], Callable[[], tuple[torch.Tensor, torch.Tensor]] | None] | None = (
+            None
+        )
         self.copies: dict[str, Any] = {}  # techniques' copies elsewhere (FlexGen's tier): resident bytes
 
     # --- segments (read-only to techniques) ---------------------------------------------
@@ -231,7 +238,7 @@ class LayerStore:
             target.append({name: x.view(target.bh, per_row, *x.shape[1:]) for name, x in new.items()})
         else:
             target.append_ragged(new, seg.lens)
-        self.edits += 1
+        self._edited()
         self._changed()
 
     def keep(self, mask: torch.Tensor, kept: list[int] | None = None, few: bool = False) -> None:
@@ -278,7 +285,7 @@ class LayerStore:
         if not changed:  # every token stays: the store, its view and its edits are as they were
             return
         self._compressed = [s for s in self._compressed if s.rows.width > 0]
-        self.edits += 1
+        self._edited()
         self._changed()
 
     def can_drop(self, kept: int) -> bool:
@@ -292,7 +299,7 @@ class LayerStore:
         see :meth:`can_drop`): the last tokens move into the freed slots, O(e) writes
         (:meth:`Rows.drop`); the rows are then out of position order until a reader needs it."""
         self._fp.rows.drop(cols.reshape(self.batch * self.kv_heads, -1))
-        self.edits += 1
+        self._edited()
         self._changed()
 
     def close_column(self, col: int, stop: int, heads: tuple[bool, ...]) -> None:
@@ -303,15 +310,21 @@ class LayerStore:
         every row)."""
         assert self.in_position_order() and len(heads) == self.kv_heads
         self._fp.rows.close_column(col, stop, heads * self.batch)
-        self.edits += 1
+        self._edited()
         self._changed()
 
     def _in_order(self) -> None:
         """Put the full-precision rows back in position order if a :meth:`drop` left them out of it."""
         if not self._fp.rows.ordered:
             self._fp.rows.sort_by("pos")
-            self.edits += 1
+            self._edited()
             self._changed()
+
+    def _edited(self) -> None:
+        """A change to stored tokens other than an append: :attr:`edits` counts it, and the whole
+        decoder made for the tokens before goes (it holds views of their tensors)."""
+        self.edits += 1
+        self._whole = None
 
     def _changed(self) -> None:
         """The stored tokens changed: the view is made again when next read, and :attr:`changes`
@@ -395,6 +408,17 @@ class LayerStore:
         now and kept nowhere). A part spans whole sequences or stays within one."""
         hi = self.batch * self.kv_heads if hi is None else hi
         return decode_rows(self.segments, lo, hi, self.dtype)
+
+    def decoded_whole(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decoded` of every head-row, through the layer's whole decoder where its segments
+        give one (:func:`kvbench.cache.view.whole_decoder`: a representation's parameters viewed
+        once per edit, not at every step), made once per edit and kernel path; else
+        :meth:`decoded`. The same keys and values."""
+        key = (self.edits, dispatch.active())
+        held = self._whole
+        if held is None or held[0] != key:
+            held = self._whole = key, whole_decoder(self.segments, self.dtype, self.head_dim)
+        return held[1]() if held[1] is not None else self.decoded()
 
     def units(self, positions: int) -> torch.Tensor:
         """Column of ``view()`` holding each original position ``(B, H, positions)``; -1 if not stored.

@@ -194,6 +194,45 @@ def decode_rows(segs: list[Any], lo: int, hi: int, dtype: torch.dtype) -> tuple[
     return keys, values
 
 
+def whole_decoder(
+    segs: list[Any], dtype: torch.dtype, head_dim: int
+) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
+    """:func:`decode_rows` of every head-row of ``segs`` (compressed segments, then the
+    full-precision rows) as a function, made once for the compressed segments' present tokens
+    (valid until the store's next edit: :meth:`kvbench.cache.store.LayerStore.decoded_whole`), where
+    each compressed segment holds the same number of tokens in every head-row, carries no bias and
+    gives a decoder into slots (:meth:`Segment.slots_decoder`); else None. Each call decodes as
+    :func:`_decoded_in_one` does (one buffer, the full-precision rows copied in by one ``stack``, each
+    part decoded into its slots), without asking each segment again how it decodes. ``head_dim``: the
+    keys' and values' (the full-precision rows' last dimension, named here without reading their
+    fields, which would write their pending positions: :attr:`Rows.fields`)."""
+    *parts, fp = segs
+    if not parts or not isinstance(fp, FPSegment) or "k" not in fp.rows:
+        return None
+    decoders = []
+    start = 0
+    for seg in parts:
+        rows = seg.rows
+        decode = None if not rows.uniform or "bias" in rows else seg.slots_decoder(dtype)
+        if decode is None:
+            return None
+        decoders.append((start, start + rows.width, decode))
+        start += rows.width
+    fp_rows = fp.rows
+
+    def decoded() -> tuple[torch.Tensor, torch.Tensor]:
+        block = torch.empty(
+            2, fp_rows.bh, start + fp_rows.width, head_dim, dtype=dtype, device=fp_rows.device
+        )
+        keys, values = block.unbind(0)
+        torch.stack((fp_rows.get("k"), fp_rows.get("v")), out=block[:, :, start:])
+        for a, b, decode in decoders:
+            decode(keys[:, a:b], values[:, a:b])
+        return keys, values
+
+    return decoded
+
+
 def _decoded_in_one(
     segs: list[Any], parts: list[Any], lo: int, hi: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ with its last token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -76,6 +77,30 @@ class QuantSegment(GroupedSegment):
 
     def read(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.read_into(None, None, dtype)
+
+    def slots_decoder(self, dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None] | None:
+        """On the torch path, where every key group holds the same number of tokens and the value
+        groups tile the head (:func:`quant.key_slots`, :func:`quant.value_slots`: what
+        :meth:`read_into` runs there, its parameters viewed here once)."""
+        per_group = self.full_groups()
+        ngv = self.vzero.shape[1]
+        if (
+            _ops() is not quant
+            or per_group is None
+            or not quant.tiled(self.value_bits, self.head_dim, ngv, self.group_size)
+        ):
+            return None
+        slots = torch.Size((self.rows.bh, self.rows.width, self.head_dim))
+        keys = quant.key_slots(self.kcodes, self.kzero, self.kstep, self.key_bits, per_group, slots)
+        values = quant.value_slots(
+            self.vcodes, self.vzero, self.vstep, self.value_bits, self.group_size, slots
+        )
+
+        def decode(k: torch.Tensor, v: torch.Tensor) -> None:
+            keys(k)
+            values(v)
+
+        return decode
 
     def read_into(
         self, k: torch.Tensor | None, v: torch.Tensor | None, dtype: torch.dtype
