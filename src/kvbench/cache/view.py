@@ -200,37 +200,59 @@ def whole_decoder(
     """:func:`decode_rows` of every head-row of ``segs`` (compressed segments, then the
     full-precision rows) as a function, made once for the compressed segments' present tokens
     (valid until the store's next edit: :meth:`kvbench.cache.store.LayerStore.decoded_whole`), where
-    each compressed segment holds the same number of tokens in every head-row, carries no bias and
-    gives a decoder into slots (:meth:`Segment.slots_decoder`); else None. Each call decodes as
-    :func:`_decoded_in_one` does (one buffer, the full-precision rows copied in by one ``stack``, each
-    part decoded into its slots), without asking each segment again how it decodes. ``head_dim``: the
-    keys' and values' (the full-precision rows' last dimension, named here without reading their
-    fields, which would write their pending positions: :attr:`Rows.fields`)."""
+    each compressed segment holds the same number of tokens in every head-row and carries no bias;
+    else None. Each call decodes as :func:`decode_rows` does, without asking each segment again how
+    it decodes:
+
+    - where every segment gives a decoder into slots (:meth:`Segment.slots_decoder`), as
+      :func:`_decoded_in_one`: one buffer, the full-precision rows copied in by one ``stack``, each
+      part decoded into its slots;
+    - where none writes into slots (:meth:`Segment.writes_into`), each segment's decoded keys and
+      values and the full-precision rows' are joined by one ``cat`` per field.
+
+    ``head_dim``: the keys' and values' (the full-precision rows' last dimension, named here
+    without reading their fields, which would write their pending positions: :attr:`Rows.fields`)."""
     *parts, fp = segs
     if not parts or not isinstance(fp, FPSegment) or "k" not in fp.rows:
         return None
-    decoders = []
+    decoders, reads = [], []
     start = 0
     for seg in parts:
         rows = seg.rows
-        decode = None if not rows.uniform or "bias" in rows else seg.slots_decoder(dtype)
-        if decode is None:
+        if not rows.uniform or "bias" in rows:
             return None
-        decoders.append((start, start + rows.width, decode))
+        decode = seg.slots_decoder(dtype)
+        if decode is not None:
+            decoders.append((start, start + rows.width, decode))
+        elif seg.writes_into() == (False, False):
+            reads.append(seg)
+        else:
+            return None
         start += rows.width
+    if decoders and reads:
+        return None
     fp_rows = fp.rows
+    bh = fp_rows.bh
 
     def decoded() -> tuple[torch.Tensor, torch.Tensor]:
-        block = torch.empty(
-            2, fp_rows.bh, start + fp_rows.width, head_dim, dtype=dtype, device=fp_rows.device
-        )
+        block = torch.empty(2, bh, start + fp_rows.width, head_dim, dtype=dtype, device=fp_rows.device)
         keys, values = block.unbind(0)
         torch.stack((fp_rows.get("k"), fp_rows.get("v")), out=block[:, :, start:])
         for a, b, decode in decoders:
             decode(keys[:, a:b], values[:, a:b])
         return keys, values
 
-    return decoded
+    def joined() -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = [], []
+        for seg in reads:  # (flat tokens, or per head-row already)
+            k, v = seg.read_into(None, None, dtype)
+            keys.append(k if k.dim() == 3 else k.view(bh, seg.rows.width, -1))
+            values.append(v if v.dim() == 3 else v.view(bh, seg.rows.width, -1))
+        keys.append(fp_rows.get("k"))
+        values.append(fp_rows.get("v"))
+        return torch.cat(keys, 1), torch.cat(values, 1)
+
+    return joined if reads else decoded
 
 
 def _decoded_in_one(
