@@ -540,15 +540,25 @@ def _decoded_whole(store: LayerStore) -> tuple[torch.Tensor, torch.Tensor] | Non
     where every segment's head-rows are full and none carries a bias (the step reads every slot,
     no mask) and the layer decodes in one block (:func:`head_blocks`). What
     :func:`_attend_decoded` reads on that path, the same keys and values; the joined positions a
-    view keeps are brought up to date when a view is next made (:meth:`Rows.changes`). Else None."""
-    segs = store.segments
-    if any(not seg.rows.uniform or "bias" in seg.rows for seg in segs):
-        return None
+    view keeps are brought up to date when a view is next made (:meth:`Rows.changes`). Else None.
+    Where the store holds a whole decoder (:meth:`LayerStore.whole_decoder`: its compressed
+    segments full and without a bias, known since its last edit), only the full-precision rows and
+    the size are checked."""
     b, h = store.batch, store.kv_heads
-    width = sum(seg.rows.width for seg in segs)
-    if len(head_blocks(b, h, width * store.head_dim)) > 1:
+    decode = store.whole_decoder()
+    if decode is not None:
+        if not store.fp.rows.uniform:
+            return None
+        width = store.columns()
+    else:
+        segs = store.segments
+        if any(not seg.rows.uniform or "bias" in seg.rows for seg in segs):
+            return None
+        width = sum(seg.rows.width for seg in segs)
+        decode = store.decoded
+    if b * h * width * store.head_dim > DECODE_ELEMS:  # more than one block (:func:`head_blocks`)
         return None
-    k, v = store.decoded_whole()
+    k, v = decode()
     return k.view(b, h, width, k.shape[-1]), v.view(b, h, width, v.shape[-1])
 
 

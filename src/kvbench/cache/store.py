@@ -73,7 +73,7 @@ class LayerStore:
         self._by_pos: tuple[PaddedView, torch.Tensor] | None = None  # a view and its position order
         self.edits = 0  # changes to stored tokens other than appends (evictions, moves): see ``edits``
         # the layer's whole decoder (:func:`kvbench.cache.view.whole_decoder`) for the present edit
-        # and kernel path, or None where its segments give none: :meth:`decoded_whole`
+        # and kernel path, or None where its segments give none: :meth:`whole_decoder`
         self._whole: tuple[tuple[int, str], Callable[[], tuple[torch.Tensor, torch.Tensor]] | None] | None = (
             None
         )
@@ -409,16 +409,16 @@ class LayerStore:
         hi = self.batch * self.kv_heads if hi is None else hi
         return decode_rows(self.segments, lo, hi, self.dtype)
 
-    def decoded_whole(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`decoded` of every head-row, through the layer's whole decoder where its segments
-        give one (:func:`kvbench.cache.view.whole_decoder`: a representation's parameters viewed
-        once per edit, not at every step), made once per edit and kernel path; else
-        :meth:`decoded`. The same keys and values."""
+    def whole_decoder(self) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
+        """:meth:`decoded` of every head-row as a function (:func:`kvbench.cache.view.whole_decoder`:
+        what its segments decode and how, settled once per edit and kernel path, not at every
+        step), where its compressed segments give one; else None (then :meth:`decoded`). The same
+        keys and values, while the full-precision rows stay full (appends keep them so)."""
         key = (self.edits, dispatch.active())
         held = self._whole
         if held is None or held[0] != key:
             held = self._whole = key, whole_decoder(self.segments, self.dtype, self.head_dim)
-        return held[1]() if held[1] is not None else self.decoded()
+        return held[1]
 
     def units(self, positions: int) -> torch.Tensor:
         """Column of ``view()`` holding each original position ``(B, H, positions)``; -1 if not stored.

@@ -199,7 +199,7 @@ def whole_decoder(
 ) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
     """:func:`decode_rows` of every head-row of ``segs`` (compressed segments, then the
     full-precision rows) as a function, made once for the compressed segments' present tokens
-    (valid until the store's next edit: :meth:`kvbench.cache.store.LayerStore.decoded_whole`), where
+    (valid until the store's next edit: :meth:`kvbench.cache.store.LayerStore.whole_decoder`), where
     each compressed segment holds the same number of tokens in every head-row and carries no bias;
     else None. Each call decodes as :func:`decode_rows` does, without asking each segment again how
     it decodes:
