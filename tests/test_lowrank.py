@@ -328,6 +328,24 @@ def test_keys_in_pairs_order_turn_as_rotate_rows_bit_for_bit(rows, per_row, d, s
     assert partial.pairs_order(basis) is None
 
 
+@pytest.mark.parametrize(
+    "heads, per_row, rank, d", [(1, 1, 4, 16), (2, 224, 8, 16), (8, 1000, 32, 128), (4, 37, 64, 64)]
+)
+def test_one_sequences_latents_expand_as_their_einsum_bit_for_bit(heads, per_row, rank, d):
+    """A batch of one expands its latents (``LatentSegment._expand_rows``) by the one batched product
+    its einsum makes, without the einsum: the same keys and values, bit for bit, also from a
+    field's strided view of its rows; several sequences take the einsum."""
+    torch.manual_seed(heads * per_row + rank)
+    lat = torch.randn(heads, per_row + 3, rank)[:, :per_row]  # a per-row field read in place
+    basis = torch.randn(heads, d, rank)
+    want = torch.einsum("bhtr,hdr->bhtd", lat.reshape(1, heads, per_row, rank), basis)
+    got = LatentSegment._expand_rows(lat, basis)
+    assert torch.equal(got, want.reshape(heads, per_row, d))
+    two = torch.randn(2 * heads, per_row, rank)
+    want = torch.einsum("bhtr,hdr->bhtd", two.view(2, heads, per_row, rank), basis)
+    assert torch.equal(LatentSegment._expand_rows(two, basis), want.reshape(2 * heads, per_row, d))
+
+
 def test_layers_of_a_step_share_the_angles_of_the_same_positions(monkeypatch):
     """rotate_rows computes one head-row's angles once for the layers of a step (each layer's
     segment holds the same positions in its own tensor), each layer's positions at one comparison;
