@@ -158,7 +158,8 @@ class Rotary:
         """:meth:`rotate_rows` of float32 keys whose channels come in :meth:`pairs_order` (each pair
         that turns together side by side, as a key rebuilt on a basis whose rows are in that order
         comes out), returned in the usual order: each pair read as one complex number, turned by one
-        complex product with ``cos + i·sin`` and written back in order by one copy, where
+        complex product with ``cos + i·sin`` and written back in order by one copy (a ``cat`` of its
+        real and imaginary parts), where
         :meth:`_turn` takes six operations. Bitwise its values: a complex product of
         ``(x1 + i·x2)(cos + i·sin)`` is ``x1·cos - x2·sin`` and ``x1·sin + x2·cos``, each product
         rounded, then the difference and the sum, as :meth:`_turn` computes them, on the CPU
@@ -178,7 +179,10 @@ class Rotary:
         if turn is None:
             turn, shape = torch.complex(*self._cos_sin(pos, x.device)), (*x.shape[:-1], h, 2)
         z = torch.view_as_complex(x.view(shape)) * turn
-        return torch.view_as_real(z).transpose(-1, -2).reshape(x.shape)
+        # the turned pairs' first channels, then their second ones: one copy of the two strided
+        # halves side by side (the same as reshaping the transposed pairs, a third less of the
+        # CPU's time: its copy loop runs along each half, not across pairs of two)
+        return torch.cat((z.real, z.imag), -1).view(x.shape)
 
     def unrotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Undo :meth:`rotate` (exact up to rounding; divides out the attention scaling)."""
