@@ -88,6 +88,13 @@ class Segment:
         then asks :meth:`read_into`)."""
         return None
 
+    def reader(self, dtype: torch.dtype) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
+        """:meth:`read` of ``dtype`` as a function, made once for the present tokens and called at
+        each decode step (:func:`kvbench.cache.view.whole_decoder`), where the segment takes
+        something once that each read would take again; None where it does not (default: none;
+        then :meth:`read_into` is asked at each step)."""
+        return None
+
     def read_into(
         self, k: torch.Tensor | None, v: torch.Tensor | None, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:

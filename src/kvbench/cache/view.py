@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -208,7 +209,8 @@ def whole_decoder(
       :func:`_decoded_in_one`: one buffer, the full-precision rows copied in by one ``stack``, each
       part decoded into its slots;
     - where none writes into slots (:meth:`Segment.writes_into`), each segment's decoded keys and
-      values and the full-precision rows' are joined by one ``cat`` per field.
+      values (through its :meth:`Segment.reader` where it gives one) and the full-precision rows'
+      are joined by one ``cat`` per field.
 
     ``head_dim``: the keys' and values' (the full-precision rows' last dimension, named here
     without reading their fields, which would write their pending positions: :attr:`Rows.fields`)."""
@@ -225,7 +227,7 @@ def whole_decoder(
         if decode is not None:
             decoders.append((start, start + rows.width, decode))
         elif seg.writes_into() == (False, False):
-            reads.append(seg)
+            reads.append((seg.rows.width, seg.reader(dtype) or partial(seg.read_into, None, None, dtype)))
         else:
             return None
         start += rows.width
@@ -244,10 +246,10 @@ def whole_decoder(
 
     def joined() -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = [], []
-        for seg in reads:  # (flat tokens, or per head-row already)
-            k, v = seg.read_into(None, None, dtype)
-            keys.append(k if k.dim() == 3 else k.view(bh, seg.rows.width, -1))
-            values.append(v if v.dim() == 3 else v.view(bh, seg.rows.width, -1))
+        for width, read in reads:  # (flat tokens, or per head-row already)
+            k, v = read()
+            keys.append(k if k.dim() == 3 else k.view(bh, width, -1))
+            values.append(v if v.dim() == 3 else v.view(bh, width, -1))
         keys.append(fp_rows.get("k"))
         values.append(fp_rows.get("v"))
         return torch.cat(keys, 1), torch.cat(values, 1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -192,10 +193,14 @@ class LatentSegment(RowCounts, Segment):
         fields = {name: getattr(self, name) for name in self.FIELDS}
         return {name: t for name, t in fields.items() if t is not None}
 
-    def latents(self, per_row: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def latents(
+        self, per_row: bool = False, get: Callable[[str], Any] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 key and value latents ``(N, rk)``, ``(N, rv)`` (dequantized with ``bits``); with
-        ``per_row``, ``(BH, n, rk)``, ``(BH, n, rv)`` read in place (every head-row holds ``n``)."""
-        get: Any = self.per_row_field if per_row else lambda name: getattr(self, name)
+        ``per_row``, ``(BH, n, rk)``, ``(BH, n, rv)`` read in place (every head-row holds ``n``).
+        ``get``: each field by name, where the caller holds them (:meth:`reader`)."""
+        if get is None:
+            get = self.per_row_field if per_row else lambda name: getattr(self, name)
         klat, vlat = get("klat"), get("vlat")
         if self.bits is None:
             return as_float(klat), as_float(vlat)
@@ -254,8 +259,24 @@ class LatentSegment(RowCounts, Segment):
             kl, vl = self.latents()
             k = self._rotated(lambda basis: self._expand(kl, basis), self.pos, None)
             return k.to(dtype), self._expand(vl, self.bases.value32).to(dtype)
-        kl, vl = self.latents(per_row=True)  # each head-row's tokens in place, nothing unpacked
-        k, v = self._keys_rows(kl, n), self._expand_rows(vl, self.bases.value32)
+        return self._read_rows(dtype, n, self.per_row_field)
+
+    def reader(self, dtype: torch.dtype) -> Callable[[], tuple[torch.Tensor, torch.Tensor]] | None:
+        """:meth:`read` of head-rows that each hold the same number of tokens, with each field's
+        per-row view (:meth:`per_row_field`) taken once here, not at each step; None otherwise."""
+        n = self.row_count()
+        if n is None:
+            return None
+        held = {name: self._per_row(name) for name in self.PACKED}
+        return partial(self._read_rows, dtype, n, held.__getitem__)
+
+    def _read_rows(
+        self, dtype: torch.dtype, n: int, get: Callable[[str], Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`read` where every head-row holds ``n`` tokens, each field's per-row view by
+        ``get``: the latents read in place, nothing unpacked."""
+        kl, vl = self.latents(get=get)
+        k, v = self._keys_rows(kl, n, get("pos")), self._expand_rows(vl, self.bases.value32)
         return k.to(dtype).view(-1, k.shape[-1]), v.to(dtype).view(-1, v.shape[-1])
 
     def _project(self, x: torch.Tensor, basis: torch.Tensor) -> torch.Tensor:
@@ -271,10 +292,12 @@ class LatentSegment(RowCounts, Segment):
         p, valid = self.per_row(x)  # (BH, T, ·)
         return self.flat(self._per_head_rows(equation, p, basis), valid)
 
-    def _keys_rows(self, klat: torch.Tensor, n: int) -> torch.Tensor:
+    def _keys_rows(self, klat: torch.Tensor, n: int, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Keys ``(BH, n, D)`` float32 rebuilt from key latents ``(BH, n, rk)`` and rotated at the
-        stored positions, each head-row's ``n`` tokens read in place (:meth:`_rotated`)."""
-        return self._rotated(lambda basis: self._expand_rows(klat, basis), self.per_row_field("pos"), n)
+        stored positions, each head-row's ``n`` tokens read in place (:meth:`_rotated`); ``pos``:
+        their per-row view, where the caller holds it."""
+        pos = self.per_row_field("pos") if pos is None else pos
+        return self._rotated(lambda basis: self._expand_rows(klat, basis), pos, n)
 
     def _rotated(
         self, rebuild: Callable[[torch.Tensor], torch.Tensor], pos: torch.Tensor, per_row: int | None
