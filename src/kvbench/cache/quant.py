@@ -278,7 +278,7 @@ def value_slots(
     packed: torch.Tensor, zero: torch.Tensor, step: torch.Tensor, bits: int, group: int, slots: torch.Size
 ) -> SlotDecode:
     """:func:`dequantize_values` into slots of shape ``slots`` (``(..., head_dim)`` over the tokens in
-    order), where the groups tile ``head_dim`` in whole bytes (:func:`_tiled`): a group's codes byte
+    order), where the groups tile ``head_dim`` in whole bytes (:func:`tiled`): a group's codes byte
     by byte, ``(..., groups, bytes of a group, codes of a byte)``, with a step per (token, group,
     code of a byte)."""
     d, ngv = slots[-1], zero.shape[1]

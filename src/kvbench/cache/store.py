@@ -239,7 +239,6 @@ class LayerStore:
         else:
             target.append_ragged(new, seg.lens)
         self._edited()
-        self._changed()
 
     def keep(self, mask: torch.Tensor, kept: list[int] | None = None, few: bool = False) -> None:
         """Evict every token where ``mask`` ``(B, H, T)`` (aligned with ``view()``) is False.
@@ -286,7 +285,6 @@ class LayerStore:
             return
         self._compressed = [s for s in self._compressed if s.rows.width > 0]
         self._edited()
-        self._changed()
 
     def can_drop(self, kept: int) -> bool:
         """:meth:`drop` applies: the full-precision rows hold every token, each head-row the same
@@ -300,7 +298,6 @@ class LayerStore:
         (:meth:`Rows.drop`); the rows are then out of position order until a reader needs it."""
         self._fp.rows.drop(cols.reshape(self.batch * self.kv_heads, -1))
         self._edited()
-        self._changed()
 
     def close_column(self, col: int, stop: int, heads: tuple[bool, ...]) -> None:
         """Evict the token at column ``col`` of ``view()`` in the head-rows of the KV heads marked in
@@ -311,20 +308,20 @@ class LayerStore:
         assert self.in_position_order() and len(heads) == self.kv_heads
         self._fp.rows.close_column(col, stop, heads * self.batch)
         self._edited()
-        self._changed()
 
     def _in_order(self) -> None:
         """Put the full-precision rows back in position order if a :meth:`drop` left them out of it."""
         if not self._fp.rows.ordered:
             self._fp.rows.sort_by("pos")
             self._edited()
-            self._changed()
 
     def _edited(self) -> None:
-        """A change to stored tokens other than an append: :attr:`edits` counts it, and the whole
-        decoder made for the tokens before goes (it holds views of their tensors)."""
+        """A change to stored tokens other than an append: :attr:`edits` counts it, the whole
+        decoder made for the tokens before goes (it holds views of their tensors), and the store
+        has changed (:meth:`_changed`)."""
         self.edits += 1
         self._whole = None
+        self._changed()
 
     def _changed(self) -> None:
         """The stored tokens changed: the view is made again when next read, and :attr:`changes`

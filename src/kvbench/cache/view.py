@@ -227,7 +227,7 @@ def whole_decoder(
         if decode is not None:
             decoders.append((start, start + rows.width, decode))
         elif seg.writes_into() == (False, False):
-            reads.append((seg.rows.width, seg.reader(dtype) or partial(seg.read_into, None, None, dtype)))
+            reads.append((rows.width, seg.reader(dtype) or partial(seg.read_into, None, None, dtype)))
         else:
             return None
         start += rows.width
